@@ -1,0 +1,67 @@
+"""Run status and throughput: DIR/status.json (rank 0) and perf/* metrics."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from wanexp.callbacks.progress import optimizer_steps_per_epoch
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+class RunStatus(Callback):
+    """Writes state (running/finished/failed), step, epoch, steps per epoch, loss and samples/s to status.json."""
+
+    def __init__(self, output_dir: str, run_name: str):
+        self.path = Path(output_dir) / "status.json"
+        self.run_name = run_name
+        self.t_last: float | None = None
+        self.samples = 0
+        self.state: dict = {}
+
+    def _write(self, trainer, **extra) -> None:
+        if trainer.global_rank != 0:
+            return
+        self.state.update(extra, run_name=self.run_name, step=trainer.global_step, epoch=trainer.current_epoch,
+                          max_steps=trainer.max_steps, world_size=trainer.world_size, updated=time.time())
+        write_json_atomic(self.path, self.state)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.t_last = time.perf_counter()
+        self._write(trainer, state="running", steps_per_epoch=optimizer_steps_per_epoch(trainer),
+                    batches_per_epoch=trainer.num_training_batches,
+                    accumulate_grad_batches=trainer.accumulate_grad_batches)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
+        self.samples += bs * trainer.world_size
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        now = time.perf_counter()
+        dt, self.t_last = now - self.t_last, now
+        sps = self.samples / dt if dt > 0 else 0.0
+        self.samples = 0
+        metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt}
+        if torch.cuda.is_available():
+            metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        loss = trainer.callback_metrics.get("train/loss")
+        every = max(1, trainer.log_every_n_steps)
+        if trainer.global_step % every == 0:
+            self._write(trainer, loss=None if loss is None else float(loss), samples_per_s=sps)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        loss = trainer.callback_metrics.get("train/loss")
+        self._write(trainer, state="finished", loss=None if loss is None else float(loss))
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._write(trainer, state="failed", error=f"{type(exception).__name__}: {exception}")

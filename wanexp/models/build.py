@@ -1,0 +1,110 @@
+"""Build tiny random Wan2.2 models and save them in the real diffusers folder layout.
+
+Tests and the demo load these folders through the same `WanSpec.load_*` code a real run uses. Building is
+deterministic (seeded) and atomic: the folder appears complete or not at all, also when ranks race.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from wanexp.models.spec import WanSpec
+
+SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
+
+
+def build_tokenizer(save_dir: Path, max_length: int):
+    """An offline byte-level tokenizer with T5's special tokens (pad=0, eos=1, unk=2); appends </s> like T5."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(set(pre_tokenizers.ByteLevel.alphabet()))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=max_length
+    )
+    fast.save_pretrained(save_dir)
+    return fast
+
+
+def _latent_stats(z: int) -> tuple[list[float], list[float]]:
+    g = torch.Generator().manual_seed(1234)
+    mean = (torch.rand(z, generator=g) * 0.4 - 0.2).tolist()
+    std = (torch.rand(z, generator=g) * 0.5 + 0.75).tolist()
+    return mean, std
+
+
+def build_components(spec: WanSpec) -> dict:
+    """Random-init components of ``spec``'s layout, sized by ``spec.build``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    b = spec.build
+    torch.manual_seed(int(b.get("seed", 0)))
+    te_cfg = dict(b["text_encoder"])
+    text_encoder = UMT5EncoderModel(UMT5Config(**te_cfg, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    tcfg = dict(b["transformer"])
+    tcfg.update(in_channels=spec.in_channels, out_channels=spec.latent_channels, patch_size=list(spec.patch))
+    tcfg.setdefault("text_dim", te_cfg["d_model"])
+    if spec.layout == "ti2v":
+        vcfg = dict(z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
+    else:
+        vcfg = dict(z_dim=16)
+    vcfg.update(b["vae"])
+    mean, std = _latent_stats(vcfg["z_dim"])
+    vae = AutoencoderKLWan(**vcfg, latents_mean=mean, latents_std=std)
+    comps = {
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "transformer": WanTransformer3DModel(**tcfg),
+        "scheduler": UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=spec.shift, num_train_timesteps=1000
+        ),
+    }
+    if "low" in spec.experts:
+        comps["transformer_2"] = WanTransformer3DModel(**tcfg)
+    return comps
+
+
+def save_pipeline_folder(spec: WanSpec, comps: dict, out: Path) -> None:
+    """Save components as a diffusers pipeline folder (model_index.json + one subfolder per component)."""
+    import diffusers
+
+    tokenizer = build_tokenizer(out / "tokenizer", spec.text_len)
+    kwargs = dict(comps, tokenizer=tokenizer)
+    if spec.layout == "ti2v":
+        kwargs["expand_timesteps"] = True
+    if spec.boundary_ratio is not None:
+        kwargs["boundary_ratio"] = spec.boundary_ratio
+    pipe = getattr(diffusers, spec.pipeline_class)(**kwargs)
+    pipe.save_pretrained(out)
+
+
+def ensure_tiny_model(spec: WanSpec) -> Path:
+    """Build ``spec.path`` from ``spec.build`` unless it already exists. Safe when several processes race."""
+    target = spec.path
+    if (target / "model_index.json").is_file():
+        return target
+    if not spec.build:
+        raise ValueError(f"{spec.name} has no build section; only tiny models are built")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        save_pipeline_folder(spec, build_components(spec), tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model_index.json").is_file():  # a broken leftover, not a racing winner
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,180 @@
+"""Model specifications: everything that differs between Wan2.2 layouts lives here.
+
+A spec knows its local folder layout, which components a run needs, how to load them, how a sample's noise level
+picks an expert, and how to build the DiT input (conditioning, timestep shape, loss mask). The LightningModule only
+calls these methods and never branches on the model name.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from wanexp.config.errors import ConfigError
+from wanexp.models import conditioning
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Which diffusers subfolder holds each expert.
+EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
+
+
+class WanSpec:
+    """Common behaviour; subclasses set the layout constants and the conditioning."""
+
+    layout: str = ""
+    latent_channels: int = 16
+    in_channels: int = 16
+    vae_stride: tuple[int, int, int] = (4, 8, 8)
+    patch: tuple[int, int, int] = (1, 2, 2)
+    pipeline_class: str = "WanPipeline"
+    needs_image_latent: bool = False
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        dtype: str = "bf16",
+        vae_dtype: str = "fp32",
+        text_encoder_dtype: str = "bf16",
+        experts: list[str] | tuple[str, ...] = ("dense",),
+        boundary_ratio: float | None = None,
+        shift: float = 5.0,
+        hw_multiple: int = 16,
+        text_len: int = 512,
+        gradient_checkpointing: bool = False,
+        attention_backend: str | None = None,
+        build: dict | None = None,
+    ) -> None:
+        self.name = name
+        self.path = Path(path)
+        self.dtype = DTYPES[dtype]
+        self.vae_dtype = DTYPES[vae_dtype]
+        self.text_encoder_dtype = DTYPES[text_encoder_dtype]
+        self.experts = list(experts)
+        self.boundary_ratio = boundary_ratio
+        self.shift = shift
+        self.hw_multiple = hw_multiple
+        self.text_len = text_len
+        self.gradient_checkpointing = gradient_checkpointing
+        self.attention_backend = attention_backend
+        self.build = build
+
+    # ---- which experts a run trains -------------------------------------------------------------------------
+    def trained_experts(self, boundary: str) -> list[str]:
+        if self.experts == ["dense"]:
+            return ["dense"]
+        return {"full": ["high", "low"], "high": ["high"], "low": ["low"]}[boundary]
+
+    def route(self, sigma: torch.Tensor, loaded: list[str]) -> list[str]:
+        """The expert of each sample: HIGH when shifted sigma >= boundary_ratio (a run with one expert uses it)."""
+        if len(loaded) == 1:
+            return [loaded[0]] * sigma.shape[0]
+        return ["high" if float(s) >= self.boundary_ratio else "low" for s in sigma]
+
+    # ---- the local folder -----------------------------------------------------------------------------------
+    def required_folders(self, experts: list[str]) -> list[str]:
+        return [EXPERT_FOLDERS[e] for e in experts] + ["vae", "text_encoder", "tokenizer"]
+
+    def check_folder(self, experts: list[str]) -> None:
+        """Raise ConfigError naming the first missing piece of the local diffusers-format folder."""
+        p = self.path
+        hint = f"point model.path at a local diffusers-format Wan2.2 {self.name} folder"
+        if not p.is_dir():
+            raise ConfigError(f"model.path={p}: folder not found; {hint}")
+        if not (p / "model_index.json").is_file():
+            raise ConfigError(f"model.path={p}: no model_index.json, so this is not a diffusers-format folder; {hint}")
+        for sub in self.required_folders(experts):
+            d = p / sub
+            marker = "tokenizer_config.json" if sub == "tokenizer" else "config.json"
+            if not (d / marker).is_file():
+                raise ConfigError(
+                    f"model.path={p}: component '{sub}/' is missing or has no {marker} "
+                    f"(model={self.name} with experts {experts} needs {', '.join(self.required_folders(experts))})"
+                )
+        if "transformer" in [EXPERT_FOLDERS[e] for e in experts]:
+            cfg = json.loads((p / "transformer" / "config.json").read_text())
+            if cfg.get("in_channels") != self.in_channels:
+                raise ConfigError(
+                    f"model.path={p}: transformer has in_channels={cfg.get('in_channels')} but model={self.name} "
+                    f"expects {self.in_channels}; pick the model group that matches this folder"
+                )
+
+    # ---- loading --------------------------------------------------------------------------------------------
+    def load_transformer(self, expert: str):
+        from diffusers import WanTransformer3DModel
+
+        model = WanTransformer3DModel.from_pretrained(self.path, subfolder=EXPERT_FOLDERS[expert], dtype=self.dtype)
+        model.requires_grad_(False)
+        if self.attention_backend:
+            model.set_attention_backend(self.attention_backend)
+        if self.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        return model
+
+    def load_vae(self):
+        from diffusers import AutoencoderKLWan
+
+        vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", dtype=self.vae_dtype)
+        return vae.requires_grad_(False).eval()
+
+    def load_text_encoder(self):
+        from transformers import UMT5EncoderModel
+
+        te = UMT5EncoderModel.from_pretrained(os.fspath(self.path / "text_encoder"), dtype=self.text_encoder_dtype)
+        return te.requires_grad_(False).eval()
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.fspath(self.path / "tokenizer"))
+
+    # ---- the DiT input ----------------------------------------------------------------------------------------
+    def model_inputs(self, x_t, x0, sigma, cond: dict):
+        """Return (hidden_states, timestep, loss_mask or None) for the DiT."""
+        raise NotImplementedError
+
+    def tokens(self, latent_shape) -> int:
+        _, _, f, h, w = latent_shape
+        return (f // self.patch[0]) * (h // self.patch[1]) * (w // self.patch[2])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"
+
+
+class TI2VSpec(WanSpec):
+    """TI2V-5B: dense, 48-channel latents from the Wan2.2 VAE, per-token timesteps, optional image frame 0."""
+
+    layout = "ti2v"
+    latent_channels = 48
+    in_channels = 48
+    vae_stride = (4, 16, 16)
+
+    def model_inputs(self, x_t, x0, sigma, cond):
+        first = cond.get("first_frame")
+        if first is None:
+            first = torch.zeros(x0.shape[0], dtype=torch.bool, device=x0.device)
+        hidden, timestep, mask = conditioning.ti2v_inputs(x_t, x0, sigma, first, self.patch)
+        return hidden, timestep, mask
+
+
+class T2VA14BSpec(WanSpec):
+    """T2V-A14B: high/low-noise experts, Wan2.1 VAE (16 channels, 8x spatial), scalar timestep."""
+
+    layout = "t2v_a14b"
+
+    def model_inputs(self, x_t, x0, sigma, cond):
+        return conditioning.t2v_inputs(x_t, sigma)
+
+
+class I2VA14BSpec(WanSpec):
+    """I2V-A14B: high/low-noise experts; input = noisy 16 + mask 4 + image condition 16 channels."""
+
+    layout = "i2v_a14b"
+    in_channels = 36
+    pipeline_class = "WanImageToVideoPipeline"
+    needs_image_latent = True
+
+    def model_inputs(self, x_t, x0, sigma, cond):
+        return conditioning.i2v_inputs(x_t, sigma, cond["image_latent"], self.vae_stride[0])

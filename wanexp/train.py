@@ -1,0 +1,144 @@
+"""run(cfg): validate -> seed -> build (the one place that instantiates) -> fit -> finish."""
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from wanexp.config.errors import ConfigError
+from wanexp.config.validate import validate
+
+log = logging.getLogger("wanexp")
+
+
+def build_logger(cfg: DictConfig, out: Path):
+    lg = cfg.logger
+    if lg.name == "none":
+        return False
+    if lg.name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(out), name="logs", version="")
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(project=lg.project, entity=lg.entity, group=lg.group, name=cfg.run_name, save_dir=str(out),
+                       mode=lg.mode, log_model=lg.log_model, tags=list(cfg.tags),
+                       config=OmegaConf.to_container(cfg, resolve=True))
+
+
+def build_callbacks(cfg: DictConfig, out: Path) -> list:
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    from wanexp.callbacks.lora_export import LoraExport
+    from wanexp.callbacks.progress import StepProgressBar
+    from wanexp.callbacks.status import RunStatus
+
+    c = cfg.callbacks
+    cbs = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step_{step:06d}", auto_insert_metric_name=False,
+                           every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=int(c.keep_checkpoints),
+                           monitor="step", mode="max", save_last=False, save_on_train_epoch_end=False)]
+    if c.progress:
+        cbs.append(StepProgressBar())
+    if c.status:
+        cbs.append(RunStatus(str(out), cfg.run_name))
+    if c.lora_export:
+        cbs.append(LoraExport(str(out)))
+    if cfg.logger.name != "none":
+        cbs.append(LearningRateMonitor(logging_interval="step"))
+    return cbs
+
+
+def build_trainer(cfg: DictConfig, out: Path):
+    import lightning as L
+
+    from wanexp.parallel import build_strategy
+
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items()
+              if k != "checkpoint_every_n_steps"}
+    return L.Trainer(**kwargs, strategy=build_strategy(cfg.parallel), logger=build_logger(cfg, out),
+                     callbacks=build_callbacks(cfg, out), default_root_dir=str(out),
+                     enable_progress_bar=bool(cfg.callbacks.progress), use_distributed_sampler=False,
+                     enable_model_summary=False)
+
+
+def resume_path(cfg: DictConfig, out: Path) -> str | None:
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "last":
+        last = out / "checkpoints" / "last.ckpt"
+        if not last.is_file():
+            raise ConfigError(f"resume=last: no {last} yet; start without resume, or pass resume=/path/to/file.ckpt")
+        return str(last)
+    return str(cfg.resume)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train one run described by a composed config. Returns paths of what it wrote."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from wanexp.models.build import ensure_tiny_model
+    from wanexp.module import WanLoraModule
+
+    validate(cfg)
+    out = Path(cfg.paths.output_dir).resolve()
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out)
+    spec = instantiate(cfg.model, _convert_="all")
+    experts = spec.trained_experts(cfg.boundary.name)
+    if spec.build:
+        ensure_tiny_model(spec)
+    spec.check_folder(experts)
+    dm = instantiate(cfg.data, seed=int(cfg.seed))
+    dm.prepare()
+    dm.setup("fit")  # reads and checks the metadata before any weights load
+    ckpt = resume_path(cfg, out)
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+
+    module = WanLoraModule(spec, instantiate(cfg.objective, _convert_="all"), cfg.boundary,
+                           max_steps=int(cfg.trainer.max_steps or -1))
+    trainer = build_trainer(cfg, out)
+    if trainer.global_rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+    trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it
+    export = next((c for c in trainer.callbacks if type(c).__name__ == "LoraExport"), None)
+    files = [str(f) for f in export.final_files] if export else []
+    return {"output_dir": str(out), "lora_files": files, "checkpoint": str(out / "checkpoints" / "last.ckpt"),
+            "global_step": trainer.global_step, "rank": trainer.global_rank}
+
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from wanexp.data.media import MediaError
+    from wanexp.data.metadata import MetadataError
+
+    return (ConfigError, MetadataError, MediaError)
+
+
+def cli(cfg: DictConfig) -> None:
+    """The Hydra entry: run, print where the LoRA files are; bad input exits 2 with one line."""
+    try:
+        result = run(cfg)
+    except _input_errors() as e:
+        _finish_wandb(failed=True)
+        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Exception:
+        _finish_wandb(failed=True)
+        traceback.print_exc()
+        sys.exit(1)
+    if result["rank"] == 0:
+        print(f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}")
+        for f in result["lora_files"]:
+            print(f"wanexp: LoRA file {f}")
+
+
+def _finish_wandb(failed: bool) -> None:
+    mod = sys.modules.get("wandb")
+    if mod is not None and getattr(mod, "run", None) is not None:
+        mod.finish(exit_code=1 if failed else 0)
