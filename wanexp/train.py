@@ -109,7 +109,7 @@ def run(cfg: DictConfig) -> dict:
     export = next((c for c in trainer.callbacks if type(c).__name__ == "LoraExport"), None)
     files = [str(f) for f in export.final_files] if export else []
     return {"output_dir": str(out), "lora_files": files, "checkpoint": str(out / "checkpoints" / "last.ckpt"),
-            "global_step": trainer.global_step, "rank": trainer.global_rank}
+            "global_step": trainer.global_step, "rank": trainer.global_rank, "module": module, "trainer": trainer}
 
 
 
@@ -122,6 +122,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 def cli(cfg: DictConfig) -> None:
     """The Hydra entry: run, print where the LoRA files are; bad input exits 2 with one line."""
+    _adopt_sweep_folder(cfg)
     try:
         result = run(cfg)
     except _input_errors() as e:
@@ -136,6 +137,23 @@ def cli(cfg: DictConfig) -> None:
         print(f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}")
         for f in result["lora_files"]:
             print(f"wanexp: LoRA file {f}")
+
+
+def _adopt_sweep_folder(cfg: DictConfig) -> None:
+    """In a multirun, each point runs in Hydra's job folder and is named after its overrides."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    hc = HydraConfig.get()
+    swept = set(OmegaConf.to_container(hc.sweeper.get("params") or {}).keys())
+    pairs = [o.split("=", 1) for o in hc.overrides.task if "=" in o]
+    chosen = [f"{k}={v}" for k, v in pairs if k in swept] or [f"{k}={v}" for k, v in pairs if "/" not in v]
+    with open_dict(cfg):
+        cfg.paths.output_dir = hc.runtime.output_dir
+        sweep = OmegaConf.select(cfg, "sweep.name", default="multirun")
+        cfg.run_name = f"{sweep}/{hc.job.num}_" + ",".join(chosen)
 
 
 def _finish_wandb(failed: bool) -> None:

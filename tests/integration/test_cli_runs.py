@@ -1,0 +1,70 @@
+"""The CLI as users run it: 2-process DDP on CPU (gloo), a multirun sweep, and W&B offline."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _common(shared_dir, tmp_path) -> list[str]:
+    return [
+        "experiment=demo",
+        f"paths.tiny_model_dir={shared_dir}/models",
+        "trainer.log_every_n_steps=1",
+    ]
+
+
+def test_ddp_two_processes_on_cpu_counts_optimizer_steps(shared_dir, tmp_path):
+    # 16 clips, 2 ranks x batch 2, accumulation 2: the bar must say 16 / (2 x 2) / 2 = 2 steps per epoch
+    out = tmp_path / "ddp"
+    res = run_cli([
+        *_common(shared_dir, tmp_path), "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+        f"paths.data_dir={tmp_path}/data", "data.generate.num_videos=16", "data.generate.num_images=0",
+        "data.batch_size=2", "trainer.accumulate_grad_batches=2", "trainer.max_steps=-1", "trainer.max_epochs=2",
+        "trainer.checkpoint_every_n_steps=2", f"paths.output_dir={out}",
+    ], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["world_size"] == 2 and status["batches_per_epoch"] == 4
+    assert status["steps_per_epoch"] == 2 and status["step"] == 4 and status["state"] == "finished"
+    bars = re.findall(r"Epoch (\d+): 100%\|[^|]*\| (\d+)/(\d+)", res.stdout + res.stderr)
+    assert bars and all(n == total == "2" for _, n, total in bars), res.stderr[-2000:]
+    printed = re.findall(r"wanexp: LoRA file (\S+)", res.stdout)
+    assert len(printed) == 2 and all(Path(p).is_file() for p in printed)  # printed once, by rank 0
+    assert (out / "checkpoints" / "step_000002.ckpt").is_file() and (out / "lora" / "step_000004").is_dir()
+
+
+def test_rank_lr_sweep_runs_every_point_in_its_own_folder(shared_dir, tmp_path):
+    res = run_cli([
+        "-m", "sweep=rank_lr", *_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data",
+        f"paths.root_dir={tmp_path}", "trainer.max_steps=1", "callbacks.progress=false",
+        "objective.lora.rank=4,8", "objective.optim.lr=1e-4,1e-3",  # the command line narrows the grid
+    ], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sweep_dir = tmp_path / "outputs" / "sweeps" / "rank_lr"
+    runs = sorted(p for p in sweep_dir.iterdir() if (p / "status.json").exists())
+    assert len(runs) == 4, list(sweep_dir.iterdir())
+    seen = set()
+    for run in runs:
+        cfg = (run / "config.yaml").read_text()
+        rank = int(re.search(r"\n    rank: (\d+)", cfg).group(1))
+        lr = float(re.search(r"\n    lr: (\S+)", cfg).group(1))
+        seen.add((rank, lr))
+        assert f"run_name: rank_lr/" in cfg and (run / "lora" / "final" / "tiny_lora_comfyui.safetensors").is_file()
+    assert seen == {(4, 1e-4), (4, 1e-3), (8, 1e-4), (8, 1e-3)}
+
+
+def test_wandb_offline_logger(shared_dir, tmp_path):
+    out = tmp_path / "wb"
+    res = run_cli([*_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data", "logger=wandb",
+                   "logger.mode=offline", "trainer.max_steps=2", f"paths.output_dir={out}", "callbacks.progress=false"],
+                  timeout=300, env={"WANDB_SILENT": "true"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
