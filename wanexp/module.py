@@ -16,7 +16,8 @@ SIGMA_BUCKETS = 4  # train/loss_t<k> covers shifted sigma in [k/4, (k+1)/4)
 
 
 class WanLoraModule(L.LightningModule):
-    def __init__(self, spec: WanSpec, objective: FlowMatchingObjective, boundary: dict, max_steps: int = -1):
+    def __init__(self, spec: WanSpec, objective: FlowMatchingObjective, boundary: dict, max_steps: int = -1,
+                 load_encoders: bool = True):
         super().__init__()
         self.spec, self.objective = spec, objective
         self.boundary_name = boundary["name"]
@@ -26,6 +27,7 @@ class WanLoraModule(L.LightningModule):
         self.vae = self.text_encoder = self.tokenizer = None
         self.trainable_names: list[str] = []
         self.max_steps = max_steps
+        self.load_encoders = load_encoders  # False when every batch carries cached latents and text embeddings
         # Checkpoints hold the LoRA weights only; the frozen base comes from model.path.
         self.strict_loading = False
 
@@ -41,9 +43,10 @@ class WanLoraModule(L.LightningModule):
             if lc.get("init_from"):
                 lora.load_lora_into(t, lc["init_from"])
             self.transformers[e] = t
-        self.vae = self.spec.load_vae()
-        self.text_encoder = self.spec.load_text_encoder()
-        self.tokenizer = self.spec.load_tokenizer()
+        if self.load_encoders:
+            self.vae = self.spec.load_vae()
+            self.text_encoder = self.spec.load_text_encoder()
+            self.tokenizer = self.spec.load_tokenizer()
         self.trainable_names = [n for n, p in self.named_parameters() if p.requires_grad]
         # Every rank loads the same frozen weights from disk: DDP need not broadcast or watch them.
         trainable = set(self.trainable_names)

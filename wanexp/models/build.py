@@ -37,18 +37,27 @@ def build_tokenizer(save_dir: Path, max_length: int):
 
 def _latent_stats(z: int) -> tuple[list[float], list[float]]:
     g = torch.Generator().manual_seed(1234)
-    mean = (torch.rand(z, generator=g) * 0.4 - 0.2).tolist()
-    std = (torch.rand(z, generator=g) * 0.5 + 0.75).tolist()
+    mean = (torch.rand(z, generator=g, device="cpu") * 0.4 - 0.2).tolist()
+    std = (torch.rand(z, generator=g, device="cpu") * 0.5 + 0.75).tolist()
     return mean, std
 
 
-def build_components(spec: WanSpec) -> dict:
-    """Random-init components of ``spec``'s layout, sized by ``spec.build``."""
+def build_components(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """Random-init components of ``spec``'s layout, sized by ``spec.build`` (built on ``device``, cast to ``dtype``)."""
+    b = spec.build
+    torch.manual_seed(int(b.get("seed", 0)))
+    with torch.device(device):
+        comps = _random_components(spec, b)
+    for name, comp in comps.items():
+        if isinstance(comp, torch.nn.Module):
+            comps[name] = comp.to(dtype)
+    return comps
+
+
+def _random_components(spec: WanSpec, b: dict) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    b = spec.build
-    torch.manual_seed(int(b.get("seed", 0)))
     te_cfg = dict(b["text_encoder"])
     text_encoder = UMT5EncoderModel(UMT5Config(**te_cfg, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     tcfg = dict(b["transformer"])
@@ -88,7 +97,7 @@ def save_pipeline_folder(spec: WanSpec, comps: dict, out: Path) -> None:
     pipe.save_pretrained(out)
 
 
-def ensure_tiny_model(spec: WanSpec) -> Path:
+def ensure_tiny_model(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """Build ``spec.path`` from ``spec.build`` unless it already exists. Safe when several processes race."""
     target = spec.path
     if (target / "model_index.json").is_file():
@@ -98,7 +107,7 @@ def ensure_tiny_model(spec: WanSpec) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        save_pipeline_folder(spec, build_components(spec), tmp)
+        save_pipeline_folder(spec, build_components(spec, device, dtype), tmp)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device-machine call that checks and times the foundation on a real-size TI2V-5B (random weights):
+#   1. build the real architecture into a local diffusers folder,
+#   2. bench: plain diffusers+peft LoRA step vs wanexp's module step (no ckpt, ckpt), same card,
+#   3. a few steps of `python train.py` at 704x1280x17 bf16 through the normal path (VAE + UMT5 + LoRA export).
+# Run from the repo root on the device with the wheels in .whl (see README "GPU checks"). Results go to $OUT.
+set -euo pipefail
+OUT=${OUT:-/tmp/wanexp_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, diffusers, lightning, peft, transformers, hydra, av; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'lightning', lightning.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__, 'hydra', hydra.__version__, 'av', av.__version__)" | tee -a "$OUT/gpu.txt"
+
+python3 tests/gpu/build_random_model.py --model ti2v5b --path "$W/ti2v5b" 2>&1 | grep -v "should be kept in float32" | tee "$OUT/build.txt"
+
+python3 -m wanexp.cli.bench --model-path "$W/ti2v5b" --json "$OUT/bench.json" 2>&1 | grep -v Loading | tee "$OUT/bench.txt"
+python3 -m wanexp.cli.bench --model-path "$W/ti2v5b" --ckpt --json "$OUT/bench.json" 2>&1 | grep -v Loading | tee -a "$OUT/bench.txt"
+
+python3 train.py model=ti2v5b model.path="$W/ti2v5b" data=synthetic paths.data_dir="$W/data" \
+  data.height=704 data.width=1280 data.num_frames=17 data.batch_size=1 data.num_workers=2 \
+  data.generate.height=704 data.generate.width=1280 data.generate.num_videos=6 data.generate.num_images=0 \
+  parallel=single trainer.devices=1 trainer.precision=bf16-mixed trainer.max_steps=8 trainer.log_every_n_steps=1 \
+  trainer.checkpoint_every_n_steps=4 objective.first_frame_cond=0.5 callbacks.progress=false \
+  paths.output_dir="$W/run" run_name=gpu-ti2v5b 2>&1 | grep -v "Loading weights" | tail -20 | tee "$OUT/train_tail.txt"
+python3 tests/gpu/summarize_run.py "$W/run" | tee "$OUT/train_summary.json"
