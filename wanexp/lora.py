@@ -69,14 +69,6 @@ def add_lora(transformer, rank: int, alpha: float, dropout: float, targets: list
     return names
 
 
-def lora_state_dict(transformer, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """LoRA weights in diffusers/peft naming without the adapter name: ``blocks.0.attn1.to_q.lora_A.weight``."""
-    from peft.utils import get_peft_model_state_dict
-
-    sd = get_peft_model_state_dict(transformer, adapter_name=adapter_name)
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
-
-
 def lora_config_dict(transformer, adapter_name: str = "default") -> dict:
     cfg = transformer.peft_config[adapter_name].to_dict()
     for k, v in list(cfg.items()):
@@ -152,24 +144,37 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def export_lora(transformer, out_dir: Path, stem: str, adapter_name: str = "default", meta: dict | None = None):
-    """Write ``{stem}_comfyui.safetensors`` and ``{stem}_diffusers.safetensors``; return both paths.
+def adapter_weights(state_dict: dict[str, torch.Tensor], prefix: str = "",
+                    adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """LoRA weights of one adapter from a (module or checkpoint) state dict, in peft naming without the adapter:
+    ``{prefix}blocks.0.attn1.to_q.lora_A.default.weight`` -> ``blocks.0.attn1.to_q.lora_A.weight``."""
+    out = {}
+    tag = f".{adapter_name}."
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and ".lora_" in key and tag in key:
+            out[key[len(prefix):].replace(tag, ".")] = value.detach().to("cpu", torch.float32).contiguous()
+    return out
 
-    The diffusers file has ``transformer.``-prefixed keys and ``lora_adapter_metadata`` (rank, alpha, targets) in
-    its header, so ``load_lora_weights`` restores the right scale.
+
+def export_lora(sd: dict[str, torch.Tensor], config: dict, out_dir: Path, stem: str, meta: dict | None = None):
+    """Write ``{stem}_comfyui.safetensors`` and ``{stem}_diffusers.safetensors`` from peft-named LoRA weights.
+
+    ``config`` is the adapter's LoraConfig as a dict (``r``, ``lora_alpha``, ``target_modules``, ...). The diffusers
+    file has ``transformer.``-prefixed keys and ``lora_adapter_metadata`` in its header, so ``load_lora_weights``
+    restores the right scale; the ComfyUI file carries ``.alpha`` per module.
     """
+    if not sd:
+        raise ValueError(f"no LoRA weights to export for {stem}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sd = lora_state_dict(transformer, adapter_name)
-    cfg = lora_config_dict(transformer, adapter_name)
     info = {k: str(v) for k, v in (meta or {}).items()}
     comfy = out_dir / f"{stem}_comfyui.safetensors"
     diff = out_dir / f"{stem}_diffusers.safetensors"
-    _atomic_save(to_comfyui(sd, cfg["lora_alpha"]), comfy,
-                 {"format": "pt", "ss_network_dim": str(cfg["r"]), "ss_network_alpha": str(cfg["lora_alpha"]), **info})
-    _atomic_save({f"transformer.{k}": v for k, v in sd.items()}, diff,
-                 {"format": "pt", "lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in cfg.items()}),
-                  **info})
+    _atomic_save(to_comfyui(sd, config["lora_alpha"]), comfy, {
+        "format": "pt", "ss_network_dim": str(config["r"]), "ss_network_alpha": str(config["lora_alpha"]), **info})
+    _atomic_save({f"transformer.{k}": v for k, v in sd.items()}, diff, {
+        "format": "pt", "lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()}),
+        **info})
     return comfy, diff
 
 

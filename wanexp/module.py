@@ -48,6 +48,9 @@ class WanLoraModule(L.LightningModule):
             self.text_encoder = self.spec.load_text_encoder()
             self.tokenizer = self.spec.load_tokenizer()
         self.trainable_names = [n for n, p in self.named_parameters() if p.requires_grad]
+        parallelize = getattr(self._trainer.strategy, "parallelize_module", None) if self._trainer else None
+        if parallelize is not None:  # FSDP: shard after LoRA is added, before optimizers exist
+            parallelize(self)
         # Every rank loads the same frozen weights from disk: DDP need not broadcast or watch them.
         trainable = set(self.trainable_names)
         self._ddp_params_and_buffers_to_ignore = [n for n, _ in self.named_parameters() if n not in trainable] + [
@@ -145,6 +148,8 @@ class WanLoraModule(L.LightningModule):
         checkpoint["wanexp"] = {"model": self.spec.name, "experts": self.expert_names, "boundary": self.boundary_name}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "state_dict" not in checkpoint:  # FSDP loads weights itself before this hook
+            return
         missing = [n for n in self.trainable_names if n not in checkpoint["state_dict"]]
         if missing:
             raise ValueError(

@@ -1,9 +1,9 @@
 """run(cfg): validate -> seed -> build (the one place that instantiates) -> fit -> finish."""
 from __future__ import annotations
 
-import logging
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -11,7 +11,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from wanexp.config.errors import ConfigError
 from wanexp.config.validate import validate
 
-log = logging.getLogger("wanexp")
+
+# The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def build_logger(cfg: DictConfig, out: Path):
@@ -80,6 +83,7 @@ def run(cfg: DictConfig) -> dict:
     import lightning as L
     from hydra.utils import instantiate
 
+    from wanexp.callbacks.lora_export import LoraExport
     from wanexp.models.build import ensure_tiny_model
     from wanexp.module import WanLoraModule
 
@@ -106,8 +110,8 @@ def run(cfg: DictConfig) -> dict:
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
     trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it
-    export = next((c for c in trainer.callbacks if type(c).__name__ == "LoraExport"), None)
-    files = [str(f) for f in export.final_files] if export else []
+    export = next((c for c in trainer.callbacks if isinstance(c, LoraExport)), None)
+    files = [str(f) for f in export.finalize(trainer.global_step)] if export and trainer.global_rank == 0 else []
     return {"output_dir": str(out), "lora_files": files, "checkpoint": str(out / "checkpoints" / "last.ckpt"),
             "global_step": trainer.global_step, "rank": trainer.global_rank, "module": module, "trainer": trainer}
 

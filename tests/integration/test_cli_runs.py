@@ -68,3 +68,24 @@ def test_wandb_offline_logger(shared_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+def test_torchrun_launch_on_cpu(shared_dir, tmp_path):
+    """torchrun (as on a multi-node/SLURM cluster) starts the ranks; Lightning joins them instead of spawning."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+           str(ROOT / "train.py"), *_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data",
+           "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=2",
+           "callbacks.progress=false", f"paths.output_dir={out}", "run_name=torchrun-cpu"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["world_size"] == 2 and status["step"] == 2 and status["run_name"] == "torchrun-cpu"
+    assert len(re.findall(r"wanexp: LoRA file", res.stdout)) == 2

@@ -1,37 +1,44 @@
-"""LoRA files (ComfyUI + diffusers, one pair per trained expert) with every checkpoint and at the end of a run."""
+"""LoRA files (ComfyUI + diffusers, one pair per trained expert) with every checkpoint and at the end of a run.
+
+The weights come from the checkpoint's state dict, which every strategy has already gathered on rank 0 (DDP: the
+module's own; FSDP: the full LoRA tensors), so export never needs its own collectives.
+"""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from wanexp.lora import export_lora
+from wanexp.lora import adapter_weights, export_lora, lora_config_dict
 
 EXPERT_SUFFIX = {"dense": "", "high": "_high_noise", "low": "_low_noise"}
-
-
-def export_all(pl_module, out_dir: Path, meta: dict) -> list[Path]:
-    files = []
-    for expert, transformer in pl_module.transformers.items():
-        stem = f"{pl_module.spec.name}_lora{EXPERT_SUFFIX[expert]}"
-        files += export_lora(transformer, out_dir, stem, meta=dict(meta, expert=expert))
-    return files
 
 
 class LoraExport(Callback):
     def __init__(self, output_dir: str):
         self.root = Path(output_dir) / "lora"
-        self.final_files: list[Path] = []
 
-    def _meta(self, trainer, pl_module) -> dict:
-        lc = pl_module.objective.lora
-        return {"wanexp_model": pl_module.spec.name, "wanexp_step": trainer.global_step,
-                "wanexp_boundary": pl_module.boundary_name, "wanexp_targets": ",".join(lc["targets"])}
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        if trainer.global_rank == 0:
-            export_all(pl_module, self.root / f"step_{trainer.global_step:06d}", self._meta(trainer, pl_module))
+        if trainer.global_rank != 0:
+            return
+        lc = pl_module.objective.lora
+        meta = {"wanexp_model": pl_module.spec.name, "wanexp_step": trainer.global_step,
+                "wanexp_boundary": pl_module.boundary_name, "wanexp_targets": ",".join(lc["targets"])}
+        for expert in pl_module.expert_names:
+            sd = adapter_weights(checkpoint["state_dict"], f"transformers.{expert}.")
+            export_lora(sd, lora_config_dict(pl_module.transformers[expert]), self.step_dir(trainer.global_step),
+                        f"{pl_module.spec.name}_lora{EXPERT_SUFFIX[expert]}", meta=dict(meta, wanexp_expert=expert))
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.global_rank == 0:
-            self.final_files = export_all(pl_module, self.root / "final", self._meta(trainer, pl_module))
+    def finalize(self, step: int) -> list[Path]:
+        """Copy the last step's files to lora/final (rank 0, after the final checkpoint)."""
+        final = self.root / "final"
+        tmp = self.root / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.step_dir(step), tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return sorted(final.iterdir())

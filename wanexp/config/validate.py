@@ -86,6 +86,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"parallel={p.name}: allowed values are {', '.join(PARALLEL)}")
     if p.name in ("fsdp", "deepspeed") and t.accelerator == "cpu":
         raise ConfigError(f"parallel={p.name} with trainer.accelerator=cpu: {p.name} needs GPUs; use parallel=ddp on CPU")
+    if p.name == "fsdp" and p.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        raise ConfigError(f"parallel.sharding_strategy={p.sharding_strategy}: allowed values are FULL_SHARD, "
+                          "SHARD_GRAD_OP (for no sharding use parallel=ddp)")
     if p.name == "deepspeed":
         if not 1 <= int(p.stage) <= 3:
             raise ConfigError(f"parallel.stage={p.stage}: DeepSpeed ZeRO stage must be 1, 2 or 3")

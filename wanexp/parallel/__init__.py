@@ -20,18 +20,10 @@ def build_strategy(p: DictConfig):
             timeout=timeout,
         )
     if p.name == "fsdp":
-        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
-        from lightning.pytorch.strategies import FSDPStrategy
+        from wanexp.parallel.fsdp import WanFSDPStrategy
 
-        return FSDPStrategy(
-            auto_wrap_policy={WanTransformerBlock},
-            sharding_strategy=p.sharding_strategy,
-            cpu_offload=bool(p.cpu_offload),
-            limit_all_gathers=bool(p.limit_all_gathers),
-            use_orig_params=True,  # frozen base + trainable LoRA in one FSDP unit
-            state_dict_type="full",
-            timeout=timeout,
-        )
+        return WanFSDPStrategy(sharding_strategy=p.sharding_strategy, cpu_offload=bool(p.cpu_offload),
+                               param_dtype=p.param_dtype, timeout=timeout)
     if p.name == "deepspeed":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 

@@ -1,0 +1,56 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for Wan DiTs through Lightning's ModelParallelStrategy.
+
+Order per transformer (as torchtitan does): activation checkpointing is already set by the spec -> ``fully_shard``
+each ``WanTransformerBlock`` -> ``fully_shard`` the transformer root. Per-parameter sharding (FSDP2) keeps a frozen
+bf16 base, fp32 LoRA weights and diffusers' fp32-kept norms in one unit. The frozen VAE and text encoder are not
+sharded. Checkpoints gather only the trainable (LoRA) tensors, so saving never assembles the 5B/14B base on rank 0.
+"""
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+class WanFSDPStrategy(ModelParallelStrategy):
+    def __init__(self, sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
+                 param_dtype: str = "bf16", **kwargs):
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+        if sharding_strategy not in RESHARD:
+            raise ValueError(f"parallel.sharding_strategy={sharding_strategy}: allowed values are {', '.join(RESHARD)}")
+        self.reshard_after_forward = RESHARD[sharding_strategy]
+        self.cpu_offload = cpu_offload
+        self.param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[param_dtype]
+
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        self._data_parallel_size = self.world_size  # pure data parallel: one shard group over every rank
+
+    def parallelize_module(self, module) -> None:
+        """Called by the LightningModule's configure_model once its transformers are loaded (LoRA added)."""
+        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                      mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32))
+        if self.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for transformer in module.transformers.values():
+            for block in transformer.blocks:
+                if isinstance(block, WanTransformerBlock):
+                    fully_shard(block, **kwargs)
+            fully_shard(transformer, **kwargs)
+
+    def lightning_module_state_dict(self) -> dict:
+        """Full tensors of the trainable parameters only (a collective: every rank calls it; rank 0 keeps them)."""
+        module = self.lightning_module
+        out = {}
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.global_rank == 0:
+                out[name] = full.detach().cpu()
+        return out
