@@ -17,14 +17,16 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def build_logger(cfg: DictConfig, out: Path):
+def build_logger(cfg: DictConfig, out: Path, resume_step: int | None):
     lg = cfg.logger
     if lg.name == "none":
         return False
     if lg.name == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
-        return CSVLogger(save_dir=str(out), name="logs", version="")
+        # A resumed session logs beside the earlier ones (Lightning's CSV writer would delete an existing file).
+        version = "" if resume_step is None else f"resume_step{resume_step:06d}"
+        return CSVLogger(save_dir=str(out), name="logs", version=version)
     from lightning.pytorch.loggers import WandbLogger
 
     return WandbLogger(project=lg.project, entity=lg.entity, group=lg.group, name=cfg.run_name, save_dir=str(out),
@@ -54,17 +56,44 @@ def build_callbacks(cfg: DictConfig, out: Path) -> list:
     return cbs
 
 
-def build_trainer(cfg: DictConfig, out: Path):
+def build_trainer(cfg: DictConfig, out: Path, resume_step: int | None = None):
     import lightning as L
 
     from wanexp.parallel import build_strategy
 
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items()
               if k != "checkpoint_every_n_steps"}
-    return L.Trainer(**kwargs, strategy=build_strategy(cfg.parallel), logger=build_logger(cfg, out),
+    return L.Trainer(**kwargs, strategy=build_strategy(cfg.parallel), logger=build_logger(cfg, out, resume_step),
                      callbacks=build_callbacks(cfg, out), default_root_dir=str(out),
                      enable_progress_bar=bool(cfg.callbacks.progress), use_distributed_sampler=False,
                      enable_model_summary=False)
+
+
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (torchrun/SLURM/Lightning children), before any init."""
+    import os
+
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def clear_run_folder(out: Path) -> None:
+    """overwrite=true: remove what an earlier run of this folder wrote (rank 0 only)."""
+    import shutil
+
+    for sub in ("checkpoints", "lora", "logs"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    (out / "status.json").unlink(missing_ok=True)
+
+
+def checkpoint_step(path: str | None) -> int | None:
+    if path is None:
+        return None
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False).get("global_step", 0))
 
 
 def resume_path(cfg: DictConfig, out: Path) -> str | None:
@@ -100,11 +129,13 @@ def run(cfg: DictConfig) -> dict:
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata before any weights load
     ckpt = resume_path(cfg, out)
+    if cfg.overwrite and ckpt is None and launch_rank() == 0:
+        clear_run_folder(out)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
 
     module = WanLoraModule(spec, instantiate(cfg.objective, _convert_="all"), cfg.boundary,
                            max_steps=int(cfg.trainer.max_steps or -1))
-    trainer = build_trainer(cfg, out)
+    trainer = build_trainer(cfg, out, checkpoint_step(ckpt))
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

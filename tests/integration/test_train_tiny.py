@@ -91,6 +91,10 @@ def test_resume_last_continues_from_the_checkpoint(trained, shared_dir):
     more = tiny_run(shared_dir, out, ["model=tiny", "resume=last", "trainer.max_steps=6"])
     assert more["global_step"] == 6
     assert json.loads((out / "status.json").read_text())["step"] == 6
+    # the first session's metrics survive; each resumed session logs beside them
+    first_rows = list(csv.DictReader(open(out / "logs" / "metrics.csv")))
+    resumed_rows = list(csv.DictReader(open(out / "logs" / "resume_step000004" / "metrics.csv")))
+    assert {int(r["step"]) for r in first_rows} >= {0, 3} and max(int(r["step"]) for r in resumed_rows) == 5
 
 
 def test_high_noise_run_loads_only_the_high_expert(shared_dir, tmp_path):

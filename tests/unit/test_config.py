@@ -155,3 +155,17 @@ def test_cli_bad_input_exits_2_with_one_line(args, needle, tmp_path):
     assert len(errors) == 1 and needle in errors[0], res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path):
+    folder = _fake_folder(tmp_path / "m", ["transformer", "vae", "text_encoder", "tokenizer"], in_channels=48)
+    meta = tmp_path / "meta.csv"
+    meta.write_text("video,prompt\na.mp4,x\n")
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step_000010.ckpt").write_bytes(b"x")
+    base = [f"model.path={folder}", f"data.metadata={meta}", f"paths.output_dir={out}"]
+    with pytest.raises(ConfigError, match="already holds checkpoints.*resume=last.*overwrite=true"):
+        validate(compose_cfg(base))
+    validate(compose_cfg([*base, "resume=last"]))
+    validate(compose_cfg([*base, "overwrite=true"]))

@@ -116,6 +116,12 @@ def check_files(cfg: DictConfig) -> None:
             f"data.metadata={d.metadata}: file not found; point data.metadata (or paths.data_dir) at your "
             f"metadata CSV/JSON, or use data=synthetic"
         )
+    out = Path(cfg.paths.output_dir)
+    if cfg.resume is None and not cfg.overwrite and any((out / "checkpoints").glob("*.ckpt")):
+        raise ConfigError(
+            f"paths.output_dir={out} already holds checkpoints of an earlier run; pass resume=last to continue it, "
+            "a new run_name (or paths.output_dir), or overwrite=true to replace it"
+        )
     if cfg.resume not in (None, "last") and not Path(cfg.resume).is_file():
         raise ConfigError(f"resume={cfg.resume}: checkpoint file not found; pass a .ckpt path, resume=last, or resume=null")
 
