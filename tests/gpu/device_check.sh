@@ -4,14 +4,7 @@
 #   2. bench: plain diffusers+peft LoRA step vs wanexp's module step (no ckpt, ckpt), same card,
 #   3. a few steps of `python train.py` at 704x1280x17 bf16 through the normal path (VAE + UMT5 + LoRA export).
 # Run from the repo root on the device with the wheels in .whl (see README "GPU checks"). Results go to $OUT.
-set -euo pipefail
-OUT=${OUT:-/tmp/wanexp_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, diffusers, lightning, peft, transformers, hydra, av; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'lightning', lightning.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__, 'hydra', hydra.__version__, 'av', av.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/setup_env.sh"
 
 python3 tests/gpu/build_random_model.py --model ti2v5b --path "$W/ti2v5b" 2>&1 | grep -v "should be kept in float32" | tee "$OUT/build.txt"
 

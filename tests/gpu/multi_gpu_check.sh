@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Two-GPU checks (device kind nvidia-h100-x2): DDP and FSDP2 through `python train.py`, on the tiny model with bf16
 # base weights and on a real-size TI2V-5B (random weights) at 704x1280x17. Results go to $OUT.
-set -euo pipefail
-OUT=${OUT:-/tmp/wanexp_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/setup_env.sh"
 
 for P in ddp fsdp; do
   python3 train.py experiment=demo parallel=$P trainer.accelerator=gpu trainer.devices=2 trainer.precision=bf16-mixed \

@@ -1,0 +1,9 @@
+# Sourced by the device-machine scripts: install the carried wheels (.whl/), set paths, record the card and versions.
+set -euo pipefail
+OUT=${OUT:-/tmp/wanexp_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, diffusers, lightning, peft, transformers, hydra, av; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'lightning', lightning.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__, 'hydra', hydra.__version__, 'av', av.__version__)" | tee -a "$OUT/gpu.txt"
