@@ -11,6 +11,7 @@ from wanexp import lora
 from wanexp.models.encode import encode_image_condition, encode_text, encode_video
 from wanexp.models.spec import WanSpec
 from wanexp.objectives.flow_matching import FlowMatchingObjective, add_noise, masked_mse, velocity_target
+from wanexp.perf import lora_step_flops
 
 SIGMA_BUCKETS = 4  # train/loss_t<k> covers shifted sigma in [k/4, (k+1)/4)
 
@@ -26,6 +27,7 @@ class WanLoraModule(L.LightningModule):
         self.transformers = nn.ModuleDict()
         self.vae = self.text_encoder = self.tokenizer = None
         self.trainable_names: list[str] = []
+        self.flops_since_step = 0.0  # read and reset by the status callback once per optimizer step
         self.max_steps = max_steps
         self.load_encoders = load_encoders  # False when every batch carries cached latents and text embeddings
         # Checkpoints hold the LoRA weights only; the frozen base comes from model.path.
@@ -125,8 +127,15 @@ class WanLoraModule(L.LightningModule):
         for k in buckets.unique().tolist():
             sel = buckets == k
             self.log(f"train/loss_t{k}", detached[sel].mean(), batch_size=int(sel.sum()))
-        self.last_tokens = self.spec.tokens(x0.shape) * bs
+        self.flops_since_step += bs * self.step_flops(x0.shape, text.shape[1])
         return loss
+
+    def step_flops(self, latent_shape, text_len: int) -> float:
+        """Model FLOPs of one sample's DiT forward+backward (performance.md accounting; encoders not counted)."""
+        cfg = next(iter(self.transformers.values())).config
+        dim = cfg.num_attention_heads * cfg.attention_head_dim
+        return lora_step_flops(self.spec.tokens((1, *latent_shape[1:])), dim, cfg.ffn_dim, cfg.num_layers, text_len,
+                               checkpointing=self.spec.gradient_checkpointing)
 
     # ---- optimisation ---------------------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -147,7 +147,6 @@ def run(cfg: DictConfig) -> dict:
             "global_step": trainer.global_step, "rank": trainer.global_rank, "module": module, "trainer": trainer}
 
 
-
 def _input_errors() -> tuple[type[BaseException], ...]:
     from wanexp.data.media import MediaError
     from wanexp.data.metadata import MetadataError
@@ -168,6 +167,7 @@ def cli(cfg: DictConfig) -> None:
         _finish_wandb(failed=True)
         traceback.print_exc()
         sys.exit(1)
+    _finish_wandb(failed=False)  # the next point of a sweep starts its own W&B run
     if result["rank"] == 0:
         print(f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}")
         for f in result["lora_files"]:

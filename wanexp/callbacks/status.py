@@ -50,7 +50,9 @@ class RunStatus(Callback):
         dt, self.t_last = now - self.t_last, now
         sps = self.samples / dt if dt > 0 else 0.0
         self.samples = 0
-        metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt}
+        metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt,
+                   "perf/tflops": getattr(pl_module, "flops_since_step", 0.0) / dt / 1e12 if dt > 0 else 0.0}
+        pl_module.flops_since_step = 0.0
         if torch.cuda.is_available():
             metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
