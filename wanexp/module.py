@@ -96,10 +96,11 @@ class WanLoraModule(L.LightningModule):
         target = velocity_target(x0, noise)
         routes = self.spec.route(sigma, self.expert_names)
         per_sample = torch.zeros(b, device=dev, dtype=torch.float32)
-        dtype = self.spec.dtype
         for expert in dict.fromkeys(routes):
             idx = torch.tensor([i for i, r in enumerate(routes) if r == expert], device=dev)
-            pred = self.transformers[expert](
+            transformer = self.transformers[expert]
+            dtype = transformer.patch_embedding.weight.dtype  # the base weights' dtype (bf16-true converts them)
+            pred = transformer(
                 hidden_states=hidden[idx].to(dtype),
                 timestep=timestep[idx],
                 encoder_hidden_states=text[idx].to(dtype),

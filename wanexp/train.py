@@ -161,7 +161,9 @@ def cli(cfg: DictConfig) -> None:
         result = run(cfg)
     except _input_errors() as e:
         _finish_wandb(failed=True)
-        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
+        # Raised in a DataLoader worker, the message carries the worker's traceback: its last line is the error.
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        print(f"wanexp: error: {lines[-1]}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception:
         _finish_wandb(failed=True)

@@ -89,3 +89,18 @@ def test_torchrun_launch_on_cpu(shared_dir, tmp_path):
     status = json.loads((out / "status.json").read_text())
     assert status["world_size"] == 2 and status["step"] == 2 and status["run_name"] == "torchrun-cpu"
     assert len(re.findall(r"wanexp: LoRA file", res.stdout)) == 2
+
+
+def test_corrupt_clip_in_a_worker_fails_with_one_line(shared_dir, tmp_path):
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    (clips / "broken.mp4").write_bytes(bytes(range(256)) * 64)
+    (clips / "meta.csv").write_text("video,prompt\nbroken.mp4,a broken clip\nbroken.mp4,the same broken clip\n")
+    out = tmp_path / "run"
+    res = run_cli([*_common(shared_dir, tmp_path), f"data.metadata={clips}/meta.csv", "data.generate=null",
+                   "data.num_workers=1", "trainer.max_steps=2", "callbacks.progress=false", f"paths.output_dir={out}"],
+                  timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
+    assert len(errors) == 1 and "broken.mp4: cannot decode video" in errors[0], res.stderr[-3000:]
+    assert json.loads((out / "status.json").read_text())["state"] == "failed"

@@ -121,3 +121,44 @@ def test_mixed_precision_accumulation_and_clipping(shared_dir, tmp_path):
     status = json.loads((Path(r["output_dir"]) / "status.json").read_text())
     assert status["state"] == "finished" and status["accumulate_grad_batches"] == 2
     assert status["steps_per_epoch"] == 3  # 4 video batches + 1 image batch of 2, accumulated by 2 -> ceil(5/2)
+
+
+def test_bf16_true_with_lora_dropout(shared_dir, tmp_path):
+    r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", "trainer.precision=bf16-true", "objective.lora.dropout=0.1",
+                                                "trainer.max_steps=2"])
+    assert r["global_step"] == 2
+    assert all(p.dtype == torch.bfloat16 for n, p in r["module"].named_parameters() if "lora_" in n)
+
+
+def test_init_from_an_exported_lora_file(trained, shared_dir, tmp_path):
+    """objective.lora.init_from starts from a ComfyUI or diffusers file; a different alpha is folded into B."""
+    src = trained("tiny")
+    final = Path(src["output_dir"]) / "lora" / "final"
+    trained_sd = {n: p.detach().clone() for n, p in src["module"].named_parameters() if "lora_" in n}
+    for fmt, alpha, factor in (("comfyui", 2, 1.0), ("diffusers", 4, 0.5)):
+        r = tiny_run(shared_dir, tmp_path / fmt, [
+            "model=tiny", f"objective.lora.init_from={final}/tiny_lora_{fmt}.safetensors", f"objective.lora.alpha={alpha}",
+            "objective.optim.lr=1e-12", "trainer.max_steps=1"])
+        got = {n: p.detach() for n, p in r["module"].named_parameters() if "lora_" in n}
+        assert set(got) == set(trained_sd)
+        for n, v in trained_sd.items():
+            want = v * factor if "lora_B" in n else v
+            assert torch.allclose(got[n], want, atol=1e-6), (fmt, n)
+
+
+def test_init_from_with_another_rank_is_refused(trained, shared_dir, tmp_path):
+    from wanexp.config.errors import ConfigError
+
+    final = Path(trained("tiny")["output_dir"]) / "lora" / "final"
+    with pytest.raises(ConfigError, match="file has rank 4, run has rank 8; set objective.lora.rank=4"):
+        tiny_run(shared_dir, tmp_path / "r", ["model=tiny", "objective.lora.rank=8",
+                                              f"objective.lora.init_from={final}/tiny_lora_comfyui.safetensors"])
+
+
+def test_missing_media_files_fail_before_weights_load(shared_dir, tmp_path):
+    from wanexp.data.metadata import MetadataError
+
+    meta = tmp_path / "meta.csv"
+    meta.write_text("video,prompt\nclips/nowhere.mp4,a red circle\n")
+    with pytest.raises(MetadataError, match="1 of 1 media files are missing.*data.root"):
+        tiny_run(shared_dir, tmp_path / "r", ["model=tiny", f"data.metadata={meta}", "data.generate=null"])

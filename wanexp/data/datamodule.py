@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from wanexp.data.media import load_clip
-from wanexp.data.metadata import Sample, read_metadata
+from wanexp.data.metadata import MetadataError, Sample, missing_files, read_metadata
 
 
 class ClipDataset(Dataset):
@@ -103,8 +103,16 @@ class WanDataModule(L.LightningDataModule):
             make_demo_dataset(self.metadata.parent, **dict(self.generate))
 
     def samples(self) -> list[Sample]:
+        """The metadata rows this run uses; every media file must exist (checked before any weights load)."""
         samples = read_metadata(self.metadata, self.root)
-        return samples[: self.max_samples] if self.max_samples else samples
+        samples = samples[: self.max_samples] if self.max_samples else samples
+        missing = missing_files(samples)
+        if missing:
+            raise MetadataError(
+                f"{self.metadata}: {len(missing)} of {len(samples)} media files are missing (first: {missing[0]}); "
+                "fix the paths in the metadata file or set data.root to the folder they are relative to"
+            )
+        return samples
 
     def setup(self, stage: str | None = None) -> None:
         if self.dataset is None:
