@@ -123,9 +123,9 @@ def test_mixed_precision_accumulation_and_clipping(shared_dir, tmp_path):
     assert status["steps_per_epoch"] == 3  # 4 video batches + 1 image batch of 2, accumulated by 2 -> ceil(5/2)
 
 
-def test_bf16_true_with_lora_dropout(shared_dir, tmp_path):
+def test_bf16_true_with_lora_dropout_and_attention_backend(shared_dir, tmp_path):
     r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", "trainer.precision=bf16-true", "objective.lora.dropout=0.1",
-                                                "trainer.max_steps=2"])
+                                                "model.attention_backend=native", "trainer.max_steps=2"])
     assert r["global_step"] == 2
     assert all(p.dtype == torch.bfloat16 for n, p in r["module"].named_parameters() if "lora_" in n)
 

@@ -74,6 +74,8 @@ BAD = [
     (["data.height=700"], "data.height=700", "multiple of 32"),
     (["model=t2v14b", "data.width=840"], "data.width=840", "multiple of 16"),
     (["model.dtype=fp8"], "model.dtype=fp8", "bf16, fp16, fp32"),
+    (["model.attention_backend=fast"], "model.attention_backend=fast", "native"),
+    (["model.attention_backend=flash_hub"], "model.attention_backend=flash_hub", "download kernels"),
     (["objective.lora.targets=[q,qkv]"], "objective.lora.targets", "allowed: q, k, v, o, ffn.0, ffn.2"),
     (["objective.lora.attention=[self,both]"], "objective.lora.attention", "self, cross"),
     (["objective.lora.rank=0"], "objective.lora.rank=0", "positive integer"),

@@ -32,6 +32,16 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("dtype", "vae_dtype", "text_encoder_dtype"):
         if m[key] not in DTYPES:
             raise ConfigError(f"model.{key}={m[key]}: allowed values are {', '.join(DTYPES)}")
+    if m.attention_backend is not None:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        names = [a.value for a in AttentionBackendName]
+        if m.attention_backend not in names:
+            raise ConfigError(f"model.attention_backend={m.attention_backend}: allowed values are null (default), "
+                              + ", ".join(n for n in names if not n.endswith("_hub")))
+        if m.attention_backend.endswith("_hub"):
+            raise ConfigError(f"model.attention_backend={m.attention_backend}: *_hub backends download kernels from a "
+                              "hub; use the installed equivalent (e.g. flash, _flash_3, native)")
     if b.name in ("high", "low") and m.boundary_ratio is None:
         raise ConfigError(
             f"boundary={b.name} with model={m.name}: {m.name} is one dense model with no expert boundary; "
