@@ -109,6 +109,8 @@ def resume_path(cfg: DictConfig, out: Path) -> str | None:
 
 def run(cfg: DictConfig) -> dict:
     """Train one run described by a composed config. Returns paths of what it wrote."""
+    validate(cfg)  # before the heavy imports: a bad run fails in seconds
+
     import lightning as L
     from hydra.utils import instantiate
 
@@ -116,7 +118,6 @@ def run(cfg: DictConfig) -> dict:
     from wanexp.models.build import ensure_tiny_model
     from wanexp.module import WanLoraModule
 
-    validate(cfg)
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
         cfg.paths.output_dir = str(out)
