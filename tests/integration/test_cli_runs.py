@@ -33,6 +33,7 @@ def test_ddp_two_processes_on_cpu_counts_optimizer_steps(shared_dir, tmp_path):
     status = json.loads((out / "status.json").read_text())
     assert status["world_size"] == 2 and status["batches_per_epoch"] == 4
     assert status["steps_per_epoch"] == 2 and status["step"] == 4 and status["state"] == "finished"
+    assert status["replicas_in_sync"] is True  # gradients were all-reduced: both ranks hold the same LoRA
     bars = re.findall(r"Epoch (\d+): 100%\|[^|]*\| (\d+)/(\d+)", res.stdout + res.stderr)
     assert bars and all(n == total == "2" for _, n, total in bars), res.stderr[-2000:]
     printed = re.findall(r"wanexp: LoRA file (\S+)", res.stdout)
@@ -88,6 +89,7 @@ def test_torchrun_launch_on_cpu(shared_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     status = json.loads((out / "status.json").read_text())
     assert status["world_size"] == 2 and status["step"] == 2 and status["run_name"] == "torchrun-cpu"
+    assert status["replicas_in_sync"] is True
     assert len(re.findall(r"wanexp: LoRA file", res.stdout)) == 2
 
 

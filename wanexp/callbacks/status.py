@@ -18,6 +18,19 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def replicas_in_sync(trainer, pl_module) -> bool | None:
+    """Data-parallel replicas must hold identical trainable weights; a collective (every rank calls it).
+
+    None when there is nothing to compare (one process, or sharded parameters that differ by design).
+    """
+    params = [p for p in pl_module.parameters() if p.requires_grad]
+    if trainer.world_size == 1 or not params or any(hasattr(p, "full_tensor") for p in params):
+        return None
+    checksum = torch.stack([p.detach().double().sum() for p in params]).sum().reshape(1)
+    gathered = trainer.strategy.all_gather(checksum)
+    return bool(torch.allclose(gathered.min(), gathered.max(), rtol=0, atol=1e-9))
+
+
 class RunStatus(Callback):
     """Writes state (running/finished/failed), step, epoch, steps per epoch, loss and samples/s to status.json."""
 
@@ -63,7 +76,8 @@ class RunStatus(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         loss = trainer.callback_metrics.get("train/loss")
-        self._write(trainer, state="finished", loss=None if loss is None else float(loss))
+        self._write(trainer, state="finished", loss=None if loss is None else float(loss),
+                    replicas_in_sync=replicas_in_sync(trainer, pl_module))
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._write(trainer, state="failed", error=f"{type(exception).__name__}: {exception}")
