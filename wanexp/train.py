@@ -157,8 +157,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 def cli(cfg: DictConfig) -> None:
     """The Hydra entry: run, print where the LoRA files are; bad input exits 2 with one line."""
-    _adopt_sweep_folder(cfg)
     try:
+        _adopt_sweep_folder(cfg)
         result = run(cfg)
     except _input_errors() as e:
         _finish_wandb(failed=True)
@@ -184,6 +184,12 @@ def _adopt_sweep_folder(cfg: DictConfig) -> None:
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
+    devices = str(cfg.trainer.devices)
+    if devices != "1" and not (devices == "auto" and _gpu_count() <= 1):
+        raise ConfigError(
+            f"a multirun sweep with trainer.devices={devices}: each point would relaunch the whole sweep on every rank; "
+            "run multi-GPU points with python sweeps/launch.py (same overrides), or set trainer.devices=1"
+        )
     hc = HydraConfig.get()
     swept = set(OmegaConf.to_container(hc.sweeper.get("params") or {}).keys())
     pairs = [o.split("=", 1) for o in hc.overrides.task if "=" in o]
@@ -192,6 +198,12 @@ def _adopt_sweep_folder(cfg: DictConfig) -> None:
         cfg.paths.output_dir = hc.runtime.output_dir
         sweep = OmegaConf.select(cfg, "sweep.name", default="multirun")
         cfg.run_name = f"{sweep}/{hc.job.num}_" + ",".join(chosen)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _finish_wandb(failed: bool) -> None:

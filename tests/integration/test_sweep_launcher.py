@@ -1,0 +1,51 @@
+"""sweeps/launch.py: the sweep grid as one torchrun point after another."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+sys.path.insert(0, str(ROOT / "sweeps"))
+import launch  # noqa: E402
+
+
+def test_grid_from_the_sweep_config_narrowed_by_the_command_line():
+    sweep, fixed, points = launch.expand(["sweep=rank_lr", "model.path=/m", "objective.optim.lr=1e-4"])
+    assert sweep == "rank_lr" and fixed == ["model.path=/m"]
+    assert points == [["objective.lora.rank=16", "objective.optim.lr=1e-4"],
+                      ["objective.lora.rank=32", "objective.optim.lr=1e-4"],
+                      ["objective.lora.rank=64", "objective.optim.lr=1e-4"]]
+    _, _, full = launch.expand(["sweep=rank_lr"])
+    assert len(full) == 6
+    cmd = launch.commands(["sweep=rank_lr", "objective.lora.rank=8"], nproc=4, nnodes=1)[1]
+    assert "--nproc_per_node=4" in cmd and "+sweep.name=rank_lr" in cmd and "sweep=rank_lr" not in cmd
+    assert "run_name='rank_lr/1_objective.lora.rank=8,objective.optim.lr=1e-4'" in cmd
+
+
+def test_multirun_refuses_several_devices(tmp_path):
+    res = run_cli(["-m", "sweep=rank_lr", "experiment=demo", "trainer.devices=2", f"paths.root_dir={tmp_path}"],
+                  timeout=120)
+    assert res.returncode == 2
+    assert "python sweeps/launch.py" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "sweeps" / "launch.py"), "sweep=rank_lr", "--nproc", "2",
+         "--torchrun-args=--master-port=29541", "experiment=demo", "objective.lora.rank=4,8", "objective.optim.lr=1e-3",
+         "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "callbacks.progress=false",
+         f"paths.root_dir={tmp_path}", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for i, rank in enumerate((4, 8)):
+        run = tmp_path / "outputs" / "sweeps" / "rank_lr" / str(i)
+        status = json.loads((run / "status.json").read_text())
+        assert status["world_size"] == 2 and status["state"] == "finished"
+        assert status["run_name"] == f"rank_lr/{i}_objective.lora.rank={rank},objective.optim.lr=1e-3"
+        assert f"rank: {rank}" in (run / "config.yaml").read_text()
