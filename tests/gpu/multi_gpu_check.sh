@@ -9,7 +9,7 @@ for P in ddp fsdp; do
     paths.tiny_model_dir="$W/tiny_models" paths.data_dir="$W/data_tiny" paths.output_dir="$W/tiny_$P" run_name=tiny-$P \
     > "$OUT/tiny_$P.log" 2>&1 || { tail -40 "$OUT/tiny_$P.log"; exit 1; }
   python3 tests/gpu/summarize_run.py "$W/tiny_$P" > "$OUT/tiny_$P.json"
-  python3 -c "import json; d=json.load(open('$OUT/tiny_$P.json')); print('tiny $P', d['steps'], d['all_finite'], d['status']['world_size'], len(d['lora_files']))"
+  python3 -c "import json; d=json.load(open('$OUT/tiny_$P.json')); print('tiny $P steps', d['steps'], 'finite', d['all_finite'], 'world', d['status']['world_size'], 'files', len(d['lora_files']), 'in_sync', d['status'].get('replicas_in_sync'))"
 done
 python3 tests/gpu/compare_lora.py "$W/tiny_ddp/lora/final" "$W/tiny_fsdp/lora/final" | tee "$OUT/lora_compare.txt"
 
@@ -22,5 +22,5 @@ for P in ddp fsdp; do
     trainer.checkpoint_every_n_steps=3 callbacks.progress=false paths.output_dir="$W/run5b_$P" run_name=ti2v5b-$P \
     > "$OUT/ti2v5b_$P.log" 2>&1 || { tail -40 "$OUT/ti2v5b_$P.log"; exit 1; }
   python3 tests/gpu/summarize_run.py "$W/run5b_$P" > "$OUT/ti2v5b_$P.json"
-  python3 -c "import json; d=json.load(open('$OUT/ti2v5b_$P.json')); print('5B $P steps', d['steps'], 'finite', d['all_finite'], 'median s', d['median_step_s_after_warmup'], 'peak GiB', d['peak_mem_gib'], 'files', len(d['lora_files']))"
+  python3 -c "import json; d=json.load(open('$OUT/ti2v5b_$P.json')); print('5B $P steps', d['steps'], 'finite', d['all_finite'], 'median s', d['median_step_s_after_warmup'], 'peak GiB', d['peak_mem_gib'], 'files', len(d['lora_files']), 'in_sync', d['status'].get('replicas_in_sync'), 'tflops', d.get('tflops'))"
 done

@@ -16,6 +16,7 @@ def main(run_dir: str, skip: int = 2) -> dict:
         return [float(r[name]) for r in rows if r.get(name)]
 
     times, losses, peaks = col("perf/step_time_s"), col("train/loss"), col("perf/peak_mem_gib")
+    tflops = col("perf/tflops")
     summary = {
         "run": str(out),
         "steps": len(losses),
@@ -24,6 +25,7 @@ def main(run_dir: str, skip: int = 2) -> dict:
         "median_step_s_after_warmup": statistics.median(times[skip:]) if len(times) > skip else None,
         "step_times_s": times,
         "peak_mem_gib": max(peaks) if peaks else None,
+        "tflops": statistics.median(tflops[skip:]) if len(tflops) > skip else None,
         "lora_files": sorted(str(p.relative_to(out)) for p in (out / "lora").rglob("*.safetensors")),
         "status": json.loads((out / "status.json").read_text()),
     }
