@@ -17,9 +17,9 @@ from wanexp.config.errors import ConfigError
 
 ATTN_TARGETS = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0"}
 FFN_TARGETS = {"ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2"}
-ATTN_KINDS = {"self": ("attn1", "self_attn"), "cross": ("attn2", "cross_attn")}
+ATTN_KINDS = {"self": "attn1", "cross": "attn2"}
 # Diffusers spellings accepted too.
-ALIASES = {v: k for k, v in {**ATTN_TARGETS, **FFN_TARGETS}.items()} | {"to_out": "o", "net.0.proj": "ffn.0", "net.2": "ffn.2"}
+ALIASES = {v: k for k, v in {**ATTN_TARGETS, **FFN_TARGETS}.items()}
 ALLOWED_TARGETS = list(ATTN_TARGETS) + list(FFN_TARGETS)
 
 
@@ -40,7 +40,7 @@ def target_regex(targets: list[str], attention: list[str]) -> str:
     alts = []
     attn = [re.escape(ATTN_TARGETS[t]) for t in names if t in ATTN_TARGETS]
     if attn and attention:
-        layers = "|".join(ATTN_KINDS[a][0] for a in attention)
+        layers = "|".join(ATTN_KINDS[a] for a in attention)
         alts.append(rf"blocks\.\d+\.({layers})\.({'|'.join(attn)})")
     ffn = [re.escape(FFN_TARGETS[t]) for t in names if t in FFN_TARGETS]
     if ffn:
