@@ -6,7 +6,6 @@ sum over kinds of floor(n_kind / (world_size * batch_size)) batches per rank.
 """
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 
@@ -132,7 +131,3 @@ class WanDataModule(L.LightningDataModule):
         return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
 
-
-def steps_per_epoch(batches_per_rank: int, accumulate: int) -> int:
-    """Optimizer steps in one epoch (what the progress bar counts)."""
-    return math.ceil(batches_per_rank / accumulate)
