@@ -11,7 +11,7 @@ from wanexp import lora
 from wanexp.models.encode import encode_image_condition, encode_text, encode_video
 from wanexp.models.spec import WanSpec
 from wanexp.objectives.flow_matching import FlowMatchingObjective, add_noise, masked_mse, velocity_target
-from wanexp.perf import lora_step_flops
+from wanexp.perf import transformer_step_flops
 
 SIGMA_BUCKETS = 4  # train/loss_t<k> covers shifted sigma in [k/4, (k+1)/4)
 
@@ -128,15 +128,10 @@ class WanLoraModule(L.LightningModule):
         for k in buckets.unique().tolist():
             sel = buckets == k
             self.log(f"train/loss_t{k}", detached[sel].mean(), batch_size=int(sel.sum()))
-        self.flops_since_step += bs * self.step_flops(x0.shape, text.shape[1])
+        transformer_config = next(iter(self.transformers.values())).config
+        self.flops_since_step += transformer_step_flops(transformer_config, x0.shape, text.shape[1],
+                                                        checkpointing=self.spec.gradient_checkpointing)
         return loss
-
-    def step_flops(self, latent_shape, text_len: int) -> float:
-        """Model FLOPs of one sample's DiT forward+backward (performance.md accounting; encoders not counted)."""
-        cfg = next(iter(self.transformers.values())).config
-        dim = cfg.num_attention_heads * cfg.attention_head_dim
-        return lora_step_flops(self.spec.tokens((1, *latent_shape[1:])), dim, cfg.ffn_dim, cfg.num_layers, text_len,
-                               checkpointing=self.spec.gradient_checkpointing)
 
     # ---- optimisation ---------------------------------------------------------------------------------------
     def configure_optimizers(self):

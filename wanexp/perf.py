@@ -18,3 +18,15 @@ def lora_step_flops(tokens: int, dim: int, ffn: int, layers: int, text_len: int 
     if checkpointing:
         work += linear + attention
     return work
+
+
+def transformer_step_flops(config, latent_shape, text_len: int, checkpointing: bool = False) -> float:
+    """LoRA-step FLOPs of a batch of latents (B, C, F, H, W) through a Wan DiT with this (diffusers) config.
+
+    ``config`` is the transformer's config: a diffusers FrozenDict or its config.json as a dict.
+    """
+    b, _, f, h, w = latent_shape
+    pt, ph, pw = config["patch_size"]
+    tokens = (f // pt) * (h // ph) * (w // pw)
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    return b * lora_step_flops(tokens, dim, config["ffn_dim"], config["num_layers"], text_len, checkpointing)

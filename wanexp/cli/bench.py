@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from wanexp.perf import lora_step_flops
+from wanexp.perf import transformer_step_flops
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
@@ -108,10 +108,8 @@ def measure(name, builder, args, latent_shape, device) -> dict:
     times = _time_steps(step, args.warmup, args.steps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     cfg = json.loads((Path(args.model_path) / "transformer" / "config.json").read_text())
-    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    flops = transformer_step_flops(cfg, latent_shape, args.text_len, args.ckpt)
     tokens = latent_shape[0] * latent_shape[2] * (latent_shape[3] // 2) * (latent_shape[4] // 2)
-    flops = latent_shape[0] * lora_step_flops(tokens // latent_shape[0], dim, cfg["ffn_dim"], cfg["num_layers"],
-                                              args.text_len, args.ckpt)
     med = statistics.median(times)
     del model, step
     gc.collect()

@@ -130,4 +130,3 @@ class WanDataModule(L.LightningDataModule):
             )
         return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
-

@@ -135,10 +135,6 @@ class WanSpec:
         """Return (hidden_states, timestep, loss_mask or None) for the DiT."""
         raise NotImplementedError
 
-    def tokens(self, latent_shape) -> int:
-        _, _, f, h, w = latent_shape
-        return (f // self.patch[0]) * (h // self.patch[1]) * (w // self.patch[2])
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"
 
