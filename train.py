@@ -1,14 +1,5 @@
-"""wanexp training entry point: python train.py [group=option ...] [key=value ...]"""
-import hydra
-from omegaconf import DictConfig
-
-from wanexp.train import cli
-
-
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    cli(cfg)
-
+"""wanexp training entry point: python train.py [group=option ...] [key=value ...] (see README.md)."""
+from wanexp.train import main
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: wanexp is importable from the repo root
 
 
 def split_values(value: str) -> list[str]:
@@ -27,15 +28,15 @@ def split_values(value: str) -> list[str]:
 
 def expand(overrides: list[str]) -> tuple[str, list[str], list[list[str]]]:
     """-> (sweep name, fixed overrides, one list of ``key=value`` per grid point)."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    from wanexp.config import compose
 
     sweep = next((o.split("=", 1)[1] for o in overrides if o.startswith("sweep=")), None)
     given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides if not o.startswith("sweep=")}
     grid: dict[str, list[str]] = {}
     if sweep:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("train", [f"sweep={sweep}"], return_hydra_config=True)
+        cfg = compose([f"sweep={sweep}"], return_hydra_config=True)
         for key, value in OmegaConf.to_container(cfg.hydra.sweeper.params or {}).items():
             grid[key] = split_values(given.pop(key, value))  # the command line narrows the sweep's own grid
     fixed = []

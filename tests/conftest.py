@@ -7,16 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from wanexp.config import CONF_DIR as CONF
+from wanexp.config import compose
+
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+    return compose(overrides)
 
 
 @pytest.fixture(scope="session")
@@ -34,9 +34,9 @@ def tiny_overrides(shared_dir, tmp_path) -> list[str]:
         f"paths.data_dir={shared_dir}/data",
         f"paths.output_dir={tmp_path}/run",
         "trainer.max_steps=3",
-        "trainer.checkpoint_every_n_steps=2",
+        "callbacks.checkpoint.every_n_train_steps=2",
         "trainer.log_every_n_steps=1",
-        "callbacks.progress=false",
+        "callbacks.progress=null",
     ]
 
 

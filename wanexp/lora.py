@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from wanexp.config.errors import ConfigError
+from wanexp.errors import ConfigError
 
 ATTN_TARGETS = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0"}
 FFN_TARGETS = {"ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2"}
@@ -30,13 +30,13 @@ def target_regex(targets: list[str], attention: list[str]) -> str:
         t = ALIASES.get(t, t)
         if t not in ALLOWED_TARGETS:
             raise ConfigError(
-                f"objective.lora.targets: unknown target {t!r}; allowed: {', '.join(ALLOWED_TARGETS)} "
+                f"adapter.targets: unknown target {t!r}; allowed: {', '.join(ALLOWED_TARGETS)} "
                 "(or their diffusers names to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2)"
             )
         names.append(t)
     for a in attention:
         if a not in ATTN_KINDS:
-            raise ConfigError(f"objective.lora.attention: unknown value {a!r}; allowed: self, cross")
+            raise ConfigError(f"adapter.attention: unknown value {a!r}; allowed: self, cross")
     alts = []
     attn = [re.escape(ATTN_TARGETS[t]) for t in names if t in ATTN_TARGETS]
     if attn and attention:
@@ -46,7 +46,7 @@ def target_regex(targets: list[str], attention: list[str]) -> str:
     if ffn:
         alts.append(rf"blocks\.\d+\.({'|'.join(ffn)})")
     if not alts:
-        raise ConfigError("objective.lora: targets and attention select no module; e.g. targets=[q,k,v,o,ffn.0,ffn.2]")
+        raise ConfigError("adapter: targets and attention select no module; e.g. targets=[q,k,v,o,ffn.0,ffn.2]")
     return "^(" + "|".join(alts) + ")$"
 
 
@@ -64,9 +64,35 @@ def add_lora(transformer, rank: int, alpha: float, dropout: float, targets: list
             p.data = p.data.float()
             p.requires_grad_(True)
             names.append(name)
-        else:
+        elif "lora_" not in name:  # the base stays frozen; other adapters keep their own settings
             p.requires_grad_(False)
     return names
+
+
+class LoraAdapter:
+    """The ``adapter=lora`` component: what is trained on the frozen base of every trained expert."""
+
+    def __init__(self, name: str = "lora", rank: int = 32, alpha: float = 32.0, dropout: float = 0.0,
+                 targets: list[str] | tuple[str, ...] = ("q", "k", "v", "o", "ffn.0", "ffn.2"),
+                 attention: list[str] | tuple[str, ...] = ("self", "cross"), init_from: str | None = None):
+        self.name, self.rank, self.alpha, self.dropout = name, int(rank), float(alpha), float(dropout)
+        self.targets, self.attention, self.init_from = list(targets), list(attention), init_from
+        target_regex(self.targets, self.attention)  # unknown names fail here, before any weight loads
+
+    def apply(self, transformer, adapter_name: str = "default") -> list[str]:
+        """Add the adapter (fp32, trainable) to a frozen transformer, from ``init_from`` if set; its parameter names."""
+        names = add_lora(transformer, self.rank, self.alpha, self.dropout, self.targets, self.attention, adapter_name)
+        if self.init_from:
+            load_lora_into(transformer, self.init_from, adapter_name)
+        return names
+
+    def export(self, state_dict: dict, prefix: str, transformer, out_dir: Path, stem: str,
+               adapter_name: str = "default", meta: dict | None = None):
+        """Write one expert's adapter (ComfyUI + diffusers files) from the keys of a (checkpoint) state dict under
+        ``prefix`` (the transformer's name in the module)."""
+        sd = adapter_weights(state_dict, prefix, adapter_name)
+        return export_lora(sd, lora_config_dict(transformer, adapter_name), out_dir, stem,
+                           meta=dict(meta or {}, wanexp_targets=",".join(self.targets)))
 
 
 def lora_config_dict(transformer, adapter_name: str = "default") -> dict:
@@ -196,14 +222,14 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int, floa
 
 
 def load_lora_into(transformer, path: str | Path, adapter_name: str = "default") -> None:
-    """Copy a LoRA file's weights into an existing adapter of matching rank (used by ``objective.lora.init_from``)."""
+    """Copy a LoRA file's weights into an existing adapter of matching rank (used by ``adapter.init_from``)."""
     from peft.utils import set_peft_model_state_dict
 
     weights, rank, alpha = read_lora_file(path)
     cfg = transformer.peft_config[adapter_name]
     if rank != cfg.r:
-        raise ConfigError(f"objective.lora.init_from={path}: file has rank {rank}, run has rank {cfg.r}; "
-                          f"set objective.lora.rank={rank}")
+        raise ConfigError(f"adapter.init_from={path}: file has rank {rank}, run has rank {cfg.r}; "
+                          f"set adapter.rank={rank}")
     if abs(alpha - cfg.lora_alpha) > 1e-6:
         # Fold the file's scale into B so the effective update is unchanged under the run's alpha.
         factor = (alpha / rank) / (cfg.lora_alpha / cfg.r)
@@ -211,5 +237,5 @@ def load_lora_into(transformer, path: str | Path, adapter_name: str = "default")
     result = set_peft_model_state_dict(transformer, weights, adapter_name=adapter_name)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
-        raise ConfigError(f"objective.lora.init_from={path}: {len(unexpected)} weights match no LoRA module "
-                          f"(e.g. {unexpected[0]}); check objective.lora.targets")
+        raise ConfigError(f"adapter.init_from={path}: {len(unexpected)} weights match no LoRA module "
+                          f"(e.g. {unexpected[0]}); check adapter.targets")

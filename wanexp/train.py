@@ -1,6 +1,11 @@
-"""run(cfg): validate -> seed -> build (the one place that instantiates) -> fit -> finish."""
+"""run(cfg): check -> build the components -> seed -> fit -> finish. The one place that instantiates configs.
+
+``main()`` is the ``python train.py`` entry: Hydra composes the config (typed by wanexp/config/schema.py), ``cli``
+runs it, and every user-input error, at composition or later, is one line on stderr with exit code 2.
+"""
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 import warnings
@@ -8,65 +13,47 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from wanexp.config.errors import ConfigError
-from wanexp.config.validate import validate
-
+from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
+from wanexp.errors import ConfigError, UserError
 
 # The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def build_logger(cfg: DictConfig, out: Path, resume_step: int | None):
-    lg = cfg.logger
-    if lg.name == "none":
-        return False
-    if lg.name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        # A resumed session logs beside the earlier ones (Lightning's CSV writer would delete an existing file).
-        version = "" if resume_step is None else f"resume_step{resume_step:06d}"
-        return CSVLogger(save_dir=str(out), name="logs", version=version)
-    from lightning.pytorch.loggers import WandbLogger
-
-    return WandbLogger(project=lg.project, entity=lg.entity, group=lg.group, name=cfg.run_name, save_dir=str(out),
-                       mode=lg.mode, log_model=lg.log_model, tags=list(cfg.tags),
-                       config=OmegaConf.to_container(cfg, resolve=True))
+def instantiate_named(nodes: DictConfig | None) -> list:
+    """The generic swap point: one object per named node with a ``_target_`` (a null node is switched off)."""
+    return [build(node) for node in (nodes or {}).values() if node is not None]
 
 
-def build_callbacks(cfg: DictConfig, out: Path) -> list:
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+def build(node: DictConfig, **kwargs):
+    """Instantiate one component; a user-input error raised by its constructor stays that error (one line)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
 
-    from wanexp.callbacks.lora_export import LoraExport
-    from wanexp.callbacks.progress import StepProgressBar
-    from wanexp.callbacks.status import RunStatus
-
-    c = cfg.callbacks
-    cbs = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step_{step:06d}", auto_insert_metric_name=False,
-                           every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=int(c.keep_checkpoints),
-                           monitor="step", mode="max", save_last=False, save_on_train_epoch_end=False)]
-    if c.progress:
-        cbs.append(StepProgressBar())
-    if c.status:
-        cbs.append(RunStatus(str(out), cfg.run_name))
-    if c.lora_export:
-        cbs.append(LoraExport(str(out)))
-    if cfg.logger.name != "none":
-        cbs.append(LearningRateMonitor(logging_interval="step"))
-    return cbs
+    try:
+        return instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise
 
 
-def build_trainer(cfg: DictConfig, out: Path, resume_step: int | None = None):
+def build_trainer(cfg: DictConfig, out: Path):
     import lightning as L
+    from lightning.pytorch.callbacks import ProgressBar
 
-    from wanexp.parallel import build_strategy
-
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items()
-              if k != "checkpoint_every_n_steps"}
-    return L.Trainer(**kwargs, strategy=build_strategy(cfg.parallel), logger=build_logger(cfg, out, resume_step),
-                     callbacks=build_callbacks(cfg, out), default_root_dir=str(out),
-                     enable_progress_bar=bool(cfg.callbacks.progress), use_distributed_sampler=False,
-                     enable_model_summary=False)
+    loggers = instantiate_named(cfg.logger)
+    callbacks = instantiate_named(cfg.callbacks)
+    strategy = cfg.parallel.strategy
+    strategy = build(strategy) if OmegaConf.is_dict(strategy) else strategy
+    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=loggers or False,
+                        callbacks=callbacks, default_root_dir=str(out),
+                        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
+                        use_distributed_sampler=False, enable_model_summary=False)
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    return trainer
 
 
 def launch_rank() -> int:
@@ -88,14 +75,6 @@ def clear_run_folder(out: Path) -> None:
     (out / "status.json").unlink(missing_ok=True)
 
 
-def checkpoint_step(path: str | None) -> int | None:
-    if path is None:
-        return None
-    import torch
-
-    return int(torch.load(path, map_location="cpu", weights_only=False).get("global_step", 0))
-
-
 def resume_path(cfg: DictConfig, out: Path) -> str | None:
     if cfg.resume is None:
         return None
@@ -109,24 +88,27 @@ def resume_path(cfg: DictConfig, out: Path) -> str | None:
 
 def run(cfg: DictConfig) -> dict:
     """Train one run described by a composed config. Returns paths of what it wrote."""
-    validate(cfg)  # before the heavy imports: a bad run fails in seconds
+    # Checks and light components first: a bad run fails in seconds, before Lightning or any weight loads.
+    check_config(cfg)
+    spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
+    experts = spec.trained_experts(cfg.boundary.name)
+    if spec.build:
+        from wanexp.models.build import ensure_tiny_model
+
+        ensure_tiny_model(spec)
+    spec.check_folder(experts)
+    check_paths(cfg)
 
     import lightning as L
-    from hydra.utils import instantiate
 
     from wanexp.callbacks.lora_export import LoraExport
-    from wanexp.models.build import ensure_tiny_model
-    from wanexp.module import WanLoraModule
+    from wanexp.module import WanModule
+    from wanexp.optim import scaled_lr
 
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
-        cfg.paths.output_dir = str(out)
-    spec = instantiate(cfg.model, _convert_="all")
-    experts = spec.trained_experts(cfg.boundary.name)
-    if spec.build:
-        ensure_tiny_model(spec)
-    spec.check_folder(experts)
-    dm = instantiate(cfg.data, seed=int(cfg.seed))
+        cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
+    dm = build(cfg.data, seed=int(cfg.seed))
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata before any weights load
     ckpt = resume_path(cfg, out)
@@ -134,9 +116,17 @@ def run(cfg: DictConfig) -> dict:
         clear_run_folder(out)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
 
-    module = WanLoraModule(spec, instantiate(cfg.objective, _convert_="all"), cfg.boundary,
-                           max_steps=int(cfg.trainer.max_steps or -1))
-    trainer = build_trainer(cfg, out, checkpoint_step(ckpt))
+    trainer = build_trainer(cfg, out)
+    o = cfg.optim
+    effective = int(cfg.data.batch_size) * trainer.world_size * int(cfg.trainer.accumulate_grad_batches)
+    lr = scaled_lr(float(o.lr), o.lr_scaling, effective, int(o.reference_batch))
+    if trainer.global_rank == 0:
+        print(f"wanexp: effective batch {effective} = {cfg.data.batch_size} per device x {trainer.world_size} "
+              f"device(s) x {cfg.trainer.accumulate_grad_batches} accumulation; lr {lr:g} "
+              f"(optim.lr={o.lr:g}, lr_scaling={o.lr_scaling}, reference_batch={o.reference_batch})", flush=True)
+    module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
+                       schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
+                       max_steps=int(cfg.trainer.max_steps or -1))
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -148,19 +138,12 @@ def run(cfg: DictConfig) -> dict:
             "global_step": trainer.global_step, "rank": trainer.global_rank, "module": module, "trainer": trainer}
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
-    from wanexp.data.media import MediaError
-    from wanexp.data.metadata import MetadataError
-
-    return (ConfigError, MetadataError, MediaError)
-
-
 def cli(cfg: DictConfig) -> None:
-    """The Hydra entry: run, print where the LoRA files are; bad input exits 2 with one line."""
+    """Run a composed config, print where the LoRA files are; bad input exits 2 with one line."""
     try:
         _adopt_sweep_folder(cfg)
         result = run(cfg)
-    except _input_errors() as e:
+    except UserError as e:
         _finish_wandb(failed=True)
         # Raised in a DataLoader worker, the message carries the worker's traceback: its last line is the error.
         lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -175,6 +158,25 @@ def cli(cfg: DictConfig) -> None:
         print(f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}")
         for f in result["lora_files"]:
             print(f"wanexp: LoRA file {f}")
+
+
+def main() -> None:
+    """``python train.py``: compose with Hydra, then :func:`cli`. Composition errors are one line, exit 2."""
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    keep_traceback = "HYDRA_FULL_ERROR" in os.environ
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing its report
+    entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(cli)
+    try:
+        entry()
+    except (HydraException, OmegaConfBaseException) as e:
+        if keep_traceback:
+            raise
+        print(f"wanexp: error: {one_line_error(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _adopt_sweep_folder(cfg: DictConfig) -> None:

@@ -15,6 +15,6 @@ python3 train.py model=ti2v5b model.path="$W/ti2v5b" data=synthetic paths.data_d
   data.height=704 data.width=1280 data.num_frames=17 data.batch_size=1 data.num_workers=2 \
   data.generate.height=704 data.generate.width=1280 data.generate.num_videos=6 data.generate.num_images=0 \
   parallel=single trainer.devices=1 trainer.precision=bf16-mixed trainer.max_steps=8 trainer.log_every_n_steps=1 \
-  trainer.checkpoint_every_n_steps=4 objective.first_frame_cond=0.5 callbacks.progress=false \
+  callbacks.checkpoint.every_n_train_steps=4 model.first_frame_cond=0.5 callbacks.progress=null \
   paths.output_dir="$W/run" run_name=gpu-ti2v5b 2>&1 | grep -v "Loading weights" | tail -20 | tee "$OUT/train_tail.txt"
 python3 tests/gpu/summarize_run.py "$W/run" | tee "$OUT/train_summary.json"

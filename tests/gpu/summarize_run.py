@@ -10,7 +10,7 @@ from pathlib import Path
 
 def main(run_dir: str, skip: int = 2) -> dict:
     out = Path(run_dir)
-    rows = list(csv.DictReader(open(out / "logs" / "metrics.csv")))
+    rows = [r for f in sorted((out / "logs").glob("version_*/metrics.csv")) for r in csv.DictReader(open(f))]
 
     def col(name):
         return [float(r[name]) for r in rows if r.get(name)]

@@ -8,7 +8,7 @@ from wanexp.train import run
 
 LAYOUTS = {
     # name: extra overrides
-    "tiny": ["model=tiny", "objective.first_frame_cond=0.5"],
+    "tiny": ["model=tiny"],  # trains half of its clips image-to-video (model.first_frame_cond=0.5)
     "tiny_t2v14b": ["model=tiny_t2v14b", "boundary=full"],
     "tiny_i2v14b": ["model=tiny_i2v14b", "boundary=full"],
 }
@@ -21,14 +21,14 @@ def tiny_run(shared_dir, out_dir, extra: list[str]) -> dict:
         f"paths.data_dir={shared_dir}/data",
         f"paths.output_dir={out_dir}",
         "trainer.max_steps=4",
-        "trainer.checkpoint_every_n_steps=2",
+        "callbacks.checkpoint.every_n_train_steps=2",
         "trainer.log_every_n_steps=1",
-        "callbacks.progress=false",
+        "callbacks.progress=null",
         # alpha != rank so a format that drops the scale would show; a large lr so the LoRA moves visibly
-        "objective.lora.rank=4",
-        "objective.lora.alpha=2",
-        "objective.optim.lr=1e-2",
-        "objective.optim.warmup_steps=0",
+        "adapter.rank=4",
+        "adapter.alpha=2",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=0",
         *extra,
     ])
     result = run(cfg)

@@ -15,16 +15,16 @@ import launch  # noqa: E402
 
 
 def test_grid_from_the_sweep_config_narrowed_by_the_command_line():
-    sweep, fixed, points = launch.expand(["sweep=rank_lr", "model.path=/m", "objective.optim.lr=1e-4"])
+    sweep, fixed, points = launch.expand(["sweep=rank_lr", "model.path=/m", "optim.lr=1e-4"])
     assert sweep == "rank_lr" and fixed == ["model.path=/m"]
-    assert points == [["objective.lora.rank=16", "objective.optim.lr=1e-4"],
-                      ["objective.lora.rank=32", "objective.optim.lr=1e-4"],
-                      ["objective.lora.rank=64", "objective.optim.lr=1e-4"]]
+    assert points == [["adapter.rank=16", "optim.lr=1e-4"],
+                      ["adapter.rank=32", "optim.lr=1e-4"],
+                      ["adapter.rank=64", "optim.lr=1e-4"]]
     _, _, full = launch.expand(["sweep=rank_lr"])
     assert len(full) == 6
-    cmd = launch.commands(["sweep=rank_lr", "objective.lora.rank=8"], nproc=4, nnodes=1)[1]
+    cmd = launch.commands(["sweep=rank_lr", "adapter.rank=8"], nproc=4, nnodes=1)[1]
     assert "--nproc_per_node=4" in cmd and "+sweep.name=rank_lr" in cmd and "sweep=rank_lr" not in cmd
-    assert "run_name='rank_lr/1_objective.lora.rank=8,objective.optim.lr=1e-4'" in cmd
+    assert "run_name='rank_lr/1_adapter.rank=8,optim.lr=1e-4'" in cmd
 
 
 def test_multirun_refuses_several_devices(tmp_path):
@@ -38,8 +38,8 @@ def test_multirun_refuses_several_devices(tmp_path):
 def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
     res = subprocess.run(
         [sys.executable, str(ROOT / "sweeps" / "launch.py"), "sweep=rank_lr", "--nproc", "2",
-         "--torchrun-args=--master-port=29541", "experiment=demo", "objective.lora.rank=4,8", "objective.optim.lr=1e-3",
-         "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "callbacks.progress=false",
+         "--torchrun-args=--master-port=29541", "experiment=demo", "adapter.rank=4,8", "optim.lr=1e-3",
+         "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "callbacks.progress=null",
          f"paths.root_dir={tmp_path}", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -47,5 +47,5 @@ def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
         run = tmp_path / "outputs" / "sweeps" / "rank_lr" / str(i)
         status = json.loads((run / "status.json").read_text())
         assert status["world_size"] == 2 and status["state"] == "finished"
-        assert status["run_name"] == f"rank_lr/{i}_objective.lora.rank={rank},objective.optim.lr=1e-3"
+        assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
         assert f"rank: {rank}" in (run / "config.yaml").read_text()

@@ -1,15 +1,16 @@
-"""Every shipped config composes; bad combinations fail before anything loads, with one line naming the fix."""
+"""Every shipped config composes against its schema; bad values and combinations fail before anything loads, in one
+line that names the key, the value and what is allowed."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF, compose_cfg, run_cli
-from wanexp.config.errors import ConfigError
-from wanexp.config.validate import check_config, check_files, validate
+from wanexp.config import check_config, check_paths, compose
+from wanexp.config.schema import SCHEMAS, check_schema
+from wanexp.errors import ConfigError
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 
@@ -21,50 +22,41 @@ def options(group: str) -> list[str]:
 ALL_OPTIONS = [(g, o) for g in GROUPS for o in options(g)]
 
 
-def test_expected_groups_and_options_exist():
-    assert options("model") == ["i2v14b", "t2v14b", "ti2v5b", "tiny", "tiny_i2v14b", "tiny_t2v14b"]
-    assert options("boundary") == ["full", "high", "low"]
-    assert options("data") == ["mbc_5k", "mbc_full", "synthetic"]
-    assert options("parallel") == ["ddp", "deepspeed", "fsdp", "single"]
-    assert options("logger") == ["csv", "none", "wandb"]
-    assert "lora" in options("objective") and "demo" in options("experiment") and "rank_lr" in options("sweep")
-
-
-def test_defaults_are_the_users_real_case():
-    cfg = compose_cfg([])
-    assert (cfg.model.name, cfg.boundary.name, cfg.objective.name, cfg.data.name, cfg.parallel.name) == (
-        "ti2v5b", "full", "lora", "mbc_5k", "ddp")
-    assert OmegaConf.is_missing(cfg.model, "path")
-
-
 @pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
-def test_every_option_composes_and_resolves(group, option):
-    overrides = [f"{group}={option}"]
+def test_every_option_composes_and_passes_its_schema(group, option):
+    overrides = [f"{group}={option}", "model.path=/somewhere"]
     if group == "boundary" and option != "full":
         overrides.append("model=t2v14b")  # high/low need a two-expert model
+    if group == "parallel" and option in ("fsdp", "deepspeed"):
+        overrides.append("trainer.accelerator=gpu")
     cfg = compose_cfg(overrides)
-    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    if group == "boundary" and option != "full":
-        assert resolved["boundary"]["name"] == option
-        assert 0.875 in (resolved["boundary"]["sigma_min"], resolved["boundary"]["sigma_max"])
-    if group == "model" and option.startswith("tiny"):
-        check_config(cfg)  # tiny models carry their own path and sizes that fit the synthetic data
-    if group == "sweep":
-        assert cfg.sweep.name == option
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    check_schema(cfg)
+    if group != "parallel" or option != "deepspeed":  # the deepspeed rule needs the package (checked below)
+        check_config(cfg)
 
 
-def test_sweep_grid_is_rank_by_lr():
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", ["sweep=rank_lr"], return_hydra_config=True)
-    params = cfg.hydra.sweeper.params
-    assert params["objective.lora.rank"] == "16,32,64" and params["objective.optim.lr"] == "5e-5,1e-4"
+def test_every_group_node_is_typed_by_a_schema():
+    cfg = compose_cfg(["model.path=/m"])
+    typed = {name: OmegaConf.get_type(cfg[name]).__name__ for name in
+             ("model", "boundary", "adapter", "objective", "optim", "data", "parallel", "trainer", "paths")}
+    assert typed == {"model": "ModelConfig", "boundary": "BoundaryConfig", "adapter": "LoraConfig",
+                     "objective": "FlowMatchingConfig", "optim": "OptimConfig", "data": "DataConfig",
+                     "parallel": "ParallelConfig", "trainer": "TrainerConfig", "paths": "PathsConfig"}
+    assert OmegaConf.get_type(cfg.callbacks.checkpoint).__name__ == "CheckpointConfig"
+    assert OmegaConf.get_type(cfg.parallel.strategy).__name__ == "DDPConfig"
+    assert set(SCHEMAS) >= {"model", "optim", "adapter/lora", "objective/flow_matching", "trainer"}
 
 
 def test_a14b_boundaries_interpolate_from_the_model():
     assert compose_cfg(["model=t2v14b", "boundary=high"]).boundary.sigma_min == 0.875
     assert compose_cfg(["model=i2v14b", "boundary=low"]).boundary.sigma_max == 0.9
-    i2v = compose_cfg(["model=i2v14b"]).model
-    assert (i2v.shift, i2v._target_) == (5.0, "wanexp.models.spec.I2VA14BSpec")
+
+
+def test_sweep_grid_varies_adapter_rank_and_optim_lr():
+    params = compose(["sweep=rank_lr"], return_hydra_config=True).hydra.sweeper.params
+    assert set(params) == {"adapter.rank", "optim.lr"}
+    compose_cfg([f"{k}={v.split(',')[0]}" for k, v in params.items()])  # each swept key exists in the schema
 
 
 BAD = [
@@ -73,26 +65,33 @@ BAD = [
     (["data.num_frames=16"], "data.num_frames=16", "4k+1"),
     (["data.height=700"], "data.height=700", "multiple of 32"),
     (["model=t2v14b", "data.width=840"], "data.width=840", "multiple of 16"),
-    (["model.dtype=fp8"], "model.dtype=fp8", "bf16, fp16, fp32"),
-    (["model.attention_backend=fast"], "model.attention_backend=fast", "native"),
-    (["model.attention_backend=flash_hub"], "model.attention_backend=flash_hub", "download kernels"),
-    (["objective.lora.targets=[q,qkv]"], "objective.lora.targets", "allowed: q, k, v, o, ffn.0, ffn.2"),
-    (["objective.lora.attention=[self,both]"], "objective.lora.attention", "self, cross"),
-    (["objective.lora.rank=0"], "objective.lora.rank=0", "positive integer"),
+    (["model.dtype=fp8"], "model.dtype=fp8", "allowed values are bf16, fp16, fp32"),
+    (["adapter.rank=0"], "adapter.rank=0", "must be >= 1"),
+    (["adapter.dropout=1.0"], "adapter.dropout=1.0", "must be >= 0.0 and < 1.0"),
     (["objective.timestep.sampling=beta"], "objective.timestep.sampling=beta", "uniform, logit_normal"),
-    (["objective.optim.scheduler=step"], "objective.optim.scheduler=step", "constant, cosine, linear"),
+    (["optim.scheduler=step"], "optim.scheduler=step", "constant, cosine, linear"),
+    (["optim.lr=1e38"], "optim.lr=1e+38", "must be > 0.0 and <= 1.0"),
+    (["optim.lr=0"], "optim.lr=0.0", "must be > 0.0"),
+    (["optim.lr_scaling=cubic"], "optim.lr_scaling=cubic", "none, linear, sqrt"),
+    (["data.num_workers=-1"], "data.num_workers=-1", "must be >= 0"),
     (["trainer.precision=16-mixed"], "trainer.precision=16-mixed", "bf16-mixed"),
+    (["model.experts=[dense,mid]"], "model.experts: unknown value 'mid'", "dense, high, low"),
+    (["callbacks.checkpoint.save_top_k=-2"], "callbacks.checkpoint.save_top_k=-2", ">= -1"),
     (["parallel=fsdp", "trainer.accelerator=cpu"], "parallel=fsdp with trainer.accelerator=cpu", "parallel=ddp"),
+    (["parallel=fsdp", "parallel.strategy.sharding_strategy=NO_SHARD", "trainer.accelerator=gpu"],
+     "parallel.strategy.sharding_strategy=NO_SHARD", "FULL_SHARD, SHARD_GRAD_OP"),
+    (["+callbacks.extra._target_=nowhere_pkg.Callback"], "callbacks.extra._target_=nowhere_pkg.Callback",
+     "not installed"),
 ]
 
 
 @pytest.mark.parametrize("overrides,key,fix", BAD, ids=[" ".join(b[0]) for b in BAD])
-def test_bad_combinations_name_key_and_fix(overrides, key, fix):
+def test_bad_values_and_combinations_name_key_and_fix(overrides, key, fix):
     cfg = compose_cfg(["model.path=/somewhere", *overrides])
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     msg = str(e.value)
-    assert key in msg and fix in msg and "\n" not in msg
+    assert key in msg and fix in msg and "\n" not in msg, msg
 
 
 def test_missing_model_path_is_named():
@@ -118,6 +117,15 @@ def _fake_folder(root, subfolders, in_channels=16):
     return root
 
 
+def check_files(cfg) -> None:
+    """What run() checks on disk before Lightning loads: the spec's folder, then the run's paths."""
+    from wanexp.train import build
+
+    spec = build(cfg.model)
+    spec.check_folder(spec.trained_experts(cfg.boundary.name))
+    check_paths(cfg)
+
+
 def test_high_noise_run_needs_only_the_high_expert(tmp_path):
     folder = _fake_folder(tmp_path / "t2v", ["transformer", "vae", "text_encoder", "tokenizer"])
     data = tmp_path / "meta.csv"
@@ -136,38 +144,72 @@ def test_wrong_layout_folder_is_caught(tmp_path):
 
 
 def test_missing_metadata_and_resume(tmp_path):
-    folder = _fake_folder(tmp_path / "m", ["transformer", "vae", "text_encoder", "tokenizer"], in_channels=48)
     with pytest.raises(ConfigError, match="data.metadata=.*file not found.*data=synthetic"):
-        validate(compose_cfg([f"model.path={folder}", f"data.metadata={tmp_path}/missing.csv"]))
+        check_paths(compose_cfg(["model.path=/m", f"data.metadata={tmp_path}/missing.csv"]))
     meta = tmp_path / "meta.csv"
     meta.write_text("video,prompt\na.mp4,x\n")
     with pytest.raises(ConfigError, match="resume=.*checkpoint file not found"):
-        validate(compose_cfg([f"model.path={folder}", f"data.metadata={meta}", f"resume={tmp_path}/x.ckpt"]))
-
-
-@pytest.mark.parametrize("args,needle", [
-    (["model=ti2v5b", "boundary=low", "model.path=/nowhere"], "boundary=low with model=ti2v5b"),
-    (["model.path=/nowhere/Wan2.2-TI2V-5B"], "model.path=/nowhere/Wan2.2-TI2V-5B: folder not found"),
-    (["experiment=demo", "data.num_frames=8"], "data.num_frames=8: must be 4k+1"),
-])
-def test_cli_bad_input_exits_2_with_one_line(args, needle, tmp_path):
-    res = run_cli([*args, f"paths.output_dir={tmp_path}/run"], timeout=120)
-    assert res.returncode == 2, res.stderr[-2000:]
-    errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
-    assert len(errors) == 1 and needle in errors[0], res.stderr[-2000:]
-    assert "Traceback" not in res.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+        check_paths(compose_cfg(["model.path=/m", f"data.metadata={meta}", f"resume={tmp_path}/x.ckpt"]))
 
 
 def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path):
-    folder = _fake_folder(tmp_path / "m", ["transformer", "vae", "text_encoder", "tokenizer"], in_channels=48)
     meta = tmp_path / "meta.csv"
     meta.write_text("video,prompt\na.mp4,x\n")
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "step_000010.ckpt").write_bytes(b"x")
-    base = [f"model.path={folder}", f"data.metadata={meta}", f"paths.output_dir={out}"]
+    base = ["model.path=/m", f"data.metadata={meta}", f"paths.output_dir={out}"]
     with pytest.raises(ConfigError, match="already holds checkpoints.*resume=last.*overwrite=true"):
-        validate(compose_cfg(base))
-    validate(compose_cfg([*base, "resume=last"]))
-    validate(compose_cfg([*base, "overwrite=true"]))
+        check_paths(compose_cfg(base))
+    check_paths(compose_cfg([*base, "resume=last"]))
+    check_paths(compose_cfg([*base, "overwrite=true"]))
+
+
+def test_spec_checks_its_own_values():
+    from wanexp.train import build
+
+    with pytest.raises(ConfigError, match="model.attention_backend=fast: allowed values are null .*native"):
+        build(compose_cfg(["model.path=/m", "model.attention_backend=fast"]).model)
+    with pytest.raises(ConfigError, match="model.attention_backend=flash_hub: .*download kernels"):
+        build(compose_cfg(["model.path=/m", "model.attention_backend=flash_hub"]).model)
+    with pytest.raises(ConfigError, match="model.first_frame_cond=0.5: model=t2v14b has no optional first-frame"):
+        build(compose_cfg(["model=t2v14b", "model.path=/m", "model.first_frame_cond=0.5"]).model)
+    with pytest.raises(ConfigError, match="adapter.targets: unknown target 'qkv'; allowed: q, k, v, o, ffn.0, ffn.2"):
+        build(compose_cfg(["model.path=/m", "adapter.targets=[q,qkv]"]).adapter)
+    with pytest.raises(ConfigError, match="adapter.attention: unknown value 'both'; allowed: self, cross"):
+        build(compose_cfg(["model.path=/m", "adapter.attention=[self,both]"]).adapter)
+
+
+CLI_BAD = [
+    (["model=ti2v5b", "boundary=low", "model.path=/nowhere"], "boundary=low with model=ti2v5b"),
+    (["model.path=/nowhere/Wan2.2-TI2V-5B"], "model.path=/nowhere/Wan2.2-TI2V-5B: folder not found"),
+    (["experiment=demo", "data.num_frames=8"], "data.num_frames=8: must be 4k+1"),
+    # types and ranges, at composition
+    (["optim.lr=abc"], "optim.lr=abc: must be a number"),
+    (["trainer.max_steps=abc"], "trainer.max_steps=abc: must be an integer"),
+    (["data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
+    (["optim.lr=1e38"], "optim.lr=1e+38: must be > 0.0 and <= 1.0"),
+    (["optim=sgd"], "optim=sgd: no such option; allowed values are adamw"),
+    (["adapter.rnak=8"], "adapter.rnak: no such key in adapter"),
+    (["experiment=demo", "adapter.targets=[q,qkv]"], "adapter.targets: unknown target 'qkv'"),
+]
+
+
+@pytest.fixture(scope="module")
+def no_lightning(tmp_path_factory):
+    """A PYTHONPATH where importing Lightning fails: a bad run must be refused before Lightning is imported."""
+    fake = tmp_path_factory.mktemp("fake") / "lightning"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('lightning was imported before the checks finished')\n")
+    return str(fake.parent)
+
+
+@pytest.mark.parametrize("args,needle", CLI_BAD, ids=[" ".join(a) for a, _ in CLI_BAD])
+def test_cli_bad_input_exits_2_with_one_line_before_lightning(args, needle, tmp_path, no_lightning, shared_dir):
+    res = run_cli([*args, f"paths.output_dir={tmp_path}/run", f"paths.tiny_model_dir={shared_dir}/models",
+                   f"paths.data_dir={shared_dir}/data"], timeout=120, env={"PYTHONPATH": no_lightning})
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
+    assert len(errors) == 1 and needle in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

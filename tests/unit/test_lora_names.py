@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from wanexp import lora
-from wanexp.config.errors import ConfigError
+from wanexp.errors import ConfigError
 
 
 def _module_names(layers: int) -> list[str]:

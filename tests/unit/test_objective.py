@@ -1,13 +1,10 @@
 """Flow-matching maths, sigma sampling per boundary, and the model inputs of each layout."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from wanexp.models import conditioning
-from wanexp.module import lr_lambda
 from wanexp.objectives.flow_matching import add_noise, masked_mse, velocity_target
 from wanexp.objectives.timesteps import sample_sigmas, shift_sigma, unshift_sigma
 
@@ -102,14 +99,3 @@ def test_i2v_inputs_have_36_channels_and_mask_on_frame_zero():
     m = hidden[:, 16:20]
     assert torch.all(m[:, :, 0] == 1) and torch.all(m[:, :, 1:] == 0)
     assert torch.allclose(timestep, torch.tensor([950.0, 200.0]))
-
-
-def test_lr_schedule_warmup_then_decay():
-    cos = lr_lambda("cosine", warmup=10, total=110, min_ratio=0.1)
-    assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0)
-    assert cos(10) == pytest.approx(1.0) and cos(60) == pytest.approx(0.55) and cos(110) == pytest.approx(0.1)
-    lin = lr_lambda("linear", warmup=0, total=100, min_ratio=0.0)
-    assert lin(50) == pytest.approx(0.5) and lr_lambda("constant", 0, 100, 0)(99) == 1.0
-    with pytest.raises(ValueError, match="constant, cosine, linear"):
-        lr_lambda("step", 0, 1, 0)
-    assert math.isfinite(cos(1000))

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from wanexp.lora import adapter_weights, export_lora, lora_config_dict
-
 EXPERT_SUFFIX = {"dense": "", "high": "_high_noise", "low": "_low_noise"}
 
 
@@ -25,13 +23,13 @@ class LoraExport(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if trainer.global_rank != 0:
             return
-        lc = pl_module.objective.lora
         meta = {"wanexp_model": pl_module.spec.name, "wanexp_step": trainer.global_step,
-                "wanexp_boundary": pl_module.boundary_name, "wanexp_targets": ",".join(lc["targets"])}
-        for expert in pl_module.expert_names:
-            sd = adapter_weights(checkpoint["state_dict"], f"transformers.{expert}.")
-            export_lora(sd, lora_config_dict(pl_module.transformers[expert]), self.step_dir(trainer.global_step),
-                        f"{pl_module.spec.name}_lora{EXPERT_SUFFIX[expert]}", meta=dict(meta, wanexp_expert=expert))
+                "wanexp_boundary": pl_module.boundary_name}
+        for expert, transformer in pl_module.transformers.items():
+            pl_module.adapter.export(checkpoint["state_dict"], f"transformers.{expert}.", transformer,
+                                     self.step_dir(trainer.global_step),
+                                     f"{pl_module.spec.name}_lora{EXPERT_SUFFIX[expert]}",
+                                     adapter_name=pl_module.objective.export, meta=dict(meta, wanexp_expert=expert))
 
     def finalize(self, step: int) -> list[Path]:
         """Copy the last step's files to lora/final (rank 0, after the final checkpoint)."""

@@ -39,6 +39,7 @@ class RunStatus(Callback):
         self.run_name = run_name
         self.t_last: float | None = None
         self.samples = 0
+        self.flops = 0.0  # model FLOPs since the last optimizer step, from each training_step's output
         self.state: dict = {}
 
     def _write(self, trainer, **extra) -> None:
@@ -57,6 +58,8 @@ class RunStatus(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
         self.samples += bs * trainer.world_size
+        if isinstance(outputs, dict):
+            self.flops += float(outputs.get("flops", 0.0))
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         now = time.perf_counter()
@@ -64,8 +67,8 @@ class RunStatus(Callback):
         sps = self.samples / dt if dt > 0 else 0.0
         self.samples = 0
         metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt,
-                   "perf/tflops": getattr(pl_module, "flops_since_step", 0.0) / dt / 1e12 if dt > 0 else 0.0}
-        pl_module.flops_since_step = 0.0
+                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0}
+        self.flops = 0.0
         if torch.cuda.is_available():
             metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -71,17 +71,21 @@ def baseline_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt:
 
 
 def wanexp_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt: bool, device):
-    """The LightningModule's loss (real TI2V conditioning: per-token timesteps, first-frame cond) + AdamW."""
-    from wanexp.models.spec import TI2VSpec
-    from wanexp.module import WanLoraModule
-    from wanexp.objectives.flow_matching import FlowMatchingObjective
+    """The LightningModule's objective (real TI2V conditioning: per-token timesteps, first-frame cond) + AdamW."""
+    import functools
 
-    spec = TI2VSpec(name="ti2v5b", path=model_path, dtype="bf16", gradient_checkpointing=ckpt, text_len=text_len)
-    objective = FlowMatchingObjective(
-        lora=dict(rank=rank, alpha=rank, dropout=0.0, targets=["q", "k", "v", "o", "ffn.0", "ffn.2"],
-                  attention=["self", "cross"]),
-        timestep=dict(sampling="uniform", shift=5.0), first_frame_cond=0.5)
-    module = WanLoraModule(spec, objective, {"name": "full", "sigma_min": 0.0, "sigma_max": 1.0}, load_encoders=False)
+    from wanexp.lora import LoraAdapter
+    from wanexp.models.encode import EncodedBatch
+    from wanexp.models.spec import TI2VSpec
+    from wanexp.module import WanModule
+    from wanexp.objectives.flow_matching import FlowMatching
+
+    spec = TI2VSpec(name="ti2v5b", path=model_path, dtype="bf16", gradient_checkpointing=ckpt, text_len=text_len,
+                    first_frame_cond=0.5)
+    module = WanModule(spec, LoraAdapter(rank=rank, alpha=rank), FlowMatching(timestep={"shift": 5.0}),
+                       {"name": "full", "sigma_min": 0.0, "sigma_max": 1.0},
+                       optimizer=functools.partial(torch.optim.AdamW), lr=1e-4,
+                       schedule={"scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}, load_encoders=False)
     module.configure_model()
     module.to(device).train()
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
@@ -89,10 +93,11 @@ def wanexp_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt: b
     x0 = torch.randn(latent_shape, device=device, generator=g)
     dim = module.transformers["dense"].config.text_dim
     text = torch.randn(latent_shape[0], text_len, dim, device=device, dtype=torch.bfloat16, generator=g)
+    batch = EncodedBatch(x0, text)
 
     def step():
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-            loss = module.flow_loss(x0, text, {})[0]
+            loss = module.objective(batch, module.denoiser).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

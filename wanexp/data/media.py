@@ -14,15 +14,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from wanexp.data.metadata import Sample, media_kind
+from wanexp.errors import MediaError
 
 __all__ = ["MediaError", "load_clip", "resize_crop", "write_video"]
 
 # Errors PyAV / PIL raise for missing, unreadable or corrupt files.
 _DECODE_ERRORS: tuple[type[BaseException], ...] = (av.error.FFmpegError, OSError, ValueError, EOFError)
-
-
-class MediaError(ValueError):
-    """A media file cannot be read or is unsuitable for the request (message is one line)."""
 
 
 # Source pixels converted to float per chunk; bounds peak memory for large videos (~100 MB).

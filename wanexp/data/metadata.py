@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wanexp.errors import MetadataError
+
 __all__ = [
     "IMAGE_EXTENSIONS",
     "MEDIA_COLUMNS",
@@ -37,10 +39,6 @@ PROMPT_COLUMNS: tuple[str, ...] = ("prompt", "caption", "text")
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 VIDEO_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif"})
 METADATA_EXTENSIONS: tuple[str, ...] = (".csv", ".json", ".jsonl")
-
-
-class MetadataError(ValueError):
-    """A metadata file is missing, malformed or incomplete (message is one line)."""
 
 
 @dataclass(frozen=True)

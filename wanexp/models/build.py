@@ -63,11 +63,7 @@ def _random_components(spec: WanSpec, b: dict) -> dict:
     tcfg = dict(b["transformer"])
     tcfg.update(in_channels=spec.in_channels, out_channels=spec.latent_channels, patch_size=list(spec.patch))
     tcfg.setdefault("text_dim", te_cfg["d_model"])
-    if spec.layout == "ti2v":
-        vcfg = dict(z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
-    else:
-        vcfg = dict(z_dim=16)
-    vcfg.update(b["vae"])
+    vcfg = dict(spec.vae_layout, **b["vae"])
     mean, std = _latent_stats(vcfg["z_dim"])
     vae = AutoencoderKLWan(**vcfg, latents_mean=mean, latents_std=std)
     comps = {
@@ -88,9 +84,7 @@ def save_pipeline_folder(spec: WanSpec, comps: dict, out: Path) -> None:
     import diffusers
 
     tokenizer = build_tokenizer(out / "tokenizer", spec.text_len)
-    kwargs = dict(comps, tokenizer=tokenizer)
-    if spec.layout == "ti2v":
-        kwargs["expand_timesteps"] = True
+    kwargs = dict(comps, tokenizer=tokenizer, **spec.pipeline_extras)
     if spec.boundary_ratio is not None:
         kwargs["boundary_ratio"] = spec.boundary_ratio
     pipe = getattr(diffusers, spec.pipeline_class)(**kwargs)

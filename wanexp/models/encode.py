@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import html
 import re
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 try:  # ftfy fixes mojibake; the cleaning must match between caching and inference.
     import ftfy
@@ -74,3 +76,45 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], max_length: int) ->
     ids, mask = toks.input_ids.to(device), toks.attention_mask.to(device)
     hidden = text_encoder(ids, mask).last_hidden_state
     return hidden * mask.unsqueeze(-1).to(hidden.dtype)
+
+
+@dataclass
+class EncodedBatch:
+    """What an objective trains on: normalised latents, text embeddings and the layout's conditioning."""
+
+    x0: torch.Tensor  # (B, C, F, H, W) fp32
+    text: torch.Tensor  # (B, text_len, D)
+    cond: dict = field(default_factory=dict)  # e.g. image_latent (I2V); objectives add per-step draws
+
+    @property
+    def size(self) -> int:
+        return self.x0.shape[0]
+
+
+class Encoders(nn.Module):
+    """The frozen VAE and text encoder of a run (always in eval mode) and the tokenizer."""
+
+    def __init__(self, vae, text_encoder, tokenizer, text_len: int, image_latent: bool = False):
+        super().__init__()
+        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
+        self.text_len, self.image_latent = text_len, image_latent
+
+    def train(self, mode: bool = True):
+        return super().train(False)  # no dropout in the encoders, ever
+
+    def forward(self, batch: dict) -> EncodedBatch:
+        """A loader batch (pixels in [-1, 1] + prompts) -> EncodedBatch; encoders run in fp32/their own dtype."""
+        pixels = batch["pixels"]
+        cond = {}
+        with torch.autocast(device_type=pixels.device.type, enabled=False):
+            x0 = encode_video(self.vae, pixels)
+            if self.image_latent:
+                cond["image_latent"] = encode_image_condition(self.vae, pixels[:, :, 0], pixels.shape[2])
+            text = encode_text(self.tokenizer, self.text_encoder, list(batch["prompt"]), self.text_len)
+        return EncodedBatch(x0, text, cond)
+
+
+def cached_batch(batch: dict) -> EncodedBatch:
+    """A loader batch that already carries latents and text embeddings (the cache) -> EncodedBatch."""
+    cond = {"image_latent": batch["image_latent"]} if "image_latent" in batch else {}
+    return EncodedBatch(batch["latents"].float(), batch["text"], cond)

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-from wanexp.config.errors import ConfigError
+from wanexp.config.schema import DTYPES
+from wanexp.errors import ConfigError
 from wanexp.models import conditioning
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Which diffusers subfolder holds each expert.
 EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
 
@@ -30,6 +29,9 @@ class WanSpec:
     patch: tuple[int, int, int] = (1, 2, 2)
     pipeline_class: str = "WanPipeline"
     needs_image_latent: bool = False
+    # Building tiny random models (models/build.py): the VAE's layout and extra pipeline arguments.
+    vae_layout: dict = {"z_dim": 16}
+    pipeline_extras: dict = {}
 
     def __init__(
         self,
@@ -45,13 +47,13 @@ class WanSpec:
         text_len: int = 512,
         gradient_checkpointing: bool = False,
         attention_backend: str | None = None,
+        first_frame_cond: float = 0.0,
         build: dict | None = None,
     ) -> None:
         self.name = name
         self.path = Path(path)
-        self.dtype = DTYPES[dtype]
-        self.vae_dtype = DTYPES[vae_dtype]
-        self.text_encoder_dtype = DTYPES[text_encoder_dtype]
+        self.dtype, self.vae_dtype, self.text_encoder_dtype = (
+            getattr(torch, DTYPES[d]) for d in (dtype, vae_dtype, text_encoder_dtype))
         self.experts = list(experts)
         self.boundary_ratio = boundary_ratio
         self.shift = shift
@@ -59,19 +61,19 @@ class WanSpec:
         self.text_len = text_len
         self.gradient_checkpointing = gradient_checkpointing
         self.attention_backend = attention_backend
+        self.first_frame_cond = first_frame_cond
         self.build = build
+        if attention_backend is not None:
+            check_attention_backend(attention_backend)
+        if first_frame_cond and not self.draws_first_frame:
+            raise ConfigError(f"model.first_frame_cond={first_frame_cond}: model={name} has no optional first-frame "
+                              "conditioning (only the TI2V-5B layout has); set it to 0")
 
     # ---- which experts a run trains -------------------------------------------------------------------------
     def trained_experts(self, boundary: str) -> list[str]:
         if self.experts == ["dense"]:
             return ["dense"]
         return {"full": ["high", "low"], "high": ["high"], "low": ["low"]}[boundary]
-
-    def route(self, sigma: torch.Tensor, loaded: list[str]) -> list[str]:
-        """The expert of each sample: HIGH when shifted sigma >= boundary_ratio (a run with one expert uses it)."""
-        if len(loaded) == 1:
-            return [loaded[0]] * sigma.shape[0]
-        return ["high" if float(s) >= self.boundary_ratio else "low" for s in sigma]
 
     # ---- the local folder -----------------------------------------------------------------------------------
     def required_folders(self, experts: list[str]) -> list[str]:
@@ -130,7 +132,20 @@ class WanSpec:
 
         return AutoTokenizer.from_pretrained(os.fspath(self.path / "tokenizer"))
 
+    def load_encoders(self):
+        """The frozen VAE + UMT5 text encoder + tokenizer as one module (see wanexp.models.encode.Encoders)."""
+        from wanexp.models.encode import Encoders
+
+        return Encoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len,
+                        self.needs_image_latent)
+
     # ---- the DiT input ----------------------------------------------------------------------------------------
+    draws_first_frame: bool = False  # TI2V: a fraction of samples keep a clean latent frame 0 (image-to-video)
+
+    def sample_condition(self, cond: dict, batch_size: int, generator: torch.Generator | None = None) -> dict:
+        """Random per-sample conditioning choices of a training step (none unless the layout has some)."""
+        return cond
+
     def model_inputs(self, x_t, x0, sigma, cond: dict):
         """Return (hidden_states, timestep, loss_mask or None) for the DiT."""
         raise NotImplementedError
@@ -146,10 +161,19 @@ class TI2VSpec(WanSpec):
     latent_channels = 48
     in_channels = 48
     vae_stride = (4, 16, 16)
+    vae_layout = {"z_dim": 48, "is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2,
+                  "scale_factor_spatial": 16}
+    pipeline_extras = {"expand_timesteps": True}
+    draws_first_frame = True
+
+    def sample_condition(self, cond, batch_size, generator=None):
+        """Train image-to-video on ``first_frame_cond`` of the multi-frame samples (clean latent frame 0)."""
+        draw = torch.rand(batch_size, generator=generator)
+        return dict(cond, first_frame=draw < float(self.first_frame_cond))
 
     def model_inputs(self, x_t, x0, sigma, cond):
         first = cond.get("first_frame")
-        if first is None:
+        if first is None or x0.shape[2] == 1:  # a one-frame sample (image) has no frame after the first
             first = torch.zeros(x0.shape[0], dtype=torch.bool, device=x0.device)
         hidden, timestep, mask = conditioning.ti2v_inputs(x_t, x0, sigma, first, self.patch)
         return hidden, timestep, mask
@@ -174,3 +198,27 @@ class I2VA14BSpec(WanSpec):
 
     def model_inputs(self, x_t, x0, sigma, cond):
         return conditioning.i2v_inputs(x_t, sigma, cond["image_latent"], self.vae_stride[0])
+
+
+def route(sigma: torch.Tensor, loaded: list[str], boundary_ratio: float | None) -> torch.Tensor:
+    """Each sample's expert as an index into ``loaded``: HIGH when shifted sigma >= boundary_ratio.
+
+    A run that loaded one expert (dense, or one boundary of A14B) sends every sample to it.
+    """
+    if len(loaded) == 1:
+        return torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
+    high = sigma >= boundary_ratio
+    return torch.where(high, loaded.index("high"), loaded.index("low")).long()
+
+
+def check_attention_backend(name: str) -> None:
+    """model.attention_backend must be one of diffusers' installed backends (no *_hub kernel downloads)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    names = [a.value for a in AttentionBackendName]
+    if name not in names:
+        raise ConfigError(f"model.attention_backend={name}: allowed values are null (default), "
+                          + ", ".join(n for n in names if not n.endswith("_hub")))
+    if name.endswith("_hub"):
+        raise ConfigError(f"model.attention_backend={name}: *_hub backends download kernels from a hub; use the "
+                          "installed equivalent (e.g. flash, _flash_3, native)")

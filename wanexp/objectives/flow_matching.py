@@ -1,10 +1,11 @@
 """Wan2.2 rectified-flow objective: x_t = (1-s)*x0 + s*eps, target v = eps - x0, MSE."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
+from wanexp.objectives.base import Objective, ObjectiveOutput
 from wanexp.objectives.timesteps import sample_sigmas
 
 
@@ -28,26 +29,50 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | No
     return (err * m).sum(dim=dims) / m.sum(dim=dims).clamp_min(1.0)
 
 
-@dataclass
-class FlowMatchingObjective:
-    """Sampling knobs for the flow-matching LoRA objective (the ``objective=lora`` group)."""
+SIGMA_BUCKETS = 4  # train/loss_t<k> covers shifted sigma in [k/4, (k+1)/4)
 
-    name: str = "lora"
-    lora: dict = field(default_factory=dict)
-    optim: dict = field(default_factory=dict)
-    timestep: dict = field(default_factory=dict)
-    first_frame_cond: float = 0.0
+
+def loss_breakdown(per_sample: torch.Tensor, sigma: torch.Tensor, route: torch.Tensor,
+                   experts: list[str]) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per-sample losses averaged per expert (when there are several) and per sigma quarter."""
+    out = {}
+    per_sample = per_sample.detach()
+    for k, expert in enumerate(experts if len(experts) > 1 else []):
+        sel = route == k
+        n = int(sel.sum())
+        if n:
+            out[f"train/loss_{expert}"] = (per_sample[sel].mean(), n)
+    buckets = (sigma.detach() * SIGMA_BUCKETS).long().clamp(max=SIGMA_BUCKETS - 1)
+    for k in buckets.unique().tolist():
+        sel = buckets == k
+        out[f"train/loss_t{k}"] = (per_sample[sel].mean(), int(sel.sum()))
+    return out
+
+
+class FlowMatching(Objective):
+    """The Wan2.2 flow-matching loss on the boundary's sigma range (``objective=flow_matching``)."""
+
+    def __init__(self, name: str = "flow_matching", timestep: dict | None = None):
+        super().__init__(name)
+        ts = dict(timestep or {})
+        self.shift = float(ts.get("shift", 1.0))
+        self.sampling = ts.get("sampling", "uniform")
+        self.logit_mean, self.logit_std = float(ts.get("logit_mean", 0.0)), float(ts.get("logit_std", 1.0))
 
     def sample_sigmas(self, n: int, lo: float, hi: float, generator=None, device="cpu") -> torch.Tensor:
-        ts = self.timestep
-        return sample_sigmas(
-            n,
-            lo=lo,
-            hi=hi,
-            shift=float(ts.get("shift", 1.0)),
-            scheme=ts.get("sampling", "uniform"),
-            logit_mean=float(ts.get("logit_mean", 0.0)),
-            logit_std=float(ts.get("logit_std", 1.0)),
-            generator=generator,
-            device=device,
+        return sample_sigmas(n, lo=lo, hi=hi, shift=self.shift, scheme=self.sampling, logit_mean=self.logit_mean,
+                             logit_std=self.logit_std, generator=generator, device=device)
+
+    def __call__(self, batch, denoiser, generator=None) -> ObjectiveOutput:
+        x0, b = batch.x0, batch.size
+        sigma = self.sample_sigmas(b, *denoiser.sigma_range, generator=generator, device=x0.device)
+        noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+        x_t = add_noise(x0, noise, sigma)
+        batch = replace(batch, cond=denoiser.spec.sample_condition(batch.cond, b, generator))
+        pred = denoiser(x_t, sigma, batch)
+        per_sample = masked_mse(pred.velocity, velocity_target(x0, noise), pred.loss_mask)
+        return ObjectiveOutput(
+            loss=per_sample.mean(), batch_size=b,
+            metrics=loss_breakdown(per_sample, sigma, pred.route, denoiser.experts),
+            flops=denoiser.step_flops(x0.shape, batch.text.shape[1]),
         )

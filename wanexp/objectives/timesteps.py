@@ -12,7 +12,7 @@ import math
 
 import torch
 
-SCHEMES = ("uniform", "logit_normal")
+from wanexp.config.schema import TIMESTEP_SAMPLING as SCHEMES
 
 
 def shift_sigma(sigma: torch.Tensor | float, shift: float) -> torch.Tensor | float:

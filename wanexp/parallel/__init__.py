@@ -1,32 +1,22 @@
-"""Turns the `parallel` config group into a Lightning strategy."""
+"""Lightning strategies for the `parallel` group; each option's ``parallel.strategy._target_`` names one of these.
+
+    parallel=single    "auto" (Lightning picks the one device)
+    parallel=ddp       ddp(...)                       -> lightning DDPStrategy
+    parallel=fsdp      fsdp.WanFSDPStrategy(...)      -> FSDP2 per WanTransformerBlock
+    parallel=deepspeed deepspeed(...)                 -> lightning DeepSpeedStrategy
+"""
 from __future__ import annotations
 
 from datetime import timedelta
 
-from omegaconf import DictConfig
+
+def ddp(timeout_s: int = 1800, **kwargs):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def build_strategy(p: DictConfig):
-    if p.name == "single":
-        return "auto"
-    timeout = timedelta(seconds=int(p.get("timeout_s", 1800)))
-    if p.name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
+def deepspeed(timeout_s: int = 1800, **kwargs):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        return DDPStrategy(
-            find_unused_parameters=bool(p.find_unused_parameters),
-            static_graph=bool(p.static_graph),
-            gradient_as_bucket_view=bool(p.gradient_as_bucket_view),
-            timeout=timeout,
-        )
-    if p.name == "fsdp":
-        from wanexp.parallel.fsdp import WanFSDPStrategy
-
-        return WanFSDPStrategy(sharding_strategy=p.sharding_strategy, cpu_offload=bool(p.cpu_offload),
-                               param_dtype=p.param_dtype, timeout=timeout)
-    if p.name == "deepspeed":
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(stage=int(p.stage), offload_optimizer=bool(p.offload_optimizer),
-                                 offload_parameters=bool(p.offload_parameters), timeout=timeout)
-    raise ValueError(f"parallel={p.name}: allowed values are single, ddp, fsdp, deepspeed")
+    return DeepSpeedStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)

@@ -7,21 +7,24 @@ sharded. Checkpoints gather only the trainable (LoRA) tensors, so saving never a
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+from wanexp.config.schema import DTYPES
+
+RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}  # keys: config.schema.FSDP_SHARDING
 
 
 class WanFSDPStrategy(ModelParallelStrategy):
     def __init__(self, sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
-                 param_dtype: str = "bf16", **kwargs):
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
-        if sharding_strategy not in RESHARD:
-            raise ValueError(f"parallel.sharding_strategy={sharding_strategy}: allowed values are {', '.join(RESHARD)}")
+                 param_dtype: str = "bf16", timeout_s: int = 1800, **kwargs):
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
+                         timeout=timedelta(seconds=timeout_s), **kwargs)
         self.reshard_after_forward = RESHARD[sharding_strategy]
         self.cpu_offload = cpu_offload
-        self.param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[param_dtype]
+        self.param_dtype = getattr(torch, DTYPES[param_dtype])
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()

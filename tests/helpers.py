@@ -1,0 +1,44 @@
+"""Components that tests plug in through the config's swap points (``_target_``), as a user would."""
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from wanexp.objectives.base import Objective, ObjectiveOutput
+from wanexp.objectives.flow_matching import masked_mse
+
+
+class GradNormProbe(Callback):
+    """Records the total norm of the trainable gradients as the optimizer sees them (after clipping; Lightning runs the backward inside optimizer.step, so this is a post-step hook)."""
+
+    def __init__(self):
+        self.norms: list[float] = []
+        self.handles = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def record(optimizer, args, kwargs):
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+        self.handles = [opt.register_step_post_hook(record) for opt in trainer.optimizers]
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class CleanLatentObjective(Objective):
+    """A toy objective written the way a newcomer would add one: predict the clean latent at one fixed sigma."""
+
+    def __init__(self, name: str = "clean_latent", sigma: float = 0.5):
+        super().__init__(name)
+        self.sigma = sigma
+
+    def __call__(self, batch, denoiser, generator=None) -> ObjectiveOutput:
+        x0 = batch.x0
+        sigma = torch.full((batch.size,), self.sigma, device=x0.device)
+        noise = torch.randn_like(x0)
+        pred = denoiser((1 - self.sigma) * x0 + self.sigma * noise, sigma, batch)
+        per_sample = masked_mse(pred.velocity, x0, pred.loss_mask)
+        return ObjectiveOutput(per_sample.mean(), batch.size, {"train/clean_latent_mse": (per_sample.mean().detach(),
+                                                                                          batch.size)})

@@ -1,0 +1,89 @@
+"""The package structure of ../shared/design.md: dependencies point one way and no two packages import each other.
+
+The graph is built from every import statement (at any depth, TYPE_CHECKING included) of every module in wanexp/.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "wanexp"
+
+# Which top-level units (wanexp/<pkg>/ or wanexp/<mod>.py) each unit may import. The order is the design's:
+# errors <- config <- (models, objectives, data, parallel, lora, perf, optim) <- module, callbacks <- train, cli.
+ALLOWED = {
+    "errors": set(),
+    "config": {"errors"},
+    "perf": set(),
+    "lora": {"errors"},
+    "optim": {"config"},
+    "models": {"errors", "config", "perf"},
+    "objectives": {"config"},
+    "data": {"errors"},
+    "parallel": {"config"},
+    "module": {"errors", "models", "objectives", "optim"},
+    "callbacks": set(),
+    "train": {"errors", "config", "models", "module", "optim", "callbacks"},
+    "cli": {"lora", "models", "module", "objectives", "perf"},
+}
+
+
+def unit_imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    units = {p.stem for p in ROOT.iterdir() if (p.suffix == ".py" and p.stem != "__init__") or
+             (p.is_dir() and (p / "__init__.py").exists())}
+    for f in ROOT.rglob("*.py"):
+        unit = f.relative_to(ROOT).parts[0].removesuffix(".py")
+        if unit == "__init__":
+            continue
+        deps = graph.setdefault(unit, set())
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for n in names:
+                parts = n.split(".")
+                if parts[0] == "wanexp" and len(parts) > 1 and parts[1] in units and parts[1] != unit:
+                    deps.add(parts[1])
+    return graph
+
+
+def test_every_unit_is_placed_in_the_design():
+    assert set(unit_imports()) == set(ALLOWED)
+
+
+@pytest.mark.parametrize("unit", sorted(ALLOWED))
+def test_imports_point_one_way(unit):
+    extra = unit_imports()[unit] - ALLOWED[unit]
+    assert not extra, f"wanexp.{unit} imports {sorted(extra)}, against the dependency direction of design.md"
+
+
+def test_no_cycles():
+    graph = unit_imports()
+    state: dict[str, int] = {}
+
+    def visit(v, path):
+        state[v] = 1
+        for w in graph[v]:
+            assert state.get(w) != 1, "import cycle: " + " -> ".join(path + [w])
+            if w not in state:
+                visit(w, path + [w])
+        state[v] = 2
+
+    for v in graph:
+        if v not in state:
+            visit(v, [v])
+
+
+def test_errors_is_a_leaf_and_config_imports_no_heavy_package():
+    for f in (ROOT / "errors.py", *(ROOT / "config").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not top & {"torch", "lightning", "diffusers", "transformers", "peft"}, f
+        if f.name == "errors.py":
+            assert "wanexp" not in top

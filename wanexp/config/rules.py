@@ -1,0 +1,83 @@
+"""Rules that span groups (the schema checks each field alone), and path checks that load nothing.
+
+Each failure is one ConfigError line: the key and value, the problem, and what to change.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from wanexp.errors import ConfigError
+
+TWO_EXPERT_MODELS = "model=i2v14b|t2v14b (or tiny_i2v14b|tiny_t2v14b)"
+
+
+def check_boundary(cfg: DictConfig) -> None:
+    """Runs before the schema walk: a one-expert boundary interpolates the model's boundary_ratio."""
+    m, b = cfg.model, cfg.boundary
+    if b.name in ("high", "low") and m.boundary_ratio is None:
+        raise ConfigError(
+            f"boundary={b.name} with model={m.name}: {m.name} is one dense model with no expert boundary; "
+            f"use boundary=full, or {TWO_EXPERT_MODELS} to train one expert"
+        )
+
+
+def check_rules(cfg: DictConfig) -> None:
+    m, b, d, p = cfg.model, cfg.boundary, cfg.data, cfg.parallel
+    if OmegaConf.is_missing(m, "path"):
+        raise ConfigError(f"model.path is not set: pass model.path=/path/to/local/diffusers/folder for model={m.name}")
+    if not b.sigma_min < b.sigma_max:
+        raise ConfigError(f"boundary sigma range [{b.sigma_min}, {b.sigma_max}]: sigma_min must be below sigma_max")
+    if (d.num_frames - 1) % 4:
+        lower, upper = d.num_frames - (d.num_frames - 1) % 4, d.num_frames + 4 - (d.num_frames - 1) % 4
+        raise ConfigError(f"data.num_frames={d.num_frames}: must be 4k+1 (e.g. {lower} or {upper}) for the 4x "
+                          "temporal VAE")
+    for key in ("height", "width"):
+        v = d[key]
+        if v % m.hw_multiple:
+            down = v - v % m.hw_multiple
+            raise ConfigError(f"data.{key}={v}: model={m.name} needs a multiple of {m.hw_multiple} "
+                              f"(e.g. {down or m.hw_multiple} or {down + m.hw_multiple})")
+    if p.name in ("fsdp", "deepspeed") and cfg.trainer.accelerator == "cpu":
+        raise ConfigError(f"parallel={p.name} with trainer.accelerator=cpu: {p.name} needs GPUs; use parallel=ddp on CPU")
+    if p.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("parallel=deepspeed: the deepspeed package is not installed; pip install deepspeed "
+                          "on the GPU node, or use parallel=ddp|fsdp")
+    for group in ("logger", "callbacks"):
+        for name, node in (cfg[group] or {}).items():
+            if node is not None:
+                _check_target(f"{group}.{name}", node)
+
+
+def _check_target(key: str, node: DictConfig) -> None:
+    """A swap point's _target_ must name an installed package (checked without importing it)."""
+    target = node.get("_target_")
+    if not target:
+        raise ConfigError(f"{key}: has no _target_; give the class to instantiate (e.g. {key}._target_=pkg.Class) "
+                          f"or disable it with {key}=null")
+    top = str(target).split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        raise ConfigError(f"{key}._target_={target}: package {top!r} is not installed; install it or change {key}")
+    if "WandbLogger" in str(target) and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"{key}: the wandb package is not installed; pip install wandb, or use logger=csv")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Files a run needs before anything loads: the metadata file, the resume checkpoint, a free run folder."""
+    d = cfg.data
+    if not d.generate and not Path(d.metadata).is_file():
+        raise ConfigError(
+            f"data.metadata={d.metadata}: file not found; point data.metadata (or paths.data_dir) at your "
+            f"metadata CSV/JSON, or use data=synthetic"
+        )
+    out = Path(cfg.paths.output_dir)
+    if cfg.resume is None and not cfg.overwrite and any((out / "checkpoints").glob("*.ckpt")):
+        raise ConfigError(
+            f"paths.output_dir={out} already holds checkpoints of an earlier run; pass resume=last to continue it, "
+            "a new run_name (or paths.output_dir), or overwrite=true to replace it"
+        )
+    if cfg.resume not in (None, "last") and not Path(cfg.resume).is_file():
+        raise ConfigError(f"resume={cfg.resume}: checkpoint file not found; pass a .ckpt path, resume=last, or "
+                          "resume=null")

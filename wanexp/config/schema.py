@@ -1,0 +1,369 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore; the YAML files in conf/ extend them.
+
+Types are enforced by OmegaConf while Hydra composes (``optim.lr=abc`` fails there). Allowed values and ranges sit in
+each field's metadata (``knob(..., ge=1)``, ``choices=...``) and are checked by :func:`wanexp.config.check_schema`
+right after composition, before anything heavy is imported. Every default and every allowed-value list of the run
+configuration lives here once; the YAML files only restate what a group changes.
+
+A YAML file picks its schema with a defaults entry, e.g. ``conf/optim/adamw.yaml``::
+
+    defaults:
+      - /schema/optim@_here_
+      - _self_
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+# ---- allowed values (each list exists once; code that consumes them imports them from here) ----------------------
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # config name -> torch dtype name
+PRECISIONS = ("bf16-mixed", "bf16-true", "32", "32-true")
+BOUNDARIES = ("full", "high", "low")
+EXPERTS = ("dense", "high", "low")
+TIMESTEP_SAMPLING = ("uniform", "logit_normal")
+SCHEDULERS = ("constant", "cosine", "linear")
+LR_SCALING = ("none", "linear", "sqrt")
+PARALLEL = ("single", "ddp", "fsdp", "deepspeed")
+FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP")
+FSDP_PARAM_DTYPES = ("bf16", "fp32")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, doc: str = ""):
+    """A schema field with its constraints (checked after composition by ``check_schema``)."""
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, doc=doc).items() if v not in (None, "")}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---- model, boundary -------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING  # the spec class (wanexp.models.spec.*)
+    name: str = MISSING
+    path: str = MISSING  # local diffusers-format folder
+    dtype: str = knob("bf16", choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")
+    vae_dtype: str = knob("fp32", choices=tuple(DTYPES))
+    text_encoder_dtype: str = knob("bf16", choices=tuple(DTYPES))
+    experts: List[str] = knob(["dense"], choices=EXPERTS)
+    boundary_ratio: Optional[float] = knob(None, gt=0.0, lt=1.0, doc="HIGH expert when shifted sigma >= this")
+    shift: float = knob(5.0, gt=0.0)
+    hw_multiple: int = knob(16, ge=1, doc="height/width must divide by this")
+    text_len: int = knob(512, ge=1)
+    gradient_checkpointing: bool = False
+    attention_backend: Optional[str] = None  # checked against diffusers' dispatcher by the spec
+    first_frame_cond: float = knob(0.0, ge=0.0, le=1.0, doc="TI2V: fraction of samples trained image-to-video")
+    build: Optional[Dict[str, Any]] = None  # tiny models only: the architecture to build into `path`
+
+
+@dataclass
+class BoundaryConfig:
+    name: str = knob(MISSING, choices=BOUNDARIES)
+    sigma_min: float = knob(0.0, ge=0.0, le=1.0)
+    sigma_max: float = knob(1.0, ge=0.0, le=1.0)
+
+
+# ---- adapter, objective, optim ---------------------------------------------------------------------------------
+@dataclass
+class LoraConfig:
+    _target_: str = "wanexp.lora.LoraAdapter"
+    name: str = "lora"
+    rank: int = knob(32, ge=1)
+    alpha: float = knob(32.0, gt=0.0, doc="scale = alpha / rank")
+    dropout: float = knob(0.0, ge=0.0, lt=1.0)
+    targets: List[str] = knob(["q", "k", "v", "o", "ffn.0", "ffn.2"])  # names checked by the adapter
+    attention: List[str] = knob(["self", "cross"])
+    init_from: Optional[str] = None  # a LoRA file (ComfyUI or diffusers format) to start from
+
+
+@dataclass
+class TimestepConfig:
+    sampling: str = knob("uniform", choices=TIMESTEP_SAMPLING)
+    shift: float = knob(5.0, gt=0.0)
+    logit_mean: float = 0.0
+    logit_std: float = knob(1.0, gt=0.0)
+
+
+@dataclass
+class ObjectiveConfig:
+    """What every objective has; an objective's own schema extends it."""
+
+    _target_: str = MISSING
+    name: str = MISSING
+
+
+@dataclass
+class FlowMatchingConfig(ObjectiveConfig):
+    _target_: str = "wanexp.objectives.flow_matching.FlowMatching"
+    name: str = "flow_matching"
+    timestep: TimestepConfig = field(default_factory=TimestepConfig)
+
+
+@dataclass
+class AdamWConfig:
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True  # the module calls it with the parameters and the (scaled) learning rate
+    betas: List[float] = knob([0.9, 0.999])
+    eps: float = knob(1e-8, gt=0.0)
+    weight_decay: float = knob(0.01, ge=0.0)
+    fused: Optional[bool] = None  # null: fused kernel where every parameter is on a GPU
+
+
+@dataclass
+class OptimConfig:
+    lr: float = knob(1e-4, gt=0.0, le=1.0, doc="learning rate at reference_batch")
+    lr_scaling: str = knob("none", choices=LR_SCALING, doc="scale lr with effective batch / reference_batch")
+    reference_batch: int = knob(1, ge=1)
+    scheduler: str = knob("constant", choices=SCHEDULERS, doc="after warm-up")
+    warmup_steps: int = knob(0, ge=0)
+    min_lr_ratio: float = knob(0.0, ge=0.0, le=1.0, doc="cosine/linear floor as a fraction of lr")
+    optimizer: AdamWConfig = field(default_factory=AdamWConfig)
+
+
+# ---- data ------------------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    _target_: str = "wanexp.data.datamodule.WanDataModule"
+    name: str = MISSING
+    metadata: str = MISSING
+    root: Optional[str] = None  # media paths resolve against this folder; null = the metadata file's folder
+    num_frames: int = knob(17, ge=1, doc="4k+1")
+    height: int = knob(704, ge=1)
+    width: int = knob(1280, ge=1)
+    frame_stride: int = knob(1, ge=1)
+    batch_size: int = knob(1, ge=1, doc="per device")
+    num_workers: int = knob(4, ge=0)
+    max_samples: Optional[int] = knob(None, ge=1)
+    generate: Optional[Dict[str, Any]] = None  # synthetic data only
+
+
+# ---- parallel: a name for the cross-group rules + the Lightning strategy by _target_ ---------------------------
+@dataclass
+class DDPConfig:
+    _target_: str = "wanexp.parallel.ddp"
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+    timeout_s: int = knob(1800, ge=1)
+
+
+@dataclass
+class FSDPConfig:
+    _target_: str = "wanexp.parallel.fsdp.WanFSDPStrategy"
+    sharding_strategy: str = knob("FULL_SHARD", choices=FSDP_SHARDING)
+    cpu_offload: bool = False
+    param_dtype: str = knob("bf16", choices=FSDP_PARAM_DTYPES)
+    timeout_s: int = knob(1800, ge=1)
+
+
+@dataclass
+class DeepSpeedConfig:
+    _target_: str = "wanexp.parallel.deepspeed"
+    stage: int = knob(2, ge=1, le=3, doc="ZeRO stage")
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    timeout_s: int = knob(1800, ge=1)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = knob(MISSING, choices=PARALLEL)
+    strategy: Any = "auto"  # "auto" or a node with _target_ (a Lightning Strategy)
+
+
+# ---- trainer: lightning.Trainer arguments ----------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    num_nodes: int = knob(1, ge=1)
+    precision: str = knob("bf16-mixed", choices=PRECISIONS)
+    max_steps: int = knob(1000, ge=-1, doc="-1: run max_epochs")
+    max_epochs: Optional[int] = knob(None, ge=1)
+    accumulate_grad_batches: int = knob(1, ge=1)
+    gradient_clip_val: Optional[float] = knob(1.0, ge=0.0)
+    log_every_n_steps: int = knob(10, ge=1)
+    limit_val_batches: Any = 0
+    num_sanity_val_steps: int = knob(0, ge=-1)
+    deterministic: bool = False
+    benchmark: Optional[bool] = None
+    detect_anomaly: bool = False
+    profiler: Optional[str] = None
+
+
+# ---- loggers and callbacks: named nodes instantiated by _target_ -----------------------------------------------
+@dataclass
+class CSVLoggerConfig:
+    _target_: str = "lightning.pytorch.loggers.CSVLogger"
+    save_dir: str = MISSING
+    name: str = "logs"
+    version: Optional[str] = None  # null: next free version_N (a resumed session never overwrites earlier metrics)
+
+
+@dataclass
+class WandbLoggerConfig:
+    _target_: str = "lightning.pytorch.loggers.WandbLogger"
+    project: Optional[str] = "wanexp"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    save_dir: str = MISSING
+    mode: Optional[str] = knob(None, choices=WANDB_MODES, doc="null: WANDB_MODE from the environment, else online")
+    log_model: bool = False
+    tags: List[str] = knob([])
+
+
+@dataclass
+class CheckpointConfig:
+    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    dirpath: str = MISSING
+    filename: str = "step_{step:06d}"
+    every_n_train_steps: int = knob(250, ge=1, doc="full checkpoint (+ LoRA export) every N optimizer steps")
+    save_top_k: int = knob(3, ge=-1, doc="newest N step checkpoints kept (plus last.ckpt); -1 keeps all")
+    monitor: str = "step"
+    mode: str = "max"
+    auto_insert_metric_name: bool = False
+    save_last: bool = False
+    save_on_train_epoch_end: bool = False
+
+
+@dataclass
+class LoraExportConfig:
+    _target_: str = "wanexp.callbacks.lora_export.LoraExport"
+    output_dir: str = MISSING
+
+
+@dataclass
+class RunStatusConfig:
+    _target_: str = "wanexp.callbacks.status.RunStatus"
+    output_dir: str = MISSING
+    run_name: str = MISSING
+
+
+@dataclass
+class ProgressConfig:
+    _target_: str = "wanexp.callbacks.progress.StepProgressBar"
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = "."
+    data_dir: str = MISSING
+    output_dir: str = MISSING
+    tiny_model_dir: str = MISSING
+
+
+# ---- the whole run ---------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    run_name: str = MISSING
+    seed: int = knob(42, ge=0)
+    tags: List[str] = knob([])
+    resume: Optional[str] = None  # null | "last" | a path to a .ckpt file
+    overwrite: bool = False
+    model: Any = MISSING
+    boundary: Any = MISSING
+    adapter: Any = MISSING
+    objective: Any = MISSING
+    optim: Any = MISSING
+    data: Any = MISSING
+    parallel: Any = MISSING
+    trainer: Any = MISSING
+    logger: Dict[str, Any] = knob({})  # name -> logger node with _target_
+    callbacks: Dict[str, Any] = knob({})  # name -> callback node with _target_ (null disables one)
+    paths: Any = MISSING
+    sweep: Dict[str, Any] = knob({})  # a sweep config sets sweep.name
+
+
+SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "boundary": BoundaryConfig,
+    "adapter/lora": LoraConfig,
+    "objective/base": ObjectiveConfig,
+    "objective/flow_matching": FlowMatchingConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "strategy/ddp": DDPConfig,
+    "strategy/fsdp": FSDPConfig,
+    "strategy/deepspeed": DeepSpeedConfig,
+    "trainer": TrainerConfig,
+    "logger/csv": CSVLoggerConfig,
+    "logger/wandb": WandbLoggerConfig,
+    "callbacks/checkpoint": CheckpointConfig,
+    "callbacks/lora_export": LoraExportConfig,
+    "callbacks/status": RunStatusConfig,
+    "callbacks/progress": ProgressConfig,
+    "paths": PathsConfig,
+}
+
+
+def register() -> None:
+    """Store every schema as ``schema/<name>`` (and the whole run as ``schema_train``). Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema_train", node=TrainConfig)
+    for name, node in SCHEMAS.items():
+        group, _, leaf = f"schema/{name}".rpartition("/")
+        cs.store(group=group, name=leaf, node=node)
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+def _violation(key: str, value: Any, meta: dict) -> str | None:
+    """The one-line problem of ``key=value`` under a field's constraints, or None."""
+    if "choices" in meta:
+        allowed = ", ".join(str(c) for c in meta["choices"])
+        if isinstance(value, (list, tuple)):
+            bad = [v for v in value if v not in meta["choices"]]
+            if bad:
+                return f"{key}: unknown value {bad[0]!r} in {list(value)}; allowed values are {allowed}"
+        elif value not in meta["choices"]:
+            return f"{key}={value}: allowed values are {allowed}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if any(not test(value, meta[k]) for k, (test, _) in _BOUNDS.items() if k in meta):
+        bounds = " and ".join(f"{sym} {meta[k]}" for k, (_, sym) in _BOUNDS.items() if k in meta)
+        doc = f" ({meta['doc']})" if meta.get("doc") else ""
+        return f"{key}={value}: must be {bounds}{doc}"
+    return None
+
+
+def check_schema(cfg) -> None:
+    """Check every schema-typed node of a composed config against its fields' constraints (ranges, choices).
+
+    Walks the whole tree, so a schema added to ``SCHEMAS`` is checked without further code. Raises ConfigError.
+    """
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    from wanexp.errors import ConfigError
+
+    def walk(node, prefix: str) -> None:
+        schema = OmegaConf.get_type(node)
+        fields = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+        for key in node.keys():
+            full = f"{prefix}{key}"
+            if OmegaConf.is_missing(node, key):
+                continue
+            value = node[key]
+            if isinstance(value, DictConfig):
+                walk(value, f"{full}.")
+                continue
+            meta = fields[key].metadata if key in fields else {}
+            if value is not None and meta:
+                container = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+                problem = _violation(full, container, meta)
+                if problem:
+                    raise ConfigError(problem)
+
+    walk(cfg, "")

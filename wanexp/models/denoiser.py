@@ -1,0 +1,63 @@
+"""The trained DiT(s) of a run as one velocity predictor, which is what an objective calls.
+
+It builds the layout's DiT input from the spec (per-token timesteps, I2V channels, loss mask), sends each sample to
+the expert that owns its noise level, and runs each expert in its base weights' dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from wanexp.models.encode import EncodedBatch
+from wanexp.models.spec import WanSpec, route
+from wanexp.perf import transformer_step_flops
+
+
+@dataclass
+class Prediction:
+    velocity: torch.Tensor  # (B, C, F, H, W), the DiT's output
+    loss_mask: torch.Tensor | None  # broadcastable to velocity; 1 = counted (None: every element)
+    route: torch.Tensor  # (B,) index into Denoiser.experts of each sample's expert
+
+
+class Denoiser:
+    """Calls the transformers of ``experts`` (a name -> module mapping the LightningModule owns)."""
+
+    def __init__(self, spec: WanSpec, transformers: Mapping[str, nn.Module], sigma_range: tuple[float, float]):
+        self.spec = spec
+        self.transformers = transformers
+        self.sigma_range = sigma_range  # the shifted-sigma range these experts are trained on (the boundary)
+
+    @property
+    def experts(self) -> list[str]:
+        return list(self.transformers)
+
+    def _forward(self, expert: str, hidden, timestep, text) -> torch.Tensor:
+        transformer = self.transformers[expert]
+        dtype = transformer.patch_embedding.weight.dtype  # the base weights' dtype (bf16-true converts them)
+        return transformer(hidden_states=hidden.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype),
+                           return_dict=False)[0]
+
+    def __call__(self, x_t: torch.Tensor, sigma: torch.Tensor, batch: EncodedBatch) -> Prediction:
+        hidden, timestep, mask = self.spec.model_inputs(x_t, batch.x0, sigma, batch.cond)
+        routes = route(sigma, self.experts, self.spec.boundary_ratio)
+        if len(self.experts) == 1:
+            return Prediction(self._forward(self.experts[0], hidden, timestep, batch.text), mask, routes)
+        velocity = None
+        for k, expert in enumerate(self.experts):
+            idx = (routes == k).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            out = self._forward(expert, hidden[idx], timestep[idx], batch.text[idx])
+            if velocity is None:
+                velocity = out.new_zeros((hidden.shape[0], *out.shape[1:]))
+            velocity = velocity.index_put((idx,), out)
+        return Prediction(velocity, mask, routes)
+
+    def step_flops(self, latent_shape, text_len: int) -> float:
+        """Model FLOPs of one forward + backward (LoRA: no base-weight gradients) over latents of this shape."""
+        config = next(iter(self.transformers.values())).config
+        return transformer_step_flops(config, latent_shape, text_len, checkpointing=self.spec.gradient_checkpointing)
