@@ -72,9 +72,9 @@ def add_lora(transformer, rank: int, alpha: float, dropout: float, targets: list
 class LoraAdapter:
     """The ``adapter=lora`` component: what is trained on the frozen base of every trained expert."""
 
-    def __init__(self, name: str = "lora", rank: int = 32, alpha: float = 32.0, dropout: float = 0.0,
-                 targets: list[str] | tuple[str, ...] = ("q", "k", "v", "o", "ffn.0", "ffn.2"),
-                 attention: list[str] | tuple[str, ...] = ("self", "cross"), init_from: str | None = None):
+    def __init__(self, *, name: str, rank: int, alpha: float, dropout: float, targets: list[str],
+                 attention: list[str], init_from: str | None):
+        """The arguments are the ``adapter`` group (conf/adapter/lora.yaml, typed by config.schema.LoraConfig)."""
         self.name, self.rank, self.alpha, self.dropout = name, int(rank), float(alpha), float(dropout)
         self.targets, self.attention, self.init_from = list(targets), list(attention), init_from
         target_regex(self.targets, self.attention)  # unknown names fail here, before any weight loads

@@ -26,7 +26,7 @@ ALLOWED = {
     "module": {"errors", "models", "objectives", "optim"},
     "callbacks": set(),
     "train": {"errors", "config", "models", "module", "optim", "callbacks"},
-    "cli": {"lora", "models", "module", "objectives", "perf"},
+    "cli": {"config", "models", "module", "perf", "train"},
 }
 
 

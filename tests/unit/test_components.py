@@ -7,7 +7,13 @@ import torch
 
 from wanexp.data.datamodule import ShapeBatchSampler
 from wanexp.models.encode import clean_prompt, encode_text
-from wanexp.models.spec import TI2VSpec, route
+from tests.conftest import compose_cfg
+from wanexp.models.spec import route
+from wanexp.train import build
+
+
+def ti2v_spec(first_frame_cond: float):
+    return build(compose_cfg(["model.path=/m", f"model.first_frame_cond={first_frame_cond}"]).model)
 
 # ---- expert routing -------------------------------------------------------------------------------------------
 
@@ -24,15 +30,15 @@ def test_route_sends_each_sample_to_the_expert_that_owns_its_sigma():
 
 
 def test_ti2v_draws_first_frame_conditioning_at_the_configured_rate():
-    spec = TI2VSpec(name="t", path="/m", first_frame_cond=0.25)
+    spec = ti2v_spec(0.25)
     g = torch.Generator().manual_seed(0)
     first = spec.sample_condition({}, 20000, g)["first_frame"]
     assert first.dtype == torch.bool and abs(first.float().mean().item() - 0.25) < 0.01
-    assert not TI2VSpec(name="t", path="/m").sample_condition({}, 100, g)["first_frame"].any()
+    assert not ti2v_spec(0.0).sample_condition({}, 100, g)["first_frame"].any()
 
 
 def test_ti2v_images_never_condition_on_a_first_frame():
-    spec = TI2VSpec(name="t", path="/m", first_frame_cond=1.0)
+    spec = ti2v_spec(1.0)
     x0 = torch.randn(2, 48, 1, 4, 4)
     cond = spec.sample_condition({}, 2)
     hidden, timestep, mask = spec.model_inputs(x0 * 0 + 7, x0, torch.tensor([0.5, 0.5]), cond)

@@ -213,3 +213,58 @@ def test_cli_bad_input_exits_2_with_one_line_before_lightning(args, needle, tmp_
     assert len(errors) == 1 and needle in errors[0], res.stderr[-2000:]
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _schema_fields(schema_name: str) -> dict:
+    import dataclasses
+
+    return {f.name: f for f in dataclasses.fields(SCHEMAS[schema_name])}
+
+
+def _assert_set_only_where_schema_has_no_default(node: dict, schema_name_or_cls, where: str) -> list[str]:
+    import dataclasses
+
+    cls = SCHEMAS[schema_name_or_cls] if isinstance(schema_name_or_cls, str) else schema_name_or_cls
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    checked = []
+    for key, value in node.items():
+        if key == "defaults":
+            continue
+        f = fields[key]
+        has_default = f.default is not dataclasses.MISSING and f.default != "???" or \
+            f.default_factory is not dataclasses.MISSING
+        assert not has_default, f"{where}: {key} is set here and defaulted in {cls.__name__}: keep one"
+        checked.append(key)
+        nested = f.type if isinstance(f.type, type) else None
+        if nested is None and isinstance(f.type, str):
+            import wanexp.config.schema as schema_module
+
+            nested = getattr(schema_module, f.type, None)
+        if dataclasses.is_dataclass(nested) and isinstance(value, dict):
+            checked += _assert_set_only_where_schema_has_no_default(value, nested, f"{where}.{key}")
+    return checked
+
+
+def test_each_default_exists_once():
+    """A value is either in a YAML file or a schema default, never both (so they cannot disagree)."""
+    checked = []
+    for path in sorted(CONF.rglob("*.yaml")):
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+        if not isinstance(raw, dict):
+            continue
+        for entry in raw.get("defaults", []):
+            if isinstance(entry, str) and entry.startswith("/schema/"):
+                name, _, package = entry.removeprefix("/schema/").partition("@")
+                node = raw if package == "_here_" else raw.get(package, {})
+                checked += _assert_set_only_where_schema_has_no_default(node, name, str(path))
+    assert len(checked) > 80
+    # and nothing is left unset in the composed default run except the one value a user must give
+    def missing(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from missing(v, f"{prefix}{k}.")
+            elif v == "???":
+                yield f"{prefix}{k}"
+
+    assert list(missing(OmegaConf.to_container(compose_cfg([])))) == ["model.path"]
+    OmegaConf.to_container(compose_cfg(["model.path=/m"]), resolve=True, throw_on_missing=True)

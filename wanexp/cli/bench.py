@@ -71,21 +71,20 @@ def baseline_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt:
 
 
 def wanexp_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt: bool, device):
-    """The LightningModule's objective (real TI2V conditioning: per-token timesteps, first-frame cond) + AdamW."""
-    import functools
-
-    from wanexp.lora import LoraAdapter
+    """The training step as `python train.py` builds it (model, adapter, objective and optimizer from the default
+    config: TI2V conditioning with per-token timesteps and first-frame draws), on encoded-batch-shaped inputs."""
+    from wanexp.config import compose
     from wanexp.models.encode import EncodedBatch
-    from wanexp.models.spec import TI2VSpec
     from wanexp.module import WanModule
-    from wanexp.objectives.flow_matching import FlowMatching
+    from wanexp.train import build
 
-    spec = TI2VSpec(name="ti2v5b", path=model_path, dtype="bf16", gradient_checkpointing=ckpt, text_len=text_len,
-                    first_frame_cond=0.5)
-    module = WanModule(spec, LoraAdapter(rank=rank, alpha=rank), FlowMatching(timestep={"shift": 5.0}),
-                       {"name": "full", "sigma_min": 0.0, "sigma_max": 1.0},
-                       optimizer=functools.partial(torch.optim.AdamW), lr=1e-4,
-                       schedule={"scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}, load_encoders=False)
+    cfg = compose(["model=ti2v5b", f"model.path={model_path}", f"model.gradient_checkpointing={ckpt}",
+                   f"model.text_len={text_len}", "model.first_frame_cond=0.5", f"adapter.rank={rank}",
+                   f"adapter.alpha={rank}"])
+    o = cfg.optim
+    module = WanModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
+                       optimizer=build(o.optimizer), lr=o.lr,
+                       schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False)
     module.configure_model()
     module.to(device).train()
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)

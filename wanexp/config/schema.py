@@ -47,46 +47,46 @@ class ModelConfig:
     _target_: str = MISSING  # the spec class (wanexp.models.spec.*)
     name: str = MISSING
     path: str = MISSING  # local diffusers-format folder
-    dtype: str = knob("bf16", choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")
-    vae_dtype: str = knob("fp32", choices=tuple(DTYPES))
-    text_encoder_dtype: str = knob("bf16", choices=tuple(DTYPES))
-    experts: List[str] = knob(["dense"], choices=EXPERTS)
-    boundary_ratio: Optional[float] = knob(None, gt=0.0, lt=1.0, doc="HIGH expert when shifted sigma >= this")
-    shift: float = knob(5.0, gt=0.0)
-    hw_multiple: int = knob(16, ge=1, doc="height/width must divide by this")
-    text_len: int = knob(512, ge=1)
-    gradient_checkpointing: bool = False
-    attention_backend: Optional[str] = None  # checked against diffusers' dispatcher by the spec
-    first_frame_cond: float = knob(0.0, ge=0.0, le=1.0, doc="TI2V: fraction of samples trained image-to-video")
-    build: Optional[Dict[str, Any]] = None  # tiny models only: the architecture to build into `path`
+    dtype: str = knob(MISSING, choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")
+    vae_dtype: str = knob(MISSING, choices=tuple(DTYPES))
+    text_encoder_dtype: str = knob(MISSING, choices=tuple(DTYPES))
+    experts: List[str] = knob(MISSING, choices=EXPERTS)
+    boundary_ratio: Optional[float] = knob(MISSING, gt=0.0, lt=1.0, doc="HIGH expert when shifted sigma >= this")
+    shift: float = knob(MISSING, gt=0.0)
+    hw_multiple: int = knob(MISSING, ge=1, doc="height/width must divide by this")
+    text_len: int = knob(MISSING, ge=1)
+    gradient_checkpointing: bool = MISSING
+    attention_backend: Optional[str] = MISSING  # checked against diffusers' dispatcher by the spec
+    first_frame_cond: float = knob(MISSING, ge=0.0, le=1.0, doc="TI2V: fraction of samples trained image-to-video")
+    build: Optional[Dict[str, Any]] = MISSING  # tiny models only: the architecture to build into `path`
 
 
 @dataclass
 class BoundaryConfig:
     name: str = knob(MISSING, choices=BOUNDARIES)
-    sigma_min: float = knob(0.0, ge=0.0, le=1.0)
-    sigma_max: float = knob(1.0, ge=0.0, le=1.0)
+    sigma_min: float = knob(MISSING, ge=0.0, le=1.0)
+    sigma_max: float = knob(MISSING, ge=0.0, le=1.0)
 
 
 # ---- adapter, objective, optim ---------------------------------------------------------------------------------
 @dataclass
 class LoraConfig:
     _target_: str = "wanexp.lora.LoraAdapter"
-    name: str = "lora"
-    rank: int = knob(32, ge=1)
-    alpha: float = knob(32.0, gt=0.0, doc="scale = alpha / rank")
-    dropout: float = knob(0.0, ge=0.0, lt=1.0)
-    targets: List[str] = knob(["q", "k", "v", "o", "ffn.0", "ffn.2"])  # names checked by the adapter
-    attention: List[str] = knob(["self", "cross"])
-    init_from: Optional[str] = None  # a LoRA file (ComfyUI or diffusers format) to start from
+    name: str = MISSING
+    rank: int = knob(MISSING, ge=1)
+    alpha: float = knob(MISSING, gt=0.0, doc="scale = alpha / rank")
+    dropout: float = knob(MISSING, ge=0.0, lt=1.0)
+    targets: List[str] = knob(MISSING)  # names checked by the adapter
+    attention: List[str] = knob(MISSING)
+    init_from: Optional[str] = MISSING  # a LoRA file (ComfyUI or diffusers format) to start from
 
 
 @dataclass
 class TimestepConfig:
-    sampling: str = knob("uniform", choices=TIMESTEP_SAMPLING)
-    shift: float = knob(5.0, gt=0.0)
-    logit_mean: float = 0.0
-    logit_std: float = knob(1.0, gt=0.0)
+    sampling: str = knob(MISSING, choices=TIMESTEP_SAMPLING)
+    shift: float = knob(MISSING, gt=0.0)
+    logit_mean: float = MISSING
+    logit_std: float = knob(MISSING, gt=0.0)
 
 
 @dataclass
@@ -101,28 +101,28 @@ class ObjectiveConfig:
 class FlowMatchingConfig(ObjectiveConfig):
     _target_: str = "wanexp.objectives.flow_matching.FlowMatching"
     name: str = "flow_matching"
-    timestep: TimestepConfig = field(default_factory=TimestepConfig)
+    timestep: TimestepConfig = MISSING
 
 
 @dataclass
 class AdamWConfig:
-    _target_: str = "torch.optim.AdamW"
-    _partial_: bool = True  # the module calls it with the parameters and the (scaled) learning rate
-    betas: List[float] = knob([0.9, 0.999])
-    eps: float = knob(1e-8, gt=0.0)
-    weight_decay: float = knob(0.01, ge=0.0)
-    fused: Optional[bool] = None  # null: fused kernel where every parameter is on a GPU
+    _target_: str = MISSING
+    _partial_: bool = MISSING  # the module calls it with the parameters and the (scaled) learning rate
+    betas: List[float] = knob(MISSING)
+    eps: float = knob(MISSING, gt=0.0)
+    weight_decay: float = knob(MISSING, ge=0.0)
+    fused: Optional[bool] = MISSING  # null: fused kernel where every parameter is on a GPU
 
 
 @dataclass
 class OptimConfig:
-    lr: float = knob(1e-4, gt=0.0, le=1.0, doc="learning rate at reference_batch")
-    lr_scaling: str = knob("none", choices=LR_SCALING, doc="scale lr with effective batch / reference_batch")
-    reference_batch: int = knob(1, ge=1)
-    scheduler: str = knob("constant", choices=SCHEDULERS, doc="after warm-up")
-    warmup_steps: int = knob(0, ge=0)
-    min_lr_ratio: float = knob(0.0, ge=0.0, le=1.0, doc="cosine/linear floor as a fraction of lr")
-    optimizer: AdamWConfig = field(default_factory=AdamWConfig)
+    lr: float = knob(MISSING, gt=0.0, le=1.0, doc="learning rate at reference_batch")
+    lr_scaling: str = knob(MISSING, choices=LR_SCALING, doc="scale lr with effective batch / reference_batch")
+    reference_batch: int = knob(MISSING, ge=1)
+    scheduler: str = knob(MISSING, choices=SCHEDULERS, doc="after warm-up")
+    warmup_steps: int = knob(MISSING, ge=0)
+    min_lr_ratio: float = knob(MISSING, ge=0.0, le=1.0, doc="cosine/linear floor as a fraction of lr")
+    optimizer: AdamWConfig = MISSING
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -131,67 +131,67 @@ class DataConfig:
     _target_: str = "wanexp.data.datamodule.WanDataModule"
     name: str = MISSING
     metadata: str = MISSING
-    root: Optional[str] = None  # media paths resolve against this folder; null = the metadata file's folder
-    num_frames: int = knob(17, ge=1, doc="4k+1")
-    height: int = knob(704, ge=1)
-    width: int = knob(1280, ge=1)
-    frame_stride: int = knob(1, ge=1)
-    batch_size: int = knob(1, ge=1, doc="per device")
-    num_workers: int = knob(4, ge=0)
-    max_samples: Optional[int] = knob(None, ge=1)
-    generate: Optional[Dict[str, Any]] = None  # synthetic data only
+    root: Optional[str] = MISSING  # media paths resolve against this folder; null = the metadata file's folder
+    num_frames: int = knob(MISSING, ge=1, doc="4k+1")
+    height: int = knob(MISSING, ge=1)
+    width: int = knob(MISSING, ge=1)
+    frame_stride: int = knob(MISSING, ge=1)
+    batch_size: int = knob(MISSING, ge=1, doc="per device")
+    num_workers: int = knob(MISSING, ge=0)
+    max_samples: Optional[int] = knob(MISSING, ge=1)
+    generate: Optional[Dict[str, Any]] = MISSING  # synthetic data only
 
 
 # ---- parallel: a name for the cross-group rules + the Lightning strategy by _target_ ---------------------------
 @dataclass
 class DDPConfig:
     _target_: str = "wanexp.parallel.ddp"
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = True
-    timeout_s: int = knob(1800, ge=1)
+    find_unused_parameters: bool = MISSING
+    static_graph: bool = MISSING
+    gradient_as_bucket_view: bool = MISSING
+    timeout_s: int = knob(MISSING, ge=1)
 
 
 @dataclass
 class FSDPConfig:
     _target_: str = "wanexp.parallel.fsdp.WanFSDPStrategy"
-    sharding_strategy: str = knob("FULL_SHARD", choices=FSDP_SHARDING)
-    cpu_offload: bool = False
-    param_dtype: str = knob("bf16", choices=FSDP_PARAM_DTYPES)
-    timeout_s: int = knob(1800, ge=1)
+    sharding_strategy: str = knob(MISSING, choices=FSDP_SHARDING)
+    cpu_offload: bool = MISSING
+    param_dtype: str = knob(MISSING, choices=FSDP_PARAM_DTYPES)
+    timeout_s: int = knob(MISSING, ge=1)
 
 
 @dataclass
 class DeepSpeedConfig:
     _target_: str = "wanexp.parallel.deepspeed"
-    stage: int = knob(2, ge=1, le=3, doc="ZeRO stage")
-    offload_optimizer: bool = False
-    offload_parameters: bool = False
-    timeout_s: int = knob(1800, ge=1)
+    stage: int = knob(MISSING, ge=1, le=3, doc="ZeRO stage")
+    offload_optimizer: bool = MISSING
+    offload_parameters: bool = MISSING
+    timeout_s: int = knob(MISSING, ge=1)
 
 
 @dataclass
 class ParallelConfig:
     name: str = knob(MISSING, choices=PARALLEL)
-    strategy: Any = "auto"  # "auto" or a node with _target_ (a Lightning Strategy)
+    strategy: Any = MISSING  # "auto" or a node with _target_ (a Lightning Strategy)
 
 
 # ---- trainer: lightning.Trainer arguments ----------------------------------------------------------------------
 @dataclass
 class TrainerConfig:
-    accelerator: str = "auto"
-    devices: Any = "auto"
-    num_nodes: int = knob(1, ge=1)
-    precision: str = knob("bf16-mixed", choices=PRECISIONS)
-    max_steps: int = knob(1000, ge=-1, doc="-1: run max_epochs")
-    max_epochs: Optional[int] = knob(None, ge=1)
-    accumulate_grad_batches: int = knob(1, ge=1)
-    gradient_clip_val: Optional[float] = knob(1.0, ge=0.0)
-    log_every_n_steps: int = knob(10, ge=1)
-    limit_val_batches: Any = 0
-    num_sanity_val_steps: int = knob(0, ge=-1)
-    deterministic: bool = False
-    benchmark: Optional[bool] = None
+    accelerator: str = MISSING
+    devices: Any = MISSING
+    num_nodes: int = knob(MISSING, ge=1)
+    precision: str = knob(MISSING, choices=PRECISIONS)
+    max_steps: int = knob(MISSING, ge=-1, doc="-1: run max_epochs")
+    max_epochs: Optional[int] = knob(MISSING, ge=1)
+    accumulate_grad_batches: int = knob(MISSING, ge=1)
+    gradient_clip_val: Optional[float] = knob(MISSING, ge=0.0)
+    log_every_n_steps: int = knob(MISSING, ge=1)
+    limit_val_batches: Any = MISSING
+    num_sanity_val_steps: int = knob(MISSING, ge=-1)
+    deterministic: bool = MISSING
+    benchmark: Optional[bool] = MISSING
     detect_anomaly: bool = False
     profiler: Optional[str] = None
 
@@ -208,14 +208,14 @@ class CSVLoggerConfig:
 @dataclass
 class WandbLoggerConfig:
     _target_: str = "lightning.pytorch.loggers.WandbLogger"
-    project: Optional[str] = "wanexp"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    name: Optional[str] = None
+    project: Optional[str] = MISSING
+    entity: Optional[str] = MISSING
+    group: Optional[str] = MISSING
+    name: Optional[str] = MISSING
     save_dir: str = MISSING
-    mode: Optional[str] = knob(None, choices=WANDB_MODES, doc="null: WANDB_MODE from the environment, else online")
-    log_model: bool = False
-    tags: List[str] = knob([])
+    mode: Optional[str] = knob(MISSING, choices=WANDB_MODES, doc="null: WANDB_MODE from the environment, else online")
+    log_model: bool = MISSING
+    tags: List[str] = knob(MISSING)
 
 
 @dataclass
@@ -223,8 +223,8 @@ class CheckpointConfig:
     _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
     dirpath: str = MISSING
     filename: str = "step_{step:06d}"
-    every_n_train_steps: int = knob(250, ge=1, doc="full checkpoint (+ LoRA export) every N optimizer steps")
-    save_top_k: int = knob(3, ge=-1, doc="newest N step checkpoints kept (plus last.ckpt); -1 keeps all")
+    every_n_train_steps: int = knob(MISSING, ge=1, doc="full checkpoint (+ LoRA export) every N optimizer steps")
+    save_top_k: int = knob(MISSING, ge=-1, doc="newest N step checkpoints kept (plus last.ckpt); -1 keeps all")
     monitor: str = "step"
     mode: str = "max"
     auto_insert_metric_name: bool = False
@@ -252,7 +252,7 @@ class ProgressConfig:
 
 @dataclass
 class PathsConfig:
-    root_dir: str = "."
+    root_dir: str = MISSING
     data_dir: str = MISSING
     output_dir: str = MISSING
     tiny_model_dir: str = MISSING
@@ -262,10 +262,10 @@ class PathsConfig:
 @dataclass
 class TrainConfig:
     run_name: str = MISSING
-    seed: int = knob(42, ge=0)
-    tags: List[str] = knob([])
-    resume: Optional[str] = None  # null | "last" | a path to a .ckpt file
-    overwrite: bool = False
+    seed: int = knob(MISSING, ge=0)
+    tags: List[str] = knob(MISSING)
+    resume: Optional[str] = MISSING  # null | "last" | a path to a .ckpt file
+    overwrite: bool = MISSING
     model: Any = MISSING
     boundary: Any = MISSING
     adapter: Any = MISSING

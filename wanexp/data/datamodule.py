@@ -84,9 +84,10 @@ def collate(items: list[dict]) -> dict:
 
 
 class WanDataModule(L.LightningDataModule):
-    def __init__(self, name: str, metadata: str, root: str | None = None, num_frames: int = 17, height: int = 704,
-                 width: int = 1280, frame_stride: int = 1, batch_size: int = 1, num_workers: int = 4,
-                 max_samples: int | None = None, generate: dict | None = None, seed: int = 0):
+    def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
+                 frame_stride: int, batch_size: int, num_workers: int, max_samples: int | None, generate: dict | None,
+                 seed: int):
+        """The arguments are the ``data`` group (config.schema.DataConfig) and the run's seed."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride

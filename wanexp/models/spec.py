@@ -35,21 +35,23 @@ class WanSpec:
 
     def __init__(
         self,
+        *,
         name: str,
         path: str,
-        dtype: str = "bf16",
-        vae_dtype: str = "fp32",
-        text_encoder_dtype: str = "bf16",
-        experts: list[str] | tuple[str, ...] = ("dense",),
-        boundary_ratio: float | None = None,
-        shift: float = 5.0,
-        hw_multiple: int = 16,
-        text_len: int = 512,
-        gradient_checkpointing: bool = False,
-        attention_backend: str | None = None,
-        first_frame_cond: float = 0.0,
-        build: dict | None = None,
+        dtype: str,
+        vae_dtype: str,
+        text_encoder_dtype: str,
+        experts: list[str],
+        boundary_ratio: float | None,
+        shift: float,
+        hw_multiple: int,
+        text_len: int,
+        gradient_checkpointing: bool,
+        attention_backend: str | None,
+        first_frame_cond: float,
+        build: dict | None,
     ) -> None:
+        """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
         self.path = Path(path)
         self.dtype, self.vae_dtype, self.text_encoder_dtype = (

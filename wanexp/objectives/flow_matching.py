@@ -52,12 +52,11 @@ def loss_breakdown(per_sample: torch.Tensor, sigma: torch.Tensor, route: torch.T
 class FlowMatching(Objective):
     """The Wan2.2 flow-matching loss on the boundary's sigma range (``objective=flow_matching``)."""
 
-    def __init__(self, name: str = "flow_matching", timestep: dict | None = None):
+    def __init__(self, *, name: str, timestep: dict):
+        """``timestep``: sampling, shift, logit_mean, logit_std (config.schema.TimestepConfig)."""
         super().__init__(name)
-        ts = dict(timestep or {})
-        self.shift = float(ts.get("shift", 1.0))
-        self.sampling = ts.get("sampling", "uniform")
-        self.logit_mean, self.logit_std = float(ts.get("logit_mean", 0.0)), float(ts.get("logit_std", 1.0))
+        self.sampling, self.shift = timestep["sampling"], float(timestep["shift"])
+        self.logit_mean, self.logit_std = float(timestep["logit_mean"]), float(timestep["logit_std"])
 
     def sample_sigmas(self, n: int, lo: float, hi: float, generator=None, device="cpu") -> torch.Tensor:
         return sample_sigmas(n, lo=lo, hi=hi, shift=self.shift, scheme=self.sampling, logit_mean=self.logit_mean,

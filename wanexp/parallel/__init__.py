@@ -10,13 +10,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 
-def ddp(timeout_s: int = 1800, **kwargs):
+def ddp(*, timeout_s: int, **kwargs):
     from lightning.pytorch.strategies import DDPStrategy
 
     return DDPStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def deepspeed(timeout_s: int = 1800, **kwargs):
+def deepspeed(*, timeout_s: int, **kwargs):
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     return DeepSpeedStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)

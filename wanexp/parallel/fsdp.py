@@ -18,8 +18,7 @@ RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}  # keys: config.schema.FS
 
 
 class WanFSDPStrategy(ModelParallelStrategy):
-    def __init__(self, sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
-                 param_dtype: str = "bf16", timeout_s: int = 1800, **kwargs):
+    def __init__(self, *, sharding_strategy: str, cpu_offload: bool, param_dtype: str, timeout_s: int, **kwargs):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
                          timeout=timedelta(seconds=timeout_s), **kwargs)
         self.reshard_after_forward = RESHARD[sharding_strategy]
