@@ -82,6 +82,24 @@ class WanModule(L.LightningModule):
             opt, lr_lambda(s["scheduler"], int(s["warmup_steps"]), total, float(s["min_lr_ratio"])))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip as Lightning would, also for a fused optimizer under bf16 autocast.
+
+        Lightning's mixed-precision plugin refuses to clip gradients for any fused optimizer, a rule that matters only
+        with an fp16 grad scaler (the fused step unscales internally). Without a scaler the gradients are already
+        true gradients, so they are clipped here with the same torch call.
+        """
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugin = self.trainer.precision_plugin
+        if not (gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
     # ---- checkpoints hold trainable weights only -------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         keep = set(self.trainable_names)

@@ -46,9 +46,11 @@ def test_gradient_checkpointing_is_on_when_configured(shared_dir):
     assert counts["true"] < counts["false"] / 2, counts
 
 
-def test_gradient_clipping_is_applied_and_lr_scales_with_the_effective_batch(shared_dir, tmp_path):
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])  # bf16-mixed clips in WanModule (fused-safe path)
+def test_gradient_clipping_is_applied_and_lr_scales_with_the_effective_batch(shared_dir, tmp_path, precision):
     r = tiny_run(shared_dir, tmp_path / "run", [
         "model=tiny", "+callbacks.grad_probe._target_=tests.helpers.GradNormProbe", "trainer.max_steps=3",
+        f"trainer.precision={precision}",
         "trainer.gradient_clip_val=1e-4", "optim.lr_scaling=linear", "optim.reference_batch=1"])
     probe = next(c for c in r["trainer"].callbacks if type(c).__name__ == "GradNormProbe")
     assert len(probe.norms) == 3 and all(n <= 1e-4 * 1.001 for n in probe.norms), probe.norms

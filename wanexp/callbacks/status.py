@@ -51,9 +51,12 @@ class RunStatus(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.t_last = time.perf_counter()
+        opt = trainer.optimizers[0] if trainer.optimizers else None
         self._write(trainer, state="running", steps_per_epoch=optimizer_steps_per_epoch(trainer),
                     batches_per_epoch=trainer.num_training_batches,
-                    accumulate_grad_batches=trainer.accumulate_grad_batches)
+                    accumulate_grad_batches=trainer.accumulate_grad_batches,
+                    optimizer=None if opt is None else {"name": type(opt).__name__, "lr": opt.param_groups[0]["lr"],
+                                                        "fused": bool(opt.defaults.get("fused"))})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
