@@ -42,3 +42,20 @@ class CleanLatentObjective(Objective):
         per_sample = masked_mse(pred.velocity, x0, pred.loss_mask)
         return ObjectiveOutput(per_sample.mean(), batch.size, {"train/clean_latent_mse": (per_sample.mean().detach(),
                                                                                           batch.size)})
+
+
+class BatchRecorder(Callback):
+    """Records the dataset indices of every training batch (per rank; appended to ``path`` if given)."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self.batches: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        idx = batch["index"].tolist()
+        self.batches.append(idx)
+        if self.path:
+            import json
+
+            with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch, "index": idx}) + "\n")

@@ -19,6 +19,8 @@ from wanexp.errors import ConfigError, UserError
 # The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+# The datamodule resumes the data order itself (wanexp/data/datamodule.py), which Lightning cannot see.
+warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
 
 
 def instantiate_named(nodes: DictConfig | None) -> list:
@@ -131,7 +133,8 @@ def run(cfg: DictConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
-    trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it
+    if trainer.checkpoint_callback is None:  # checkpointing switched off: one checkpoint at the end
+        trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it
     export = next((c for c in trainer.callbacks if isinstance(c, LoraExport)), None)
     files = [str(f) for f in export.finalize(trainer.global_step)] if export and trainer.global_rank == 0 else []
     return {"output_dir": str(out), "lora_files": files, "checkpoint": str(out / "checkpoints" / "last.ckpt"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wanexp.data.datamodule import ShapeBatchSampler
+from wanexp.data.datamodule import BucketBatchSampler
 from wanexp.models.encode import clean_prompt, encode_text
 from tests.conftest import compose_cfg
 from wanexp.models.spec import route
@@ -87,8 +87,8 @@ def test_prompts_are_cleaned_before_encoding(tiny_text):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_batch_sampler_gives_each_rank_a_disjoint_slice(world):
-    keys = ["video"] * 25 + ["image"] * 14
-    per_rank = [list(ShapeBatchSampler(keys, batch_size=2, rank=r, world_size=world, seed=3)) for r in range(world)]
+    keys = [(17, 64, 64)] * 25 + [(1, 64, 64)] * 14 + [(17, 64, 96)] * 9
+    per_rank = [list(BucketBatchSampler(keys, batch_size=2, rank=r, world_size=world, seed=3)) for r in range(world)]
     assert len({len(b) for b in per_rank}) == 1  # same number of batches on every rank: no collective hangs
     seen = [i for batches in per_rank for b in batches for i in b]
     assert len(seen) == len(set(seen))  # no sample on two ranks
@@ -97,4 +97,4 @@ def test_batch_sampler_gives_each_rank_a_disjoint_slice(world):
     # the same step on every rank draws from the same shape, so a step's tensors match across ranks
     for step in zip(*per_rank):
         assert len({keys[b[0]] for b in step}) == 1
-    assert len(per_rank[0]) == len(ShapeBatchSampler(keys, 2, 0, world, seed=3))
+    assert len(per_rank[0]) == len(BucketBatchSampler(keys, 2, 0, world, seed=3))

@@ -139,6 +139,8 @@ class DataConfig:
     batch_size: int = knob(MISSING, ge=1, doc="per device")
     num_workers: int = knob(MISSING, ge=0)
     max_samples: Optional[int] = knob(MISSING, ge=1)
+    dataset_repeat: int = knob(MISSING, ge=1, doc="each sample this many times per epoch")
+    buckets: Optional[List[List[int]]] = MISSING  # [[height, width], ...]: aspect-ratio buckets; null: height x width
     generate: Optional[Dict[str, Any]] = MISSING  # synthetic data only
 
 
@@ -220,7 +222,7 @@ class WandbLoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    _target_: str = "wanexp.callbacks.checkpoint.RunCheckpoint"
     dirpath: str = MISSING
     filename: str = "step_{step:06d}"
     every_n_train_steps: int = knob(MISSING, ge=1, doc="full checkpoint (+ LoRA export) every N optimizer steps")
@@ -228,7 +230,7 @@ class CheckpointConfig:
     monitor: str = "step"
     mode: str = "max"
     auto_insert_metric_name: bool = False
-    save_last: bool = False
+    save_last: Any = "link"  # last.ckpt: a link to the newest checkpoint
     save_on_train_epoch_end: bool = False
 
 

@@ -1,11 +1,22 @@
-"""The datamodule: metadata rows -> decoded clips -> batches of equal shape.
+"""The datamodule: metadata rows -> decoded clips -> batches of one shape (a bucket), resumable mid-epoch.
 
-Videos and images are batched separately (an image is a one-frame clip), so every batch has one shape. The batch
-sampler shards across ranks itself: each rank gets the same number of batches, and an epoch is
-sum over kinds of floor(n_kind / (world_size * batch_size)) batches per rank.
+Each sample is assigned a bucket: a (frames, height, width) shape. Videos train at ``num_frames``; images are one-frame
+samples in buckets of their own. With ``buckets`` (a list of [height, width] resolutions) each sample goes to the
+resolution whose aspect ratio is closest to its own and is resized to cover it and center-cropped (never distorted).
+
+The batch sampler shards over ranks itself: each optimizer step takes ``world_size x batch`` samples of one bucket and
+gives each rank its own slice, so ranks draw disjoint samples and the same number of batches (no collective waits on
+a rank that ran out). Per rank an epoch is sum over buckets of floor(n_bucket / (world_size x batch)) batches.
+
+Exact resume: the order of an epoch is a pure function of (seed, epoch), so the data position is two numbers. The
+datamodule stores the optimizer steps done (Lightning saves its state_dict in every checkpoint); a resumed run
+skips the batches those steps consumed in their epoch and continues with exactly the unseen samples, on every rank.
+(A loader-level state such as torchdata's StatefulDataLoader counts the batch Lightning prefetches, so it resumes one
+batch late.)
 """
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -16,63 +27,110 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import MetadataError, Sample, missing_files, read_metadata
 
+Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
+
+
+def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
+    """The (height, width) in ``resolutions`` whose aspect ratio is closest to ``width / height`` (log distance)."""
+    aspect = math.log(width / height)
+    return min(resolutions, key=lambda hw: (abs(math.log(hw[1] / hw[0]) - aspect), -hw[0] * hw[1]))
+
+
+def bucket_shapes(samples: list[Sample], num_frames: int, height: int, width: int,
+                  resolutions: list[tuple[int, int]] | None = None,
+                  sizes: list[tuple[int, int] | None] | None = None) -> list[Shape]:
+    """Each sample's bucket. ``sizes``: the media's (width, height) where known (needed for aspect buckets)."""
+    shapes = []
+    for i, s in enumerate(samples):
+        frames = 1 if s.kind == "image" else num_frames
+        h, w = height, width
+        if resolutions and sizes is not None and sizes[i] is not None:
+            h, w = nearest_resolution(*sizes[i], resolutions)
+        shapes.append((frames, h, w))
+    return shapes
+
 
 class ClipDataset(Dataset):
-    """Decodes one metadata row into ``{"pixels": (3, F, H, W) in [-1, 1], "prompt": str}``."""
+    """Decodes one sample at its bucket's shape into ``{"pixels": (3, F, H, W) in [-1, 1], "prompt", "index"}``."""
 
-    def __init__(self, samples: list[Sample], num_frames: int, height: int, width: int, frame_stride: int = 1):
-        self.samples = samples
-        self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
+    def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int = 1):
+        self.samples, self.shapes, self.frame_stride = samples, shapes, frame_stride
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def shape_key(self, i: int) -> str:
-        return self.samples[i].kind
-
     def __getitem__(self, i: int) -> dict:
         s = self.samples[i]
-        pixels = load_clip(s, self.num_frames, self.height, self.width, self.frame_stride)
+        frames, height, width = self.shapes[i]
+        pixels = load_clip(s, frames, height, width, self.frame_stride)
         return {"pixels": pixels, "prompt": s.prompt, "index": i}
 
 
-class ShapeBatchSampler(Sampler[list[int]]):
-    """Batches of one shape key (video / image), sharded over ranks, reshuffled each epoch with a shared seed."""
+class _Epoch:
+    """The epoch counter of a batch sampler. Lightning calls ``set_epoch`` on ``batch_sampler.sampler`` at the
+    start of every epoch (and again after a resume), as it does for torch's BatchSampler(sampler)."""
 
-    def __init__(self, keys: list[str], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True):
-        self.keys, self.batch_size, self.rank, self.world = keys, batch_size, rank, world_size
-        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+    def __init__(self):
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _global_batches(self) -> list[list[int]]:
-        rng = random.Random(self.seed + self.epoch)
-        groups: dict[str, list[int]] = {}
+
+class BucketBatchSampler(Sampler[list[int]]):
+    """Batches of one bucket, sharded over ranks; the order is a pure function of (seed, epoch).
+
+    ``batch_sizes`` maps a bucket to its per-rank batch size (token-budget batching), else ``batch_size`` for all.
+    """
+
+    def __init__(self, keys: list, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, batch_sizes: dict | None = None):
+        self.keys, self.batch_size, self.rank, self.world = keys, batch_size, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.batch_sizes = batch_sizes or {}
+        self.sampler = _Epoch()
+        self.resume_at: tuple[int, int] | None = None  # (epoch, batches of it already trained): skipped once
+
+    def resume(self, steps_done: int, accumulate: int) -> None:
+        """Continue after ``steps_done`` optimizer steps: Lightning steps every ``accumulate`` batches and at the end
+        of each epoch, so an epoch of N batches is ceil(N / accumulate) steps."""
+        steps_per_epoch = math.ceil(len(self) / accumulate)
+        epoch, step_in_epoch = divmod(steps_done, steps_per_epoch)
+        self.resume_at = (epoch, step_in_epoch * accumulate) if step_in_epoch else None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def _groups(self) -> dict:
+        groups: dict = {}
         for i, k in enumerate(self.keys):
             groups.setdefault(k, []).append(i)
-        per_step = self.batch_size * self.world
+        return groups
+
+    def _global_batches(self) -> list[list[int]]:
+        rng = random.Random(self.seed + self.sampler.epoch)
         steps = []
-        for key in sorted(groups):
-            idx = groups[key]
+        for key, idx in sorted(self._groups().items()):
+            per_step = self.batch_sizes.get(key, self.batch_size) * self.world
             if self.shuffle:
                 rng.shuffle(idx)
-            n = len(idx) // per_step
-            steps += [idx[s * per_step:(s + 1) * per_step] for s in range(n)]
+            steps += [idx[s * per_step:(s + 1) * per_step] for s in range(len(idx) // per_step)]
         if self.shuffle:
             rng.shuffle(steps)
         return steps
 
     def __iter__(self):
-        for step in self._global_batches():
-            yield step[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        steps = self._global_batches()
+        if self.resume_at is not None and self.resume_at[0] == self.sampler.epoch:
+            steps = steps[self.resume_at[1]:]
+            self.resume_at = None
+        for step in steps:
+            b = len(step) // self.world
+            yield step[self.rank * b:(self.rank + 1) * b]
 
     def __len__(self) -> int:
-        counts: dict[str, int] = {}
-        for k in self.keys:
-            counts[k] = counts.get(k, 0) + 1
-        return sum(c // (self.batch_size * self.world) for c in counts.values())
+        return sum(len(idx) // (self.batch_sizes.get(k, self.batch_size) * self.world)
+                   for k, idx in self._groups().items())
 
 
 def collate(items: list[dict]) -> dict:
@@ -85,15 +143,18 @@ def collate(items: list[dict]) -> dict:
 
 class WanDataModule(L.LightningDataModule):
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
-                 frame_stride: int, batch_size: int, num_workers: int, max_samples: int | None, generate: dict | None,
-                 seed: int):
+                 frame_stride: int, batch_size: int, num_workers: int, max_samples: int | None, dataset_repeat: int,
+                 buckets: list | None, generate: dict | None, seed: int):
         """The arguments are the ``data`` group (config.schema.DataConfig) and the run's seed."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
         self.batch_size, self.num_workers, self.max_samples = batch_size, num_workers, max_samples
+        self.dataset_repeat = dataset_repeat
+        self.resolutions = [tuple(r) for r in buckets] if buckets else None
         self.generate, self.seed = generate, seed
         self.dataset: ClipDataset | None = None
+        self.steps_done = 0  # optimizer steps the restored checkpoint had done (0: a fresh run)
 
     def prepare(self) -> None:
         """Generate the synthetic clips if this data group asks for them (idempotent, safe across ranks)."""
@@ -116,18 +177,28 @@ class WanDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.dataset is None:
-            self.dataset = ClipDataset(self.samples(), self.num_frames, self.height, self.width, self.frame_stride)
+            samples = self.samples() * self.dataset_repeat
+            shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions)
+            self.dataset = ClipDataset(samples, shapes, self.frame_stride)
+
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: the data position is the optimizer steps done (see the module docstring)."""
+        return {"steps_done": self.trainer.global_step if self.trainer is not None else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_done = int(state.get("steps_done", 0))
 
     def train_dataloader(self) -> DataLoader:
         rank, world = 0, 1
         if self.trainer is not None:
             rank, world = self.trainer.global_rank, self.trainer.world_size
-        keys = [self.dataset.shape_key(i) for i in range(len(self.dataset))]
-        sampler = ShapeBatchSampler(keys, self.batch_size, rank, world, seed=self.seed)
+        sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed)
         if len(sampler) == 0:
-            raise ValueError(
-                f"data={self.name}: {len(keys)} samples give no full batch of {self.batch_size} per rank on "
+            raise MetadataError(
+                f"data={self.name}: {len(self.dataset)} samples give no full batch of {self.batch_size} per rank on "
                 f"{world} ranks; lower data.batch_size or add samples"
             )
+        if self.steps_done:
+            sampler.resume(self.steps_done, self.trainer.accumulate_grad_batches if self.trainer else 1)
         return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
