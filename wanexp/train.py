@@ -112,7 +112,12 @@ def run(cfg: DictConfig) -> dict:
         cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
     dm = build(cfg.data, seed=int(cfg.seed))
     dm.prepare()
-    dm.setup("fit")  # reads and checks the metadata before any weights load
+    dm.setup("fit")  # reads and checks the metadata and media before any weights load
+    if dm.report.get("rejected") or dm.report.get("warnings"):
+        if launch_rank() == 0:
+            r = dm.report
+            print(f"wanexp: data: {r['rejected']} of {r['rows']} rows rejected, {r['warnings']} warnings "
+                  f"(reasons in {r['rejects_file']})", flush=True)
     ckpt = resume_path(cfg, out)
     if cfg.overwrite and ckpt is None and launch_rank() == 0:
         clear_run_folder(out)

@@ -159,5 +159,5 @@ def test_missing_media_files_fail_before_weights_load(shared_dir, tmp_path):
 
     meta = tmp_path / "meta.csv"
     meta.write_text("video,prompt\nclips/nowhere.mp4,a red circle\n")
-    with pytest.raises(MetadataError, match="1 of 1 media files are missing.*data.root"):
+    with pytest.raises(MetadataError, match="1 of 1 samples rejected.*file not found.*data.root"):
         tiny_run(shared_dir, tmp_path / "r", ["model=tiny", f"data.metadata={meta}", "data.generate=null"])

@@ -15,7 +15,14 @@ from PIL import Image
 
 from wanexp.data import media as media_mod
 from wanexp.data.media import MediaError, load_clip, write_video
-from wanexp.data.metadata import MetadataError, Sample, missing_files, read_metadata
+from wanexp.data.metadata import (
+    MetadataError,
+    Reject,
+    Sample,
+    missing_files,
+    read_metadata,
+    read_metadata_with_rejects,
+)
 from wanexp.data.synthetic import COLORS, DIRECTIONS, demo_specs, make_demo_dataset, render_frames
 
 
@@ -97,13 +104,11 @@ def test_missing_files(tmp_path: Path) -> None:
     [
         ("meta.txt", "video,prompt\na.mp4,x\n", ".csv"),
         ("meta.csv", "clip,prompt\na.mp4,x\n", "video, image, file_name, path"),
-        ("meta.csv", "video,prompt\na.mp4,x\nb.mp4,\n", "row 2"),
         ("meta.csv", "video,prompt\n", "no rows"),
         ("meta.csv", "", "empty"),
         ("meta.csv", "video,prompt\nnotes.txt,x\n", ".txt"),
         ("meta.json", "[]", "no rows"),
         ("meta.json", '{"video": "a.mp4"}', "list"),
-        ("meta.json", '[{"video": "a.mp4", "prompt": "x"}, {"video": "b.mp4", "prompt": "  "}]', "row 2"),
         ("meta.jsonl", '{"clip": "a.mp4", "prompt": "x"}\n', "clip"),
         ("meta.jsonl", '{"video": "a.mp4", "prompt": "x"}\n{broken\n', "line 2"),
     ],
@@ -116,6 +121,23 @@ def test_metadata_errors(tmp_path: Path, name: str, content: str, needle: str) -
     message = str(info.value)
     assert name in message and needle in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "line"),
+    [
+        ("meta.csv", "video,prompt\na.mp4,x\nb.mp4,\n", "3"),
+        ("meta.json", '[{"video": "a.mp4", "prompt": "x"}, {"video": "b.mp4", "prompt": "  "}]', "1 (entry 2)"),
+    ],
+)
+def test_metadata_row_rejects(tmp_path: Path, name: str, content: str, line: str) -> None:
+    """A bad row is rejected (and left out by read_metadata); the other rows survive."""
+    path = tmp_path / name
+    path.write_text(content)
+    samples, rejects = read_metadata_with_rejects(path)
+    assert samples == [Sample(str(tmp_path / "a.mp4"), "x", "video")]
+    assert rejects == [Reject(f"{path}:{line}", str(tmp_path / "b.mp4"), "empty prompt")]
+    assert read_metadata(path) == samples
 
 
 def test_metadata_missing_file(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ class RunStatus(Callback):
         self._write(trainer, state="running", steps_per_epoch=optimizer_steps_per_epoch(trainer),
                     batches_per_epoch=trainer.num_training_batches,
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
+                    data=getattr(trainer.datamodule, "report", None),
                     optimizer=None if opt is None else {"name": type(opt).__name__, "lr": opt.param_groups[0]["lr"],
                                                         "fused": bool(opt.defaults.get("fused"))})
 

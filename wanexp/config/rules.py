@@ -67,10 +67,10 @@ def _check_target(key: str, node: DictConfig) -> None:
 def check_paths(cfg: DictConfig) -> None:
     """Files a run needs before anything loads: the metadata file, the resume checkpoint, a free run folder."""
     d = cfg.data
-    if not d.generate and not Path(d.metadata).is_file():
+    if not d.generate and not Path(d.metadata).exists():
         raise ConfigError(
             f"data.metadata={d.metadata}: file not found; point data.metadata (or paths.data_dir) at your "
-            f"metadata CSV/JSON, or use data=synthetic"
+            f"metadata CSV/JSON/JSONL or a folder of media with .txt captions, or use data=synthetic"
         )
     out = Path(cfg.paths.output_dir)
     if cfg.resume is None and not cfg.overwrite and any((out / "checkpoints").glob("*.ckpt")):

@@ -141,6 +141,9 @@ class DataConfig:
     max_samples: Optional[int] = knob(MISSING, ge=1)
     dataset_repeat: int = knob(MISSING, ge=1, doc="each sample this many times per epoch")
     buckets: Optional[List[List[int]]] = MISSING  # [[height, width], ...]: aspect-ratio buckets; null: height x width
+    probe: bool = MISSING  # check every media file before training (rejects unusable ones)
+    max_reject_fraction: float = knob(MISSING, ge=0.0, le=1.0, doc="stop when more of the rows are rejected")
+    rejects: Optional[str] = MISSING  # where rejected rows are listed with their reason (JSON lines)
     generate: Optional[Dict[str, Any]] = MISSING  # synthetic data only
 
 

@@ -16,7 +16,9 @@ batch late.)
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -25,7 +27,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from wanexp.data.media import load_clip
-from wanexp.data.metadata import MetadataError, Sample, missing_files, read_metadata
+from wanexp.data.metadata import MetadataError, Reject, Sample, read_metadata_with_rejects
+from wanexp.data.probe import probe_samples
 
 Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
 
@@ -144,7 +147,8 @@ def collate(items: list[dict]) -> dict:
 class WanDataModule(L.LightningDataModule):
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
                  frame_stride: int, batch_size: int, num_workers: int, max_samples: int | None, dataset_repeat: int,
-                 buckets: list | None, generate: dict | None, seed: int):
+                 buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
+                 generate: dict | None, seed: int):
         """The arguments are the ``data`` group (config.schema.DataConfig) and the run's seed."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
@@ -152,7 +156,10 @@ class WanDataModule(L.LightningDataModule):
         self.batch_size, self.num_workers, self.max_samples = batch_size, num_workers, max_samples
         self.dataset_repeat = dataset_repeat
         self.resolutions = [tuple(r) for r in buckets] if buckets else None
+        self.probe, self.max_reject_fraction = probe, max_reject_fraction
+        self.rejects_path = Path(rejects) if rejects else None
         self.generate, self.seed = generate, seed
+        self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
         self.dataset: ClipDataset | None = None
         self.steps_done = 0  # optimizer steps the restored checkpoint had done (0: a fresh run)
 
@@ -163,22 +170,53 @@ class WanDataModule(L.LightningDataModule):
 
             make_demo_dataset(self.metadata.parent, **dict(self.generate))
 
-    def samples(self) -> list[Sample]:
-        """The metadata rows this run uses; every media file must exist (checked before any weights load)."""
-        samples = read_metadata(self.metadata, self.root)
-        samples = samples[: self.max_samples] if self.max_samples else samples
-        missing = missing_files(samples)
-        if missing:
+    def samples(self) -> tuple[list[Sample], list[tuple[int, int] | None]]:
+        """The usable rows and their media's (width, height) (None where not probed).
+
+        Rows that cannot train (bad caption, missing, empty, corrupt or truncated media, too few frames, unreadable
+        image) are left out and written with their reason to ``rejects`` (JSON lines); past
+        ``max_reject_fraction`` of the rows the run stops with one line, before any weights load.
+        """
+        samples, rejects = read_metadata_with_rejects(self.metadata, self.root)
+        if self.max_samples:
+            samples = samples[: self.max_samples]
+        sizes: list[tuple[int, int] | None] = [None] * len(samples)
+        warnings = []
+        if self.probe:
+            good, bad, warnings = probe_samples(samples, self.num_frames, self.frame_stride, self.height, self.width,
+                                                workers=max(1, self.num_workers))
+            samples, sizes, rejects = [r.sample for r in good], [(r.width, r.height) for r in good], rejects + bad
+        total = len(samples) + len(rejects)
+        self.report = {"rows": total, "rejected": len(rejects), "warnings": len(warnings),
+                       "rejects_file": str(self.rejects_path) if self.rejects_path else None}
+        self._write_rejects(rejects, warnings)
+        if rejects and (not samples or len(rejects) / total > self.max_reject_fraction):
+            first = rejects[0]
+            hint = ("fix the paths in the metadata file or set data.root to the folder they are relative to"
+                    if first.reason == "file not found" else
+                    "fix or remove those rows, or raise data.max_reject_fraction")
             raise MetadataError(
-                f"{self.metadata}: {len(missing)} of {len(samples)} media files are missing (first: {missing[0]}); "
-                "fix the paths in the metadata file or set data.root to the folder they are relative to"
-            )
-        return samples
+                f"{self.metadata}: {len(rejects)} of {total} samples rejected, more than data.max_reject_fraction="
+                f"{self.max_reject_fraction} (first: {first.path or first.source}: {first.reason}; all in "
+                f"{self.rejects_path or 'data.rejects'}); {hint}")
+        return samples, sizes
+
+    def _write_rejects(self, rejects: list[Reject], warnings: list) -> None:
+        if self.rejects_path is None:
+            return
+        self.rejects_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.rejects_path.with_name(f".{self.rejects_path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            for kind, items in (("reject", rejects), ("warning", warnings)):
+                for r in items:
+                    f.write(json.dumps({"kind": kind, "source": r.source, "path": r.path, "reason": r.reason}) + "\n")
+        os.replace(tmp, self.rejects_path)
 
     def setup(self, stage: str | None = None) -> None:
         if self.dataset is None:
-            samples = self.samples() * self.dataset_repeat
-            shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions)
+            samples, sizes = self.samples()
+            samples, sizes = samples * self.dataset_repeat, sizes * self.dataset_repeat
+            shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
             self.dataset = ClipDataset(samples, shapes, self.frame_stride)
 
     def state_dict(self) -> dict:

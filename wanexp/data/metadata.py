@@ -1,19 +1,34 @@
-"""Read MBC-style captioned-media metadata (CSV, JSON or JSONL) into ``Sample`` records.
+"""Read captioned-media metadata into ``Sample`` records, rejecting bad rows one by one.
 
-A metadata file lists one media file and one prompt per row. Accepted column
-names (case-insensitive, first non-empty one wins):
+Accepted inputs:
 
-* media:  ``video``, ``image``, ``file_name``, ``path``
+* a CSV file (DiffSynth-Studio style: columns ``video,prompt``; ``video`` may also name an image),
+* a JSON list or a JSONL file of objects (VideoX-Fun style: ``file_path``, ``text``, ``type``),
+* a folder of media files, each with a same-named ``.txt`` caption beside it (musubi-tuner /
+  diffusion-pipe style); read recursively, hidden files and folders skipped, in sorted order.
+
+Column names are case-insensitive; the first non-empty one wins:
+
+* media:  ``video``, ``image``, ``file_name``, ``path``, ``file_path``
 * prompt: ``prompt``, ``caption``, ``text``
+* kind:   ``type`` (``video`` or ``image``; when absent or empty the file extension decides)
 
 Relative media paths resolve against ``root`` if given, else the metadata file's folder.
+
+Problems with the whole file (not found, unparsable JSON, no media or prompt column, no rows)
+raise a one-line ``MetadataError``. Problems with one row (empty prompt, text that is not
+UTF-8, unknown media type, empty media path, a media file without caption) reject that row
+only: see ``read_metadata_with_rejects``.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
+import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,23 +37,30 @@ from typing import Any
 from wanexp.errors import MetadataError
 
 __all__ = [
+    "CAPTION_EXTENSION",
     "IMAGE_EXTENSIONS",
     "MEDIA_COLUMNS",
     "METADATA_EXTENSIONS",
     "PROMPT_COLUMNS",
     "VIDEO_EXTENSIONS",
     "MetadataError",
+    "Reject",
     "Sample",
     "media_kind",
     "missing_files",
     "read_metadata",
+    "read_metadata_with_rejects",
 ]
 
-MEDIA_COLUMNS: tuple[str, ...] = ("video", "image", "file_name", "path")
+log = logging.getLogger(__name__)
+
+MEDIA_COLUMNS: tuple[str, ...] = ("video", "image", "file_name", "path", "file_path")
 PROMPT_COLUMNS: tuple[str, ...] = ("prompt", "caption", "text")
+KIND_COLUMN = "type"
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 VIDEO_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif"})
 METADATA_EXTENSIONS: tuple[str, ...] = (".csv", ".json", ".jsonl")
+CAPTION_EXTENSION = ".txt"
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,21 @@ class Sample:
     path: str
     prompt: str
     kind: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A row or file left out, and why.
+
+    ``source`` is ``"<metadata file>:<line>"`` (the line where the row starts; a JSON list adds
+    ``" (entry <n>)"``, counted from 1) or, for a caption folder or a media check, the media path;
+    ``path`` is the media path ("" when the row has none); ``reason`` is one short line such as
+    ``"empty prompt"``.
+    """
+
+    source: str
+    path: str
+    reason: str
 
 
 def media_kind(path: str | os.PathLike[str]) -> str | None:
@@ -64,8 +101,31 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-# A parsed row: (1-based row number, physical line number or None, normalised mapping).
-_Row = tuple[int, int | None, dict[str, Any]]
+def _is_utf8(text: str) -> bool:
+    """False if ``text`` holds undecodable bytes (lone surrogates from ``surrogateescape``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """``text`` with undecodable bytes shown as U+FFFD, safe to print or log."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that did not come from a byte (e.g. a JSON "\ud800" escape)
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _read_text(path: Path) -> str:
+    """The file as text; bytes that are not UTF-8 survive as lone surrogates, to be rejected per row."""
+    return path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+
+
+# A parsed row: (where it is: the line it starts on, plus the entry number in a JSON list; the normalised
+# mapping, or None for a JSON entry that is not an object).
+_Row = tuple[str, "dict[str, Any] | None"]
 
 
 def _normalise(row: Mapping[Any, Any]) -> dict[str, Any]:
@@ -73,22 +133,25 @@ def _normalise(row: Mapping[Any, Any]) -> dict[str, Any]:
     return {k.strip().lower(): v for k, v in row.items() if isinstance(k, str)}
 
 
-def _iter_csv(path: Path) -> tuple[list[str] | None, list[_Row]]:
-    with path.open("r", encoding="utf-8-sig", newline="") as fh:
-        reader = csv.DictReader(fh)
-        header = reader.fieldnames
-        rows: list[_Row] = []
-        for index, row in enumerate(reader, start=1):
-            if not any((v or "").strip() for k, v in row.items() if isinstance(v, str)):
-                continue  # blank line
-            rows.append((index, reader.line_num, _normalise(row)))
+def _iter_csv(path: Path, text: str) -> tuple[list[str] | None, list[_Row]]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[_Row] = []
+    try:
+        header = next(reader, None)
+        start = reader.line_num + 1
+        for values in reader:
+            if any(v.strip() for v in values):  # else a blank line
+                rows.append((str(start), _normalise(dict(zip(header or [], values)))))
+            start = reader.line_num + 1
+    except csv.Error as exc:
+        raise MetadataError(f"{path}: unreadable CSV at line {reader.line_num} ({_one_line(exc)})") from None
     columns = None if header is None else [h.strip() for h in header]
     return columns, rows
 
 
-def _iter_json(path: Path) -> list[_Row]:
+def _iter_json(path: Path, text: str) -> list[_Row]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise MetadataError(
             f"{path}: invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); fix the syntax"
@@ -98,41 +161,32 @@ def _iter_json(path: Path) -> list[_Row]:
             f"{path}: expected a JSON list of objects but got {type(data).__name__}; "
             'write it as [{"video": ..., "prompt": ...}, ...]'
         )
+    # Second pass over the (valid) list to find the line each entry starts on.
+    decoder, skip = json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos, line, rows = text.index("[") + 1, 1, []
+    line += text.count("\n", 0, pos)
+    for number, _ in enumerate(data, start=1):
+        start = skip.match(text, pos).end()
+        line += text.count("\n", pos, start)
+        item, pos = decoder.raw_decode(text, start)
+        rows.append((f"{line} (entry {number})", _normalise(item) if isinstance(item, dict) else None))
+        line += text.count("\n", start, pos)
+    return rows
+
+
+def _iter_jsonl(path: Path, text: str) -> list[_Row]:
     rows: list[_Row] = []
-    for index, item in enumerate(data, start=1):
-        if not isinstance(item, dict):
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
             raise MetadataError(
-                f"{path}: row {index} is {type(item).__name__}, not an object; "
-                'each entry must look like {"video": ..., "prompt": ...}'
-            )
-        rows.append((index, None, _normalise(item)))
+                f"{path}: invalid JSON on line {line_no} ({exc.msg}); each line must be one JSON object"
+            ) from None
+        rows.append((str(line_no), _normalise(item) if isinstance(item, dict) else None))
     return rows
-
-
-def _iter_jsonl(path: Path) -> list[_Row]:
-    rows: list[_Row] = []
-    with path.open("r", encoding="utf-8-sig") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MetadataError(
-                    f"{path}: invalid JSON on line {line_no} ({exc.msg}); "
-                    "each line must be one JSON object"
-                ) from None
-            if not isinstance(item, dict):
-                raise MetadataError(
-                    f"{path}: line {line_no} is {type(item).__name__}, not an object; "
-                    'each line must look like {"video": ..., "prompt": ...}'
-                )
-            rows.append((len(rows) + 1, line_no, _normalise(item)))
-    return rows
-
-
-def _where(index: int, line: int | None) -> str:
-    return f"row {index}" if line is None else f"row {index} (line {line})"
 
 
 def _first_value(row: Mapping[str, Any], columns: Iterable[str]) -> str:
@@ -147,7 +201,7 @@ def _first_value(row: Mapping[str, Any], columns: Iterable[str]) -> str:
 
 
 def _check_columns(path: Path, found: Iterable[str], *, accepted: tuple[str, ...], what: str) -> None:
-    found_list = [str(c) for c in found]
+    found_list = [_printable(str(c)) for c in found]
     if not any(c.strip().lower() in accepted for c in found_list):
         raise MetadataError(
             f"{path}: no {what} column; accepted names are {', '.join(accepted)} "
@@ -155,70 +209,149 @@ def _check_columns(path: Path, found: Iterable[str], *, accepted: tuple[str, ...
         )
 
 
-def read_metadata(
-    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
-) -> list[Sample]:
-    """Read a CSV/JSON/JSONL metadata file into samples with absolute media paths.
+def _row_sample(row: Mapping[str, Any] | None, base: Path) -> tuple[Sample | None, str, str]:
+    """(sample, media path, "") for a good row, else (None, media path or "", reject reason)."""
+    if row is None:
+        return None, "", "entry is not a JSON object"
+    media = _first_value(row, MEDIA_COLUMNS)
+    if not media:
+        return None, "", "empty media path"
+    media_path = Path(os.path.expanduser(media))
+    shown = os.path.normpath(_printable(str(media_path if media_path.is_absolute() else base / media_path)))
+    if not _is_utf8(media):
+        return None, shown, "media path is not UTF-8"
+    prompt = _first_value(row, PROMPT_COLUMNS)
+    if not prompt:
+        return None, shown, "empty prompt"
+    if not _is_utf8(prompt):
+        return None, shown, "prompt is not UTF-8"
+    declared = str(row.get(KIND_COLUMN) or "").strip().lower()
+    if declared and declared not in ("video", "image"):
+        return None, shown, f"unknown type {_printable(_one_line(declared))!r}"
+    kind = declared or media_kind(media)
+    if kind is None:
+        return None, shown, f"unknown media type {_printable(Path(media).suffix) or '(no extension)'!r}"
+    return Sample(path=shown, prompt=prompt, kind=kind), shown, ""
 
-    Raises ``MetadataError`` (one line naming the file and the fix) for a missing file,
-    an unsupported format, missing media/prompt columns, empty cells, unknown media
-    extensions or zero rows. Media files themselves are not checked (see ``missing_files``).
-    """
-    path = Path(os.path.abspath(os.path.expanduser(os.fspath(metadata_path))))
-    if not path.is_file():
-        reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise MetadataError(
-            f"{path}: metadata file {reason}; check the path (relative paths are taken from {os.getcwd()})"
-        )
+
+def _read_file(path: Path, base: Path) -> tuple[list[Sample], list[Reject]]:
     ext = path.suffix.lower()
     if ext not in METADATA_EXTENSIONS:
         raise MetadataError(
             f"{path}: unsupported metadata format {ext or '(no extension)'!r}; "
-            f"use one of {', '.join(METADATA_EXTENSIONS)}"
+            f"use one of {', '.join(METADATA_EXTENSIONS)}, or a folder of media with .txt captions"
         )
-
     try:
-        if ext == ".csv":
-            header, rows = _iter_csv(path)
-            if header is None:
-                raise MetadataError(
-                    f"{path}: file is empty; add a header row (e.g. video,prompt) and at least one data row"
-                )
-            _check_columns(path, header, accepted=MEDIA_COLUMNS, what="media")
-            _check_columns(path, header, accepted=PROMPT_COLUMNS, what="prompt")
-        elif ext == ".json":
-            rows = _iter_json(path)
-        else:
-            rows = _iter_jsonl(path)
-    except UnicodeDecodeError as exc:
-        raise MetadataError(f"{path}: not valid UTF-8 text ({exc.reason}); save it as UTF-8") from None
-
+        text = _read_text(path)
+    except OSError as exc:
+        raise MetadataError(f"{path}: cannot read the metadata file ({_one_line(exc.strerror or exc)})") from None
+    if ext == ".csv":
+        header, rows = _iter_csv(path, text)
+        if header is None:
+            raise MetadataError(
+                f"{path}: file is empty; add a header row (e.g. video,prompt) and at least one data row"
+            )
+    else:
+        rows = _iter_json(path, text) if ext == ".json" else _iter_jsonl(path, text)
+        header = list(dict.fromkeys(k for _, row in rows if row is not None for k in row))
     if not rows:
         raise MetadataError(f"{path}: no rows; add at least one row with a media path and a prompt")
+    _check_columns(path, header, accepted=MEDIA_COLUMNS, what="media")
+    _check_columns(path, header, accepted=PROMPT_COLUMNS, what="prompt")
 
-    base = Path(os.path.abspath(os.path.expanduser(os.fspath(root)))) if root is not None else path.parent
     samples: list[Sample] = []
-    for index, line, row in rows:
-        where = _where(index, line)
-        _check_columns(path, row.keys(), accepted=MEDIA_COLUMNS, what="media")
-        _check_columns(path, row.keys(), accepted=PROMPT_COLUMNS, what="prompt")
-        media = _first_value(row, MEDIA_COLUMNS)
-        if not media:
-            raise MetadataError(f"{path}: empty media path on {where}; fill it in or remove the row")
-        prompt = _first_value(row, PROMPT_COLUMNS)
-        if not prompt:
-            raise MetadataError(f"{path}: empty prompt on {where}; write a caption or remove the row")
-        kind = media_kind(media)
-        if kind is None:
-            known = ", ".join(sorted(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS))
-            raise MetadataError(
-                f"{path}: unsupported media extension {Path(media).suffix or '(none)'!r} "
-                f"in {_one_line(media)!r} on {where}; use one of {known}"
-            )
-        media_path = Path(os.path.expanduser(media))
-        if not media_path.is_absolute():
-            media_path = base / media_path
-        samples.append(Sample(path=os.path.normpath(media_path), prompt=prompt, kind=kind))
+    rejects: list[Reject] = []
+    for where, row in rows:
+        sample, media, reason = _row_sample(row, base)
+        if sample is None:
+            rejects.append(Reject(source=f"{path}:{where}", path=media, reason=reason))
+        else:
+            samples.append(sample)
+    return samples, rejects
+
+
+def _read_caption(media: Path) -> tuple[str, str]:
+    """(caption, "") from ``<stem>.txt`` beside ``media``, else ("", reject reason)."""
+    caption = media.with_suffix(CAPTION_EXTENSION)
+    try:
+        text = caption.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        return "", f"no caption file {caption.name!r}"
+    except UnicodeDecodeError:
+        return "", "caption is not UTF-8"
+    except OSError as exc:
+        return "", f"cannot read caption ({_one_line(exc.strerror or exc)})"
+    text = text.strip()
+    return (text, "") if text else ("", "empty caption")
+
+
+def _read_folder(folder: Path) -> tuple[list[Sample], list[Reject]]:
+    media: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        media += [Path(dirpath, f) for f in filenames if not f.startswith(".") and media_kind(f) is not None]
+    if not media:
+        raise MetadataError(
+            f"{folder}: no media files found (looked for {', '.join(sorted(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS))}); "
+            "point data.metadata at a folder of clips/images with .txt captions, or at a CSV/JSON/JSONL file"
+        )
+    samples: list[Sample] = []
+    rejects: list[Reject] = []
+    for path in sorted(media, key=lambda p: p.relative_to(folder).as_posix()):
+        prompt, reason = _read_caption(path)
+        shown = _printable(os.fspath(path))
+        if reason:
+            rejects.append(Reject(source=shown, path=shown, reason=reason))
+        else:
+            samples.append(Sample(path=shown, prompt=prompt, kind=media_kind(path) or ""))
+    return samples, rejects
+
+
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def read_metadata_with_rejects(
+    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
+) -> tuple[list[Sample], list[Reject]]:
+    """Read a CSV/JSON/JSONL metadata file, or a folder of captioned media, into (samples, rejects).
+
+    Samples have absolute media paths; rows that cannot become a sample are returned as
+    ``Reject`` records, in file order. ``root`` (relative media paths) is not used for a folder.
+    Raises a one-line ``MetadataError`` for problems with the whole file (see the module doc).
+    Media files themselves are not opened (see ``missing_files`` and ``wanexp.data.probe``).
+    """
+    path = _absolute(metadata_path)
+    if path.is_dir():
+        return _read_folder(path)
+    if not path.is_file():
+        raise MetadataError(
+            f"{path}: metadata file not found; check the path (relative paths are taken from {os.getcwd()})"
+        )
+    base = _absolute(root) if root is not None else path.parent
+    return _read_file(path, base)
+
+
+def read_metadata(
+    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
+) -> list[Sample]:
+    """Like ``read_metadata_with_rejects`` but returns the samples only.
+
+    Rejected rows are left out and logged as one warning; if every row is rejected it raises a
+    ``MetadataError`` naming the first reject.
+    """
+    samples, rejects = read_metadata_with_rejects(metadata_path, root)
+    if rejects and not samples:
+        first = rejects[0]
+        raise MetadataError(
+            f"{_absolute(metadata_path)}: no usable rows, all {len(rejects)} rejected "
+            f"(first: {first.source}: {first.reason}); fix or remove the rejected rows"
+        )
+    if rejects:
+        log.warning(
+            "%s: left out %d of %d rows (first: %s: %s)",
+            _absolute(metadata_path), len(rejects), len(samples) + len(rejects), rejects[0].source, rejects[0].reason,
+        )
     return samples
 
 

@@ -88,6 +88,13 @@ class WanSpec:
         if not p.is_dir():
             raise ConfigError(f"model.path={p}: folder not found; {hint}")
         if not (p / "model_index.json").is_file():
+            from wanexp.models.original import convert_command, detect_layout, is_original_layout
+
+            if is_original_layout(p):
+                layout = detect_layout(p) or self.layout
+                raise ConfigError(f"model.path={p}: this is the original Wan-AI release layout, not diffusers-format; "
+                                  f"convert it once with `{convert_command(p, layout)}`, "
+                                  "then point model.path at the converted folder")
             raise ConfigError(f"model.path={p}: no model_index.json, so this is not a diffusers-format folder; {hint}")
         for sub in self.required_folders(experts):
             d = p / sub

@@ -1,0 +1,65 @@
+"""A run over a data set holding one bad file of each kind finishes; every bad row is listed with its reason."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import tiny_run
+from tests.unit.test_data_formats import _write_bad_media
+
+BAD_ROWS = {  # metadata row -> the reason it is rejected with
+    "bad/zero.mp4,zero bytes": "empty file (0 bytes)",
+    "bad/corrupt.mp4,random bytes": "cannot open video (",
+    "bad/truncated.mp4,cut in half": "truncated or corrupt video: decoding failed at frame ",
+    "bad/short.mp4,too short": "too few frames: 5, needs 9",
+    "bad/garbage.png,not an image": "cannot read image (",
+    "clips/missing.mp4,gone": "file not found",
+    "bad/notes.xyz,not media": "unknown media type '.xyz'",
+    "bad/tiny.png,": "empty prompt",
+}
+
+
+@pytest.fixture
+def messy_data(shared_dir, tmp_path) -> Path:
+    src = Path(shared_dir) / "data" / "synthetic"
+    if not (src / "metadata.csv").exists():  # the demo clips, generated once per session
+        tiny_run(shared_dir, tmp_path / "warm", ["model=tiny", "trainer.max_steps=1"])
+    data = tmp_path / "messy"
+    shutil.copytree(src, data)
+    _write_bad_media(data)
+    (data / "bad" / "notes.xyz").write_text("x")
+    rows = (data / "metadata.csv").read_bytes().rstrip(b"\n") + b"\n"
+    rows += "\n".join(BAD_ROWS).encode() + b"\n" + b"bad/tiny.png,caf\xe9 au lait\n" + b"bad/tiny.png,a tiny image\n"
+    (data / "metadata.csv").write_bytes(rows)
+    return data
+
+
+def test_a_run_skips_every_bad_row_and_lists_it(shared_dir, tmp_path, messy_data):
+    r = tiny_run(shared_dir, tmp_path / "run", [
+        "model=tiny", f"data.metadata={messy_data}/metadata.csv", "data.generate=null",
+        "data.max_reject_fraction=0.6", "trainer.max_steps=2"])
+    assert r["global_step"] == 2
+    out = Path(r["output_dir"])
+    lines = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    rejects = [(x["path"].removeprefix(str(messy_data) + "/"), x["reason"]) for x in lines if x["kind"] == "reject"]
+    for row, reason in BAD_ROWS.items():
+        path = row.split(",")[0]
+        assert any(p == path and got.startswith(reason) for p, got in rejects), (path, reason, rejects)
+    assert any(x["reason"] == "prompt is not UTF-8" and x["source"].endswith(f":{1 + 10 + len(BAD_ROWS) + 1}") for x in lines)
+    warnings = [x for x in lines if x["kind"] == "warning"]
+    assert [w["path"].endswith("bad/tiny.png") and "upscaled" in w["reason"] for w in warnings] == [True]
+    status = json.loads((out / "status.json").read_text())
+    assert status["data"]["rejected"] == len(BAD_ROWS) + 1 and status["data"]["rows"] == 10 + len(BAD_ROWS) + 2
+
+
+def test_mostly_broken_data_stops_before_training(shared_dir, tmp_path, messy_data):
+    from wanexp.errors import MetadataError
+
+    with pytest.raises(MetadataError, match=r"9 of 20 samples rejected, more than data.max_reject_fraction=0.05 "
+                                            r"\(first: .*; all in .*rejects.jsonl\)"):
+        tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.metadata={messy_data}/metadata.csv",
+                                                "data.generate=null"])
+    assert not (tmp_path / "run" / "checkpoints").exists()
