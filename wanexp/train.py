@@ -110,14 +110,20 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
         cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
-    dm = build(cfg.data, seed=int(cfg.seed))
+    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
-    if dm.report.get("rejected") or dm.report.get("warnings"):
-        if launch_rank() == 0:
-            r = dm.report
+    if launch_rank() == 0:
+        r = dm.report
+        if r.get("rejected") or r.get("warnings"):
             print(f"wanexp: data: {r['rejected']} of {r['rows']} rows rejected, {r['warnings']} warnings "
                   f"(reasons in {r['rejects_file']})", flush=True)
+        c = r.get("cache") or {}
+        if c.get("used"):
+            print(f"wanexp: data: training from the cache {c['dir']} (the VAE and text encoder are not loaded)")
+        elif c.get("missing_entries"):
+            print(f"wanexp: data: encoding online: the cache {c['dir']} lacks {c['missing_entries']} entries of this "
+                  "run; python -m wanexp.cli.cache with the same overrides fills it", flush=True)
     ckpt = resume_path(cfg, out)
     if cfg.overwrite and ckpt is None and launch_rank() == 0:
         clear_run_folder(out)
@@ -133,7 +139,7 @@ def run(cfg: DictConfig) -> dict:
               f"(optim.lr={o.lr:g}, lr_scaling={o.lr_scaling}, reference_batch={o.reference_batch})", flush=True)
     module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
-                       max_steps=int(cfg.trainer.max_steps or -1))
+                       max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached)
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -168,8 +174,9 @@ def cli(cfg: DictConfig) -> None:
             print(f"wanexp: LoRA file {f}")
 
 
-def main() -> None:
-    """``python train.py``: compose with Hydra, then :func:`cli`. Composition errors are one line, exit 2."""
+def main(task=None) -> None:
+    """``python train.py`` (or another entry with the same overrides, e.g. the cache command): compose with Hydra,
+    then run ``task`` (default :func:`cli`). Composition errors are one line, exit 2."""
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -177,7 +184,7 @@ def main() -> None:
     register()
     keep_traceback = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing its report
-    entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(cli)
+    entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(task or cli)
     try:
         entry()
     except (HydraException, OmegaConfBaseException) as e:

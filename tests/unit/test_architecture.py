@@ -26,7 +26,7 @@ ALLOWED = {
     "module": {"errors", "models", "objectives", "optim"},
     "callbacks": set(),
     "train": {"errors", "config", "models", "module", "optim", "callbacks"},
-    "cli": {"errors", "config", "models", "module", "perf", "train"},
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train"},
 }
 
 

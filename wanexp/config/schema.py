@@ -144,6 +144,9 @@ class DataConfig:
     probe: bool = MISSING  # check every media file before training (rejects unusable ones)
     max_reject_fraction: float = knob(MISSING, ge=0.0, le=1.0, doc="stop when more of the rows are rejected")
     rejects: Optional[str] = MISSING  # where rejected rows are listed with their reason (JSON lines)
+    cache_dir: Optional[str] = MISSING  # the latent/text cache (python -m wanexp.cli.cache fills it)
+    use_cache: bool = MISSING  # train from the cache when it holds every sample of the run; else encode online
+    cache_shard_size: int = knob(MISSING, ge=1, doc="entries per cache shard file")
     generate: Optional[Dict[str, Any]] = MISSING  # synthetic data only
 
 
@@ -260,6 +263,7 @@ class PathsConfig:
     root_dir: str = MISSING
     data_dir: str = MISSING
     output_dir: str = MISSING
+    cache_dir: str = MISSING
     tiny_model_dir: str = MISSING
 
 

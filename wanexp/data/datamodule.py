@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import MetadataError, Reject, Sample, read_metadata_with_rejects
 from wanexp.data.probe import probe_samples
@@ -67,6 +68,25 @@ class ClipDataset(Dataset):
         frames, height, width = self.shapes[i]
         pixels = load_clip(s, frames, height, width, self.frame_stride)
         return {"pixels": pixels, "prompt": s.prompt, "index": i}
+
+
+class CachedDataset(Dataset):
+    """Reads one sample's latents and text embeddings from the cache (``wanexp.data.cache``)."""
+
+    def __init__(self, samples: list[Sample], shapes: list[Shape], keys: list[tuple[str, str]], index: CacheIndex,
+                 text_len: int):
+        self.samples, self.shapes, self.keys, self.index, self.text_len = samples, shapes, keys, index, text_len
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        lkey, tkey = self.keys[i]
+        item = self.index.load(lkey)
+        text = self.index.load(tkey)["text"]
+        padded = text.new_zeros((self.text_len, text.shape[-1]))
+        padded[: text.shape[0]] = text
+        return dict(item, text=padded, prompt=self.samples[i].prompt, index=i)
 
 
 class _Epoch:
@@ -137,19 +157,23 @@ class BucketBatchSampler(Sampler[list[int]]):
 
 
 def collate(items: list[dict]) -> dict:
-    return {
-        "pixels": torch.stack([it["pixels"] for it in items]),
-        "prompt": [it["prompt"] for it in items],
-        "index": torch.tensor([it["index"] for it in items]),
-    }
+    batch = {k: torch.stack([it[k] for it in items]) for k in ("pixels", "latents", "text", "image_latent")
+             if k in items[0]}
+    return dict(batch, prompt=[it["prompt"] for it in items], index=torch.tensor([it["index"] for it in items]))
+
+
+def _digest_ids(ids: list[str]) -> str:
+    return "+".join(ids)
 
 
 class WanDataModule(L.LightningDataModule):
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
                  frame_stride: int, batch_size: int, num_workers: int, max_samples: int | None, dataset_repeat: int,
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
-                 generate: dict | None, seed: int):
-        """The arguments are the ``data`` group (config.schema.DataConfig) and the run's seed."""
+                 cache_dir: str | None, use_cache: bool, cache_shard_size: int, generate: dict | None, seed: int,
+                 encoders: dict | None = None):
+        """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, and ``encoders``: what
+        identifies the model's VAE and text encoder for cache keys (``WanSpec.encoder_info()``; None: no cache)."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
@@ -159,6 +183,10 @@ class WanDataModule(L.LightningDataModule):
         self.probe, self.max_reject_fraction = probe, max_reject_fraction
         self.rejects_path = Path(rejects) if rejects else None
         self.generate, self.seed = generate, seed
+        self.cache_dir, self.use_cache, self.encoders = (Path(cache_dir) if cache_dir else None), use_cache, encoders
+        self.cache_shard_size = cache_shard_size
+        self.cached = False  # every sample's latents and text are in the cache: training never runs the encoders
+        self.keys: list[tuple[str, str]] = []
         self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
         self.dataset: ClipDataset | None = None
         self.steps_done = 0  # optimizer steps the restored checkpoint had done (0: a fresh run)
@@ -213,11 +241,29 @@ class WanDataModule(L.LightningDataModule):
         os.replace(tmp, self.rejects_path)
 
     def setup(self, stage: str | None = None) -> None:
-        if self.dataset is None:
-            samples, sizes = self.samples()
-            samples, sizes = samples * self.dataset_repeat, sizes * self.dataset_repeat
-            shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
-            self.dataset = ClipDataset(samples, shapes, self.frame_stride)
+        if self.dataset is not None:
+            return
+        samples, sizes = self.samples()
+        shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
+        self.keys = self.cache_keys(samples, shapes) if self.encoders and self.cache_dir else []
+        index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
+        missing = sum(1 for k in {k for pair in self.keys for k in pair} if index is None or k not in index)
+        self.cached = index is not None and missing == 0
+        self.report["cache"] = {"dir": str(self.cache_dir) if self.cache_dir else None, "used": self.cached,
+                                "missing_entries": missing if self.keys else None}
+        r = self.dataset_repeat
+        if self.cached:
+            self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders["text_len"])
+        else:
+            self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride)
+
+    def cache_keys(self, samples: list[Sample], shapes: list[Shape]) -> list[tuple[str, str]]:
+        """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
+        e = self.encoders
+        vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"]])
+        text_id = _digest_ids([folder_identity(e["text_encoder"], e["text_dtype"]), folder_identity(e["tokenizer"])])
+        return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, 0, e["image_latent"]),
+                 text_key(text_id, e["text_len"], s.prompt)) for s, shape in zip(samples, shapes)]
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the data position is the optimizer steps done (see the module docstring)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from wanexp.data.metadata import Sample, media_kind
+from wanexp.data.windows import fit_window
 from wanexp.errors import MediaError
 
 __all__ = ["MediaError", "load_clip", "resize_crop", "write_video"]
@@ -82,13 +83,14 @@ class _TooShort(Exception):
 
 
 def _decode_video(
-    path: str, num_frames: int, stride: int, height: int, width: int, *, trust_header: bool
+    path: str, num_frames: int, stride: int, height: int, width: int, *, start: int = 0, trust_header: bool
 ) -> torch.Tensor:
-    """Decode frames 0, stride, 2*stride, ...; stop as soon as ``num_frames`` are collected.
+    """Decode frames start, start + stride, ...; stop as soon as ``num_frames`` are collected.
 
-    With ``trust_header`` the stride is first lowered to fit the frame count stored in the
-    container (when there is one). Raises ``_TooShort`` with the number of frames decoded
-    if the stream ends early.
+    Frames before ``start`` and between the taken ones are decoded (the codec needs them) but never
+    converted to arrays. With ``trust_header`` the window is first fitted (``fit_window``: stride
+    lowered, then start shifted back) to the frame count stored in the container, when there is one.
+    Raises ``_TooShort`` with the number of frames decoded if the stream ends early.
     """
     frames: list[np.ndarray] = []
     index = -1
@@ -97,10 +99,10 @@ def _decode_video(
             raise MediaError(f"{path}: no video stream found")
         stream = container.streams.video[0]
         if trust_header and stream.frames:
-            stride = _max_stride(int(stream.frames), num_frames, stride) or stride
-        needed_last = (num_frames - 1) * stride
+            start, stride = fit_window(int(stream.frames), num_frames, stride, start) or (start, stride)
+        needed_last = start + (num_frames - 1) * stride
         for index, frame in enumerate(container.decode(stream)):
-            if index % stride == 0:
+            if index >= start and (index - start) % stride == 0:
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if index >= needed_last:
                     break
@@ -109,24 +111,17 @@ def _decode_video(
     return _to_clip(frames, height, width)
 
 
-def _max_stride(total: int, num_frames: int, stride: int) -> int:
-    """Largest stride <= ``stride`` that fits ``num_frames`` in ``total`` frames (0 if none)."""
-    if total < num_frames:
-        return 0
-    if num_frames == 1:
-        return stride
-    return max(1, min(stride, (total - 1) // (num_frames - 1)))
-
-
-def _load_video(path: str, num_frames: int, height: int, width: int, stride: int) -> torch.Tensor:
+def _load_video(path: str, num_frames: int, height: int, width: int, stride: int, start: int = 0) -> torch.Tensor:
     try:
         try:
-            return _decode_video(path, num_frames, stride, height, width, trust_header=True)
+            return _decode_video(path, num_frames, stride, height, width, start=start, trust_header=True)
         except _TooShort as short:  # header missing or wrong: retry with the real count
             total = short.count
-            fitted = _max_stride(total, num_frames, stride)
+            fitted = fit_window(total, num_frames, stride, start)
             if fitted:
-                return _decode_video(path, num_frames, fitted, height, width, trust_header=False)
+                return _decode_video(
+                    path, num_frames, fitted[1], height, width, start=fitted[0], trust_header=False
+                )
     except _TooShort as short:  # pragma: no cover - only if the file changed between passes
         total = short.count
     except MediaError:
@@ -145,17 +140,24 @@ def load_clip(
     height: int,
     width: int,
     stride: int = 1,
+    *,
+    start: int = 0,
 ) -> torch.Tensor:
     """Load a clip as float32 ``(3, T, height, width)`` in [-1, 1].
 
-    Videos give ``T == num_frames`` frames starting at frame 0, every ``stride``-th frame;
-    the stride is lowered (down to 1) when the video is too short. Images give ``T == 1``.
+    Videos give ``T == num_frames`` frames ``start, start + stride, ..., start + (num_frames - 1) * stride``.
+    When the video is too short for that window, the stride is lowered (down to 1) and, if even
+    stride 1 does not fit from ``start``, the window shifts back to end at the last frame
+    (``wanexp.data.windows.fit_window``); only a video with fewer than ``num_frames`` frames fails.
+    Decoding stops after the window's last frame. Images give ``T == 1`` (``start`` is ignored).
     Frames are resized to cover ``height x width`` and center-cropped.
     """
     if num_frames < 1 or height < 1 or width < 1 or stride < 1:
         raise ValueError(
             f"num_frames, height, width and stride must be >= 1, got {num_frames}, {height}, {width}, {stride}"
         )
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     if isinstance(sample_or_path, Sample):
         path, kind = sample_or_path.path, sample_or_path.kind
     else:
@@ -164,7 +166,7 @@ def load_clip(
     if kind == "image":
         return _load_image(path, height, width)
     if kind == "video":
-        return _load_video(path, num_frames, height, width, stride)
+        return _load_video(path, num_frames, height, width, stride, start)
     raise MediaError(f"{path}: unknown media type {Path(path).suffix or '(no extension)'!r}")
 
 

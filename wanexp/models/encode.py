@@ -57,13 +57,9 @@ def encode_image_condition(vae, first_frame: torch.Tensor, num_frames: int) -> t
     return encode_video(vae, video)
 
 
-@torch.no_grad()
-def encode_text(tokenizer, text_encoder, prompts: list[str], max_length: int) -> torch.Tensor:
-    """UMT5 embeddings (B, max_length, D): encoded with the attention mask, zero past each prompt's real length.
-
-    The DiT has no cross-attention mask, so the padding must be zeros exactly as at inference.
-    """
-    toks = tokenizer(
+def tokenize(tokenizer, prompts: list[str], max_length: int):
+    """Cleaned prompts -> input_ids and attention_mask (B, max_length), padded and truncated as Wan does."""
+    return tokenizer(
         [clean_prompt(p) for p in prompts],
         padding="max_length",
         max_length=max_length,
@@ -72,6 +68,15 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], max_length: int) ->
         return_attention_mask=True,
         return_tensors="pt",
     )
+
+
+@torch.no_grad()
+def encode_text(tokenizer, text_encoder, prompts: list[str], max_length: int) -> torch.Tensor:
+    """UMT5 embeddings (B, max_length, D): encoded with the attention mask, zero past each prompt's real length.
+
+    The DiT has no cross-attention mask, so the padding must be zeros exactly as at inference.
+    """
+    toks = tokenize(tokenizer, prompts, max_length)
     device = text_encoder.device
     ids, mask = toks.input_ids.to(device), toks.attention_mask.to(device)
     hidden = text_encoder(ids, mask).last_hidden_state

@@ -141,6 +141,13 @@ class WanSpec:
 
         return AutoTokenizer.from_pretrained(os.fspath(self.path / "tokenizer"))
 
+    def encoder_info(self) -> dict:
+        """What identifies this model's encoders for cache keys (plain data: folders, dtypes, text length)."""
+        return {"vae": str(self.path / "vae"), "vae_dtype": str(self.vae_dtype), "layout": self.layout,
+                "text_encoder": str(self.path / "text_encoder"), "text_dtype": str(self.text_encoder_dtype),
+                "tokenizer": str(self.path / "tokenizer"), "text_len": self.text_len,
+                "image_latent": self.needs_image_latent}
+
     def load_encoders(self):
         """The frozen VAE + UMT5 text encoder + tokenizer as one module (see wanexp.models.encode.Encoders)."""
         from wanexp.models.encode import Encoders

@@ -1,0 +1,125 @@
+"""The latent/text cache: encoded once, read back bit for bit, keyed so a change invalidates exactly what it affects,
+resumable after a kill, split over ranks; a run whose samples are all cached never loads the encoders."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, compose_cfg
+from tests.integration.conftest import tiny_run
+from wanexp.cli.cache import build_cache
+from wanexp.data.cache import CacheIndex
+from wanexp.models.build import ensure_tiny_model
+from wanexp.models.encode import encode_text, encode_video
+from wanexp.train import build
+
+
+def _cfg(shared_dir, cache_dir, *extra):
+    return compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
+                        f"paths.data_dir={shared_dir}/data", f"data.cache_dir={cache_dir}", *extra])
+
+
+def _datamodule(cfg):
+    spec = build(cfg.model)
+    ensure_tiny_model(spec)
+    dm = build(cfg.data, seed=0, encoders=spec.encoder_info())
+    dm.prepare()
+    dm.setup()
+    return spec, dm
+
+
+def test_cache_round_trips_and_training_reads_it_without_encoders(shared_dir, tmp_path):
+    cache = tmp_path / "cache"
+    stats = build_cache(_cfg(shared_dir, cache))
+    assert stats["written"] == 20 and stats["rejected"] == 0  # 10 clips/images + 10 prompts
+    spec, dm = _datamodule(_cfg(shared_dir, cache))
+    assert dm.cached and len(dm.dataset) == 10
+    index = CacheIndex(cache)
+    encoders = spec.load_encoders()
+    for i in range(len(dm.dataset)):
+        cached = dm.dataset[i]
+        sample, (frames, h, w) = dm.dataset.samples[i], dm.dataset.shapes[i]
+        from wanexp.data.media import load_clip
+
+        pixels = load_clip(sample, frames, h, w, dm.frame_stride)[None]
+        assert torch.equal(cached["latents"], encode_video(encoders.vae, pixels)[0])  # bit for bit
+        online = encode_text(encoders.tokenizer, encoders.text_encoder, [sample.prompt], spec.text_len)[0]
+        assert torch.equal(cached["text"], online)  # trimmed on disk, zero-padded back exactly
+    from wanexp.models.encode import tokenize
+
+    for i in range(len(dm.dataset)):  # only each prompt's real tokens are stored
+        stored = index.load(dm.keys[i][1])["text"]
+        real = int(tokenize(encoders.tokenizer, [dm.dataset.samples[i].prompt], spec.text_len).attention_mask.sum())
+        assert stored.shape[0] == real and stored.abs().sum(-1).min() > 0
+    r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.cache_dir={cache}", "trainer.max_steps=2"])
+    assert r["module"].encoders is None and r["global_step"] == 2
+    status = json.loads((Path(r["output_dir"]) / "status.json").read_text())
+    assert status["data"]["cache"]["used"] is True
+
+
+def test_a_change_invalidates_exactly_the_entries_it_affects(shared_dir, tmp_path):
+    cache = tmp_path / "cache"
+    data = tmp_path / "data"
+    shutil.copytree(Path(shared_dir) / "data" / "synthetic", data / "synthetic")
+    base = [f"paths.data_dir={data}"]
+    build_cache(_cfg(shared_dir, cache, *base))
+
+    def missing(*extra):
+        return _datamodule(_cfg(shared_dir, cache, *base, *extra))[1].report["cache"]["missing_entries"]
+
+    assert missing() == 0
+    assert missing("data.height=96") == 10  # every latent, no text
+    assert missing("data.frame_stride=2") == 8  # the 8 videos; an image has one frame at any stride
+    assert missing("model.text_len=32") == 10  # every text, no latent
+    meta = data / "synthetic" / "metadata.csv"
+    rows = meta.read_text().splitlines()
+    rows[1] = rows[1].rsplit(",", 1)[0] + ",a new caption for one clip"
+    meta.write_text("\n".join(rows) + "\n")
+    assert missing() == 1  # that prompt's text only
+
+
+def test_an_interrupted_cache_resumes_where_it_stopped(shared_dir, tmp_path):
+    cache = tmp_path / "cache"
+    _datamodule(_cfg(shared_dir, cache))  # the tiny model and clips exist before the timed part
+    cmd = [sys.executable, "-m", "wanexp.cli.cache", "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
+           f"paths.data_dir={shared_dir}/data", f"data.cache_dir={cache}", "data.cache_shard_size=1",
+           f"paths.output_dir={tmp_path}/out"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    index = cache / "index-r000.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (index.exists() and len(index.read_text().splitlines()) >= 3):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(CacheIndex(cache))
+    assert 3 <= done_before < 20, done_before
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"wrote {20 - done_before} entries" in res.stdout and f"{done_before} already cached" in res.stdout
+    keys = [json.loads(line)["key"] for line in index.read_text().splitlines()]
+    assert len(keys) == len(set(keys)) == 20  # nothing encoded twice
+    assert not list(cache.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_ranks_split_the_cache_under_torchrun(shared_dir, tmp_path):
+    cache = tmp_path / "cache"
+    _datamodule(_cfg(shared_dir, cache))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29547", "-m",
+           "wanexp.cli.cache", "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
+           f"paths.data_dir={shared_dir}/data", f"data.cache_dir={cache}", f"paths.output_dir={tmp_path}/out"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    per_rank = [len((cache / f"index-r00{r}.jsonl").read_text().splitlines()) for r in (0, 1)]
+    assert per_rank == [10, 10] and len(CacheIndex(cache)) == 20

@@ -1,0 +1,162 @@
+"""Encode a data set once: VAE latents (posterior mode, normalised) and UMT5 text embeddings into the cache.
+
+    python -m wanexp.cli.cache [the same overrides as train.py]
+    torchrun --nproc_per_node=8 -m wanexp.cli.cache data=mbc_full model.path=...   # ranks split the entries
+
+Every rank encodes every world_size-th missing entry and writes its own shards (wanexp/data/cache.py has the format
+and what each key covers). Entries already in the cache are skipped, so an interrupted cache resumes where it
+stopped. Samples that cannot be read are listed in <cache_dir>/rejects.jsonl. Training then reads the cache when it
+holds every sample of the run, and never loads the VAE or the text encoder.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from wanexp.data.cache import CacheIndex, CacheWriter
+from wanexp.data.datamodule import bucket_shapes
+from wanexp.data.media import load_clip
+from wanexp.errors import MediaError, UserError
+from wanexp.models.encode import encode_image_condition, encode_text, encode_video, tokenize
+
+
+class _Clips(Dataset):
+    """Decodes the clips to encode; a clip that fails to decode comes back as its error (listed, then skipped)."""
+
+    def __init__(self, todo, stride: int):
+        self.todo, self.stride = todo, stride
+
+    def __len__(self) -> int:
+        return len(self.todo)
+
+    def __getitem__(self, i):
+        key, sample, (frames, height, width) = self.todo[i]
+        try:
+            return key, sample, load_clip(sample, frames, height, width, self.stride)
+        except (MediaError, OSError, ValueError) as e:
+            return key, sample, str(e).strip().splitlines()[-1]
+
+
+def _rank() -> tuple[int, int, int]:
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def build_cache(cfg: DictConfig) -> dict:
+    """Fill ``data.cache_dir`` for this config. Returns counts (written, skipped, rejected, bytes)."""
+    from omegaconf import open_dict
+
+    from wanexp.config import check_config
+    from wanexp.train import build
+
+    check_config(cfg)
+    spec = build(cfg.model)
+    experts = spec.trained_experts(cfg.boundary.name)
+    if spec.build:
+        from wanexp.models.build import ensure_tiny_model
+
+        ensure_tiny_model(spec)
+    spec.check_folder(experts)
+    if not cfg.data.cache_dir:
+        raise UserError("data.cache_dir is null: set it to the folder the cache goes in")
+    with open_dict(cfg):
+        cfg.data.rejects = os.path.join(str(cfg.data.cache_dir), "rejects.jsonl")
+    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
+    dm.prepare()
+    samples, sizes = dm.samples()
+    shapes = bucket_shapes(samples, dm.num_frames, dm.height, dm.width, dm.resolutions, sizes)
+    keys = dm.cache_keys(samples, shapes)
+    index = CacheIndex(dm.cache_dir)
+    latents, texts = {}, {}
+    for sample, shape, (lkey, tkey) in zip(samples, shapes, keys):
+        if lkey not in index:
+            latents.setdefault(lkey, (lkey, sample, shape))
+        if tkey not in index:
+            texts.setdefault(tkey, (tkey, sample.prompt))
+    rank, world, local = _rank()
+    todo_latents = sorted(latents.values(), key=lambda t: t[0])[rank::world]
+    todo_texts = sorted(texts.values())[rank::world]
+    skipped = len({k for pair in keys for k in pair}) - len(latents) - len(texts)
+    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats()
+    total = len(todo_latents) + len(todo_texts)
+    stats = {"written": 0, "skipped": skipped, "rejected": 0, "bytes": 0, "rank": rank, "world": world}
+    if total == 0:
+        return stats
+    encoders = spec.load_encoders().to(device)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"cache r{rank}", unit="entry", disable=rank != 0, dynamic_ncols=True)
+    rejects = []
+    t0 = time.perf_counter()
+    shard = int(cfg.data.cache_shard_size)
+    text_writer = CacheWriter(dm.cache_dir, "text", rank, shard)
+    for i in range(0, len(todo_texts), 32):
+        chunk = todo_texts[i:i + 32]
+        prompts = [p for _, p in chunk]
+        emb = encode_text(encoders.tokenizer, encoders.text_encoder, prompts, encoders.text_len)
+        lengths = tokenize(encoders.tokenizer, prompts, encoders.text_len).attention_mask.sum(1).tolist()
+        for (key, _), e, n in zip(chunk, emb, lengths):
+            text_writer.add(key, {"text": e[:n]})
+        bar.update(len(chunk))
+    text_writer.close()
+    latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard)
+    loader = DataLoader(_Clips(todo_latents, dm.frame_stride), batch_size=None, num_workers=dm.num_workers)
+    for key, sample, pixels in loader:
+        if isinstance(pixels, str):
+            rejects.append((sample.path, pixels))
+        else:
+            pixels = pixels[None].to(device)
+            tensors = {"latents": encode_video(encoders.vae, pixels)[0]}
+            if encoders.image_latent:
+                tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
+            latent_writer.add(key, tensors)
+        bar.update(1)
+    latent_writer.close()
+    bar.close()
+    if rejects:
+        import json
+
+        with open(os.path.join(dm.cache_dir, f"rejects-r{rank:03d}-encode.jsonl"), "a") as f:
+            for path, reason in rejects:
+                f.write(json.dumps({"kind": "reject", "source": path, "path": path, "reason": reason}) + "\n")
+    stats.update(written=text_writer.written + latent_writer.written, rejected=len(rejects),
+                 bytes=text_writer.written_bytes + latent_writer.written_bytes,
+                 latent_bytes=latent_writer.written_bytes, latents=latent_writer.written, texts=text_writer.written,
+                 seconds=time.perf_counter() - t0,
+                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)
+    return stats
+
+
+def cache_cli(cfg: DictConfig) -> None:
+    try:
+        s = build_cache(cfg)
+    except UserError as e:
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        print(f"wanexp: error: {lines[-1]}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    per = ""
+    if s.get("latents"):
+        per = (f"; per sample {s['latent_bytes'] / s['latents'] / 2**20:.2f} MiB latents + "
+               f"{(s['bytes'] - s['latent_bytes']) / max(1, s['texts']) / 2**20:.2f} MiB text")
+    peak = f"; peak GPU memory {s['peak_gib']:.1f} GiB" if s.get("peak_gib") is not None else ""
+    print(f"wanexp: cache rank {s['rank']}/{s['world']}: wrote {s['written']} entries "
+          f"({s['bytes'] / 2**20:.1f} MiB{per}), {s['skipped']} already cached, {s['rejected']} rejected{peak} "
+          f"-> {cfg.data.cache_dir}", flush=True)
+
+
+def main() -> None:
+    from wanexp.train import main as hydra_main
+
+    hydra_main(cache_cli)
+
+
+if __name__ == "__main__":
+    main()
