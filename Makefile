@@ -1,4 +1,5 @@
-# make demo: set up .venv (first time) and train the tiny Wan2.2 on generated clips (CPU, about a minute).
+# make demo: set up .venv (first time), cache the generated clips' latents and text, train the tiny Wan2.2 from the
+# cache (CPU, about a minute).
 # make test: set up .venv (first time) and run the test suite.
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,6 +17,7 @@ $(STAMP): requirements.lock
 setup: $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m wanexp.cli.cache experiment=demo
 	$(PY) train.py experiment=demo
 
 test: $(STAMP)

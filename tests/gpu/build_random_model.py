@@ -24,17 +24,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--sizes", default=str(Path(__file__).with_name("real_sizes.yaml")), help="YAML of build sections")
     args = ap.parse_args()
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
     from omegaconf import open_dict
 
+    from wanexp.config import compose
+    from wanexp.train import build
+
     sizes = yaml.safe_load(Path(args.sizes).read_text())[args.model]
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("train", [f"model={args.model}", f"model.path={args.path}"])
+    cfg = compose([f"model={args.model}", f"model.path={args.path}"])
     with open_dict(cfg):
         cfg.model.build = sizes
-    spec = instantiate(cfg.model, _convert_="all")
+    spec = build(cfg.model)
     t0 = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]

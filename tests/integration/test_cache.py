@@ -123,3 +123,15 @@ def test_ranks_split_the_cache_under_torchrun(shared_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     per_rank = [len((cache / f"index-r00{r}.jsonl").read_text().splitlines()) for r in (0, 1)]
     assert per_rank == [10, 10] and len(CacheIndex(cache)) == 20
+
+
+def test_loader_benchmark_reports_both_paths(shared_dir, tmp_path):
+    from wanexp.cli.bench_loader import loader_rate
+
+    cache = tmp_path / "cache"
+    raw = loader_rate(_cfg(shared_dir, cache), False, 4)
+    assert raw["path"] == "raw media" and raw["samples_per_s"] > 0
+    assert "skipped" in loader_rate(_cfg(shared_dir, cache), True, 4)  # nothing cached yet
+    build_cache(_cfg(shared_dir, cache))
+    cached = loader_rate(_cfg(shared_dir, cache), True, 4)
+    assert cached["path"] == "cache" and cached["samples_per_s"] > 0

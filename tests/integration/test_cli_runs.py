@@ -97,11 +97,17 @@ def test_corrupt_clip_in_a_worker_fails_with_one_line(shared_dir, tmp_path):
     clips.mkdir()
     (clips / "broken.mp4").write_bytes(bytes(range(256)) * 64)
     (clips / "meta.csv").write_text("video,prompt\nbroken.mp4,a broken clip\nbroken.mp4,the same broken clip\n")
+    common = [*_common(shared_dir, tmp_path), f"data.metadata={clips}/meta.csv", "data.generate=null",
+              "data.num_workers=1", "trainer.max_steps=2", "callbacks.progress=null"]
+    # unprobed (data.probe=false), the clip fails in a loader worker: one line, status failed
     out = tmp_path / "run"
-    res = run_cli([*_common(shared_dir, tmp_path), f"data.metadata={clips}/meta.csv", "data.generate=null",
-                   "data.num_workers=1", "trainer.max_steps=2", "callbacks.progress=null", f"paths.output_dir={out}"],
-                  timeout=300)
+    res = run_cli([*common, "data.probe=false", f"paths.output_dir={out}"], timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
     assert len(errors) == 1 and "broken.mp4: cannot decode video" in errors[0], res.stderr[-3000:]
     assert json.loads((out / "status.json").read_text())["state"] == "failed"
+    # probed (the default), both rows are rejected before any weights load
+    res = run_cli([*common, f"paths.output_dir={tmp_path}/probed"], timeout=300)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
+    assert "2 of 2 samples rejected" in errors[0] and "broken.mp4: cannot open video" in errors[0], errors[0]

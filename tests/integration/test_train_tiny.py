@@ -36,6 +36,8 @@ def test_run_writes_everything_under_output_dir(trained, name):
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert any(r.get("perf/samples_per_s") for r in rows) and any(r.get("train/lr") for r in rows)
+    waits = [float(r["perf/loader_wait_frac"]) for r in rows if r.get("perf/loader_wait_frac")]
+    assert waits and all(0 <= w < 1 for w in waits)
     tflops = [float(r["perf/tflops"]) for r in rows if r.get("perf/tflops")]
     assert len(tflops) == 4 and all(t > 0 for t in tflops)
 

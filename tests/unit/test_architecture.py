@@ -21,7 +21,7 @@ ALLOWED = {
     "optim": {"config"},
     "models": {"errors", "config", "perf"},
     "objectives": {"config"},
-    "data": {"errors"},
+    "data": {"errors", "config"},
     "parallel": {"config"},
     "module": {"errors", "models", "objectives", "optim"},
     "callbacks": set(),

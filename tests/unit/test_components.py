@@ -98,3 +98,16 @@ def test_batch_sampler_gives_each_rank_a_disjoint_slice(world):
     for step in zip(*per_rank):
         assert len({keys[b[0]] for b in step}) == 1
     assert len(per_rank[0]) == len(BucketBatchSampler(keys, 2, 0, world, seed=3))
+
+
+def test_token_budget_batches_more_short_samples_and_fewer_long_ones():
+    from wanexp.data.datamodule import dit_tokens
+
+    assert dit_tokens((17, 704, 1280), (4, 16, 16), (1, 2, 2)) == 4400  # TI2V-5B 704x1280x17
+    assert dit_tokens((81, 480, 832), (4, 8, 8), (1, 2, 2)) == 32760  # A14B 480x832x81
+    assert dit_tokens((1, 704, 1280), (4, 16, 16), (1, 2, 2)) == 880
+    keys = [(17, 64, 64)] * 12 + [(1, 64, 64)] * 12
+    sizes = {(17, 64, 64): 2, (1, 64, 64): 6}
+    batches = list(BucketBatchSampler(keys, 1, 0, 2, seed=0, batch_sizes=sizes))
+    assert sorted(len(b) for b in batches) == [2, 2, 2, 6]  # per rank: 12 videos / (2 x 2), 12 images / (6 x 2)
+    assert all(len({keys[i] for i in b}) == 1 for b in batches)

@@ -40,6 +40,8 @@ class RunStatus(Callback):
         self.t_last: float | None = None
         self.samples = 0
         self.flops = 0.0  # model FLOPs since the last optimizer step, from each training_step's output
+        self.wait = 0.0  # seconds between one batch's end and the next one's start: waiting on the loader
+        self.t_batch_end: float | None = None
         self.state: dict = {}
 
     def _write(self, trainer, **extra) -> None:
@@ -59,20 +61,25 @@ class RunStatus(Callback):
                     optimizer=None if opt is None else {"name": type(opt).__name__, "lr": opt.param_groups[0]["lr"],
                                                         "fused": bool(opt.defaults.get("fused"))})
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.t_batch_end is not None:
+            self.wait += time.perf_counter() - self.t_batch_end
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
         self.samples += bs * trainer.world_size
         if isinstance(outputs, dict):
             self.flops += float(outputs.get("flops", 0.0))
+        now = self.t_batch_end = time.perf_counter()
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
         sps = self.samples / dt if dt > 0 else 0.0
         self.samples = 0
         metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt,
-                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0}
-        self.flops = 0.0
+                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0,
+                   "perf/loader_wait_frac": self.wait / dt if dt > 0 else 0.0}
+        self.flops = self.wait = 0.0
         if torch.cuda.is_available():
             metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -19,9 +19,8 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from wanexp.data.cache import CacheIndex, CacheWriter
-from wanexp.data.datamodule import bucket_shapes
 from wanexp.data.media import load_clip
-from wanexp.errors import MediaError, UserError
+from wanexp.errors import ConfigError, MediaError, UserError
 from wanexp.models.encode import encode_image_condition, encode_text, encode_video, tokenize
 
 
@@ -35,9 +34,9 @@ class _Clips(Dataset):
         return len(self.todo)
 
     def __getitem__(self, i):
-        key, sample, (frames, height, width) = self.todo[i]
+        key, sample, (frames, height, width), start = self.todo[i]
         try:
-            return key, sample, load_clip(sample, frames, height, width, self.stride)
+            return key, sample, load_clip(sample, frames, height, width, self.stride, start=start)
         except (MediaError, OSError, ValueError) as e:
             return key, sample, str(e).strip().splitlines()[-1]
 
@@ -63,19 +62,21 @@ def build_cache(cfg: DictConfig) -> dict:
         ensure_tiny_model(spec)
     spec.check_folder(experts)
     if not cfg.data.cache_dir:
-        raise UserError("data.cache_dir is null: set it to the folder the cache goes in")
+        raise ConfigError("data.cache_dir is null: set it to the folder the cache goes in")
+    if cfg.data.window == "random":
+        raise ConfigError("data.window=random draws a new window every epoch, which no cache can hold; cache "
+                          "data.window=uniform or chunks (several fixed windows per clip), or train online")
     with open_dict(cfg):
         cfg.data.rejects = os.path.join(str(cfg.data.cache_dir), "rejects.jsonl")
     dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
     dm.prepare()
-    samples, sizes = dm.samples()
-    shapes = bucket_shapes(samples, dm.num_frames, dm.height, dm.width, dm.resolutions, sizes)
-    keys = dm.cache_keys(samples, shapes)
+    samples, shapes, starts, _ = dm.items()
+    keys = dm.cache_keys(samples, shapes, starts)
     index = CacheIndex(dm.cache_dir)
     latents, texts = {}, {}
-    for sample, shape, (lkey, tkey) in zip(samples, shapes, keys):
+    for sample, shape, start, (lkey, tkey) in zip(samples, shapes, starts, keys):
         if lkey not in index:
-            latents.setdefault(lkey, (lkey, sample, shape))
+            latents.setdefault(lkey, (lkey, sample, shape, start))
         if tkey not in index:
             texts.setdefault(tkey, (tkey, sample.prompt))
     rank, world, local = _rank()

@@ -40,6 +40,9 @@ def check_rules(cfg: DictConfig) -> None:
             down = v - v % m.hw_multiple
             raise ConfigError(f"data.{key}={v}: model={m.name} needs a multiple of {m.hw_multiple} "
                               f"(e.g. {down or m.hw_multiple} or {down + m.hw_multiple})")
+    if d.window != "first" and not d.probe:
+        raise ConfigError(f"data.window={d.window} with data.probe=false: windows need each clip's frame count; "
+                          "set data.probe=true or data.window=first")
     if p.name in ("fsdp", "deepspeed") and cfg.trainer.accelerator == "cpu":
         raise ConfigError(f"parallel={p.name} with trainer.accelerator=cpu: {p.name} needs GPUs; use parallel=ddp on CPU")
     if p.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:

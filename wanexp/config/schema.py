@@ -31,6 +31,7 @@ PARALLEL = ("single", "ddp", "fsdp", "deepspeed")
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP")
 FSDP_PARAM_DTYPES = ("bf16", "fp32")
 WANDB_MODES = ("online", "offline", "disabled")
+WINDOW_MODES = ("first", "uniform", "chunks", "random")
 
 
 def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, doc: str = ""):
@@ -136,7 +137,10 @@ class DataConfig:
     height: int = knob(MISSING, ge=1)
     width: int = knob(MISSING, ge=1)
     frame_stride: int = knob(MISSING, ge=1)
+    window: str = knob(MISSING, choices=WINDOW_MODES, doc="which frames of a longer clip train")
+    windows_per_clip: int = knob(MISSING, ge=0, doc="uniform/chunks: windows per clip (chunks: 0 = all that fit)")
     batch_size: int = knob(MISSING, ge=1, doc="per device")
+    token_budget: Optional[int] = knob(MISSING, ge=1, doc="DiT tokens per device batch; sets each bucket's batch")
     num_workers: int = knob(MISSING, ge=0)
     max_samples: Optional[int] = knob(MISSING, ge=1)
     dataset_repeat: int = knob(MISSING, ge=1, doc="each sample this many times per epoch")

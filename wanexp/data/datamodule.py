@@ -30,8 +30,16 @@ from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import MetadataError, Reject, Sample, read_metadata_with_rejects
 from wanexp.data.probe import probe_samples
+from wanexp.data.windows import RANDOM_START, expand, random_start
 
 Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
+
+
+def dit_tokens(shape: Shape, vae_stride: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
+    """DiT tokens of one sample of this (frames, height, width): latent frames x patches of the latent grid."""
+    frames, height, width = shape
+    latent_frames = (frames - 1) // vae_stride[0] + 1
+    return (latent_frames // patch[0]) * (height // vae_stride[1] // patch[1]) * (width // vae_stride[2] // patch[2])
 
 
 def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
@@ -55,18 +63,29 @@ def bucket_shapes(samples: list[Sample], num_frames: int, height: int, width: in
 
 
 class ClipDataset(Dataset):
-    """Decodes one sample at its bucket's shape into ``{"pixels": (3, F, H, W) in [-1, 1], "prompt", "index"}``."""
+    """Decodes one sample at its bucket's shape into ``{"pixels": (3, F, H, W) in [-1, 1], "prompt", "index"}``.
 
-    def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int = 1):
+    ``starts``: each sample's first frame (``RANDOM_START``: a window drawn per epoch, then indexes are
+    ``(index, epoch)`` pairs and ``available`` holds each clip's frame count).
+    """
+
+    def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int = 1,
+                 starts: list[int] | None = None, available: list[int] | None = None, seed: int = 0):
         self.samples, self.shapes, self.frame_stride = samples, shapes, frame_stride
+        self.starts = starts or [0] * len(samples)
+        self.available, self.seed = available, seed
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i) -> dict:
+        i, epoch = i if isinstance(i, tuple) else (i, 0)
         s = self.samples[i]
         frames, height, width = self.shapes[i]
-        pixels = load_clip(s, frames, height, width, self.frame_stride)
+        start = self.starts[i]
+        if start == RANDOM_START:
+            start = random_start(self.available[i], frames, self.frame_stride, self.seed, epoch, i)
+        pixels = load_clip(s, frames, height, width, self.frame_stride, start=start)
         return {"pixels": pixels, "prompt": s.prompt, "index": i}
 
 
@@ -98,6 +117,21 @@ class _Epoch:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+
+class EpochTagged(Sampler[list[tuple[int, int]]]):
+    """Yields the batches of a batch sampler as ``(index, epoch)`` pairs (for windows drawn per epoch)."""
+
+    def __init__(self, batches: "BucketBatchSampler"):
+        self.batches = batches
+        self.sampler = batches.sampler  # where Lightning sets the epoch
+
+    def __iter__(self):
+        for batch in self.batches:
+            yield [(i, self.sampler.epoch) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 class BucketBatchSampler(Sampler[list[int]]):
@@ -168,7 +202,7 @@ def _digest_ids(ids: list[str]) -> str:
 
 class WanDataModule(L.LightningDataModule):
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
-                 frame_stride: int, batch_size: int, num_workers: int, max_samples: int | None, dataset_repeat: int,
+                 frame_stride: int, window: str, windows_per_clip: int, batch_size: int, token_budget: int | None, num_workers: int, max_samples: int | None, dataset_repeat: int,
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, generate: dict | None, seed: int,
                  encoders: dict | None = None):
@@ -179,6 +213,8 @@ class WanDataModule(L.LightningDataModule):
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
         self.batch_size, self.num_workers, self.max_samples = batch_size, num_workers, max_samples
         self.dataset_repeat = dataset_repeat
+        self.window, self.windows_per_clip = window, windows_per_clip
+        self.token_budget = token_budget
         self.resolutions = [tuple(r) for r in buckets] if buckets else None
         self.probe, self.max_reject_fraction = probe, max_reject_fraction
         self.rejects_path = Path(rejects) if rejects else None
@@ -198,8 +234,8 @@ class WanDataModule(L.LightningDataModule):
 
             make_demo_dataset(self.metadata.parent, **dict(self.generate))
 
-    def samples(self) -> tuple[list[Sample], list[tuple[int, int] | None]]:
-        """The usable rows and their media's (width, height) (None where not probed).
+    def samples(self) -> tuple[list[Sample], list[tuple[int, int] | None], list[int | None]]:
+        """The usable rows, their media's (width, height) and frame counts (None where not probed).
 
         Rows that cannot train (bad caption, missing, empty, corrupt or truncated media, too few frames, unreadable
         image) are left out and written with their reason to ``rejects`` (JSON lines); past
@@ -209,11 +245,13 @@ class WanDataModule(L.LightningDataModule):
         if self.max_samples:
             samples = samples[: self.max_samples]
         sizes: list[tuple[int, int] | None] = [None] * len(samples)
+        frames: list[int | None] = [None] * len(samples)
         warnings = []
         if self.probe:
             good, bad, warnings = probe_samples(samples, self.num_frames, self.frame_stride, self.height, self.width,
                                                 workers=max(1, self.num_workers))
-            samples, sizes, rejects = [r.sample for r in good], [(r.width, r.height) for r in good], rejects + bad
+            samples, rejects = [r.sample for r in good], rejects + bad
+            sizes, frames = [(r.width, r.height) for r in good], [r.frames for r in good]
         total = len(samples) + len(rejects)
         self.report = {"rows": total, "rejected": len(rejects), "warnings": len(warnings),
                        "rejects_file": str(self.rejects_path) if self.rejects_path else None}
@@ -227,7 +265,21 @@ class WanDataModule(L.LightningDataModule):
                 f"{self.metadata}: {len(rejects)} of {total} samples rejected, more than data.max_reject_fraction="
                 f"{self.max_reject_fraction} (first: {first.path or first.source}: {first.reason}; all in "
                 f"{self.rejects_path or 'data.rejects'}); {hint}")
-        return samples, sizes
+        return samples, sizes, frames
+
+    def items(self) -> tuple[list[Sample], list[Shape], list[int], list[int | None]]:
+        """Training samples: (sample, bucket shape, first frame, frames available), one per frame window."""
+        samples, sizes, frames = self.samples()
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        for sample, size, available in zip(samples, sizes, frames):
+            shape = bucket_shapes([sample], self.num_frames, self.height, self.width, self.resolutions, [size])[0]
+            starts = [0] if self.window == "first" else [
+                start for _, start in expand([sample], [available], self.num_frames, self.frame_stride, self.window,
+                                             self.windows_per_clip)]
+            for start in starts:
+                for lst, value in zip(out, (sample, shape, start, available)):
+                    lst.append(value)
+        return out
 
     def _write_rejects(self, rejects: list[Reject], warnings: list) -> None:
         if self.rejects_path is None:
@@ -243,9 +295,9 @@ class WanDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.dataset is not None:
             return
-        samples, sizes = self.samples()
-        shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
-        self.keys = self.cache_keys(samples, shapes) if self.encoders and self.cache_dir else []
+        samples, shapes, starts, available = self.items()
+        cacheable = self.encoders and self.cache_dir and self.window != "random"  # random windows change each epoch
+        self.keys = self.cache_keys(samples, shapes, starts) if cacheable else []
         index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
         missing = sum(1 for k in {k for pair in self.keys for k in pair} if index is None or k not in index)
         self.cached = index is not None and missing == 0
@@ -255,15 +307,25 @@ class WanDataModule(L.LightningDataModule):
         if self.cached:
             self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders["text_len"])
         else:
-            self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride)
+            self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride, starts * r, available * r, self.seed)
 
-    def cache_keys(self, samples: list[Sample], shapes: list[Shape]) -> list[tuple[str, str]]:
+    def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int]) -> list[tuple[str, str]]:
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
         e = self.encoders
         vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"]])
         text_id = _digest_ids([folder_identity(e["text_encoder"], e["text_dtype"]), folder_identity(e["tokenizer"])])
-        return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, 0, e["image_latent"]),
-                 text_key(text_id, e["text_len"], s.prompt)) for s, shape in zip(samples, shapes)]
+        return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e["image_latent"]),
+                 text_key(text_id, e["text_len"], s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
+
+    def bucket_batch_sizes(self) -> dict | None:
+        """With ``token_budget``: each bucket's per-device batch, budget // (DiT tokens of one sample), at least 1."""
+        if not self.token_budget:
+            return None
+        if not self.encoders:
+            raise MetadataError("data.token_budget needs the model's latent grid; build the datamodule through run()")
+        (st, sh, sw), (pt, ph, pw) = self.encoders["vae_stride"], self.encoders["patch"]
+        return {shape: max(1, self.token_budget // dit_tokens(shape, (st, sh, sw), (pt, ph, pw)))
+                for shape in set(self.dataset.shapes)}
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the data position is the optimizer steps done (see the module docstring)."""
@@ -276,7 +338,8 @@ class WanDataModule(L.LightningDataModule):
         rank, world = 0, 1
         if self.trainer is not None:
             rank, world = self.trainer.global_rank, self.trainer.world_size
-        sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed)
+        sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed,
+                                     batch_sizes=self.bucket_batch_sizes())
         if len(sampler) == 0:
             raise MetadataError(
                 f"data={self.name}: {len(self.dataset)} samples give no full batch of {self.batch_size} per rank on "
@@ -284,5 +347,7 @@ class WanDataModule(L.LightningDataModule):
             )
         if self.steps_done:
             sampler.resume(self.steps_done, self.trainer.accumulate_grad_batches if self.trainer else 1)
+        if self.window == "random":
+            sampler = EpochTagged(sampler)
         return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)

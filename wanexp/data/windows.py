@@ -28,7 +28,7 @@ from wanexp.data.metadata import Sample
 
 __all__ = ["RANDOM_START", "WINDOW_MODES", "expand", "fit_window", "random_start", "window_span", "window_starts"]
 
-WINDOW_MODES: tuple[str, ...] = ("first", "uniform", "chunks", "random")
+from wanexp.config.schema import WINDOW_MODES  # ("first", "uniform", "chunks", "random")
 
 RANDOM_START = -1  # start placeholder in ``expand`` output: draw it with ``random_start`` at load time
 

@@ -146,7 +146,7 @@ class WanSpec:
         return {"vae": str(self.path / "vae"), "vae_dtype": str(self.vae_dtype), "layout": self.layout,
                 "text_encoder": str(self.path / "text_encoder"), "text_dtype": str(self.text_encoder_dtype),
                 "tokenizer": str(self.path / "tokenizer"), "text_len": self.text_len,
-                "image_latent": self.needs_image_latent}
+                "image_latent": self.needs_image_latent, "vae_stride": list(self.vae_stride), "patch": list(self.patch)}
 
     def load_encoders(self):
         """The frozen VAE + UMT5 text encoder + tokenizer as one module (see wanexp.models.encode.Encoders)."""
