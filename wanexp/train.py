@@ -49,7 +49,12 @@ def build_trainer(cfg: DictConfig, out: Path):
     callbacks = instantiate_named(cfg.callbacks)
     strategy = cfg.parallel.strategy
     strategy = build(strategy) if OmegaConf.is_dict(strategy) else strategy
-    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=loggers or False,
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    if kwargs.get("profiler") is None:  # times the loader wait per step (perf/loader_wait_frac)
+        from wanexp.callbacks.status import LoaderWait
+
+        kwargs["profiler"] = LoaderWait()
+    trainer = L.Trainer(**kwargs, strategy=strategy, logger=loggers or False,
                         callbacks=callbacks, default_root_dir=str(out),
                         enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
                         use_distributed_sampler=False, enable_model_summary=False)

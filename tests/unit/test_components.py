@@ -111,3 +111,17 @@ def test_token_budget_batches_more_short_samples_and_fewer_long_ones():
     batches = list(BucketBatchSampler(keys, 1, 0, 2, seed=0, batch_sizes=sizes))
     assert sorted(len(b) for b in batches) == [2, 2, 2, 6]  # per rank: 12 videos / (2 x 2), 12 images / (6 x 2)
     assert all(len({keys[i] for i in b}) == 1 for b in batches)
+
+
+def test_aspect_ratio_buckets():
+    from wanexp.data.datamodule import bucket_shapes, nearest_resolution
+    from wanexp.data.metadata import Sample
+
+    res = [(704, 1280), (1280, 704), (960, 960)]  # (height, width)
+    assert nearest_resolution(1920, 1080, res) == (704, 1280)  # landscape source (width, height)
+    assert nearest_resolution(1080, 1920, res) == (1280, 704)
+    assert nearest_resolution(1000, 1000, res) == (960, 960)
+    samples = [Sample("a.mp4", "x", "video"), Sample("b.png", "x", "image"), Sample("c.mp4", "x", "video")]
+    shapes = bucket_shapes(samples, 17, 704, 1280, res, [(1080, 1920), (1920, 1080), None])
+    assert shapes == [(17, 1280, 704), (1, 704, 1280), (17, 704, 1280)]  # unknown size: the default resolution
+    assert bucket_shapes(samples, 17, 704, 1280) == [(17, 704, 1280), (1, 704, 1280), (17, 704, 1280)]

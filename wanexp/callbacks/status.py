@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import Profiler
 
 from wanexp.callbacks.progress import optimizer_steps_per_epoch
 
@@ -31,6 +32,32 @@ def replicas_in_sync(trainer, pl_module) -> bool | None:
     return bool(torch.allclose(gathered.min(), gathered.max(), rtol=0, atol=1e-9))
 
 
+class LoaderWait(Profiler):
+    """Times only what the training loop spends in ``next()`` on the train loader (Lightning's
+    ``train_dataloader_next`` action): the time a step waits for data. The trainer's profiler unless one is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = 0.0
+        self._t0: float | None = None
+
+    def start(self, action_name: str) -> None:
+        if action_name.endswith("train_dataloader_next"):
+            self._t0 = time.perf_counter()
+
+    def stop(self, action_name: str) -> None:
+        if action_name.endswith("train_dataloader_next") and self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def summary(self) -> str:
+        return ""
+
+
 class RunStatus(Callback):
     """Writes state (running/finished/failed), step, epoch, steps per epoch, loss and samples/s to status.json."""
 
@@ -40,8 +67,7 @@ class RunStatus(Callback):
         self.t_last: float | None = None
         self.samples = 0
         self.flops = 0.0  # model FLOPs since the last optimizer step, from each training_step's output
-        self.wait = 0.0  # seconds between one batch's end and the next one's start: waiting on the loader
-        self.t_batch_end: float | None = None
+
         self.state: dict = {}
 
     def _write(self, trainer, **extra) -> None:
@@ -61,25 +87,22 @@ class RunStatus(Callback):
                     optimizer=None if opt is None else {"name": type(opt).__name__, "lr": opt.param_groups[0]["lr"],
                                                         "fused": bool(opt.defaults.get("fused"))})
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.t_batch_end is not None:
-            self.wait += time.perf_counter() - self.t_batch_end
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
         self.samples += bs * trainer.world_size
         if isinstance(outputs, dict):
             self.flops += float(outputs.get("flops", 0.0))
-        now = self.t_batch_end = time.perf_counter()
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
+        now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
         sps = self.samples / dt if dt > 0 else 0.0
         self.samples = 0
         metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt,
-                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0,
-                   "perf/loader_wait_frac": self.wait / dt if dt > 0 else 0.0}
-        self.flops = self.wait = 0.0
+                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0}
+        self.flops = 0.0
+        if isinstance(trainer.profiler, LoaderWait):
+            metrics["perf/loader_wait_frac"] = trainer.profiler.take() / dt if dt > 0 else 0.0
         if torch.cuda.is_available():
             metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

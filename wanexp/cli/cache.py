@@ -109,6 +109,7 @@ def build_cache(cfg: DictConfig) -> dict:
         bar.update(len(chunk))
     text_writer.close()
     latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dm.cache_dtype]
     loader = DataLoader(_Clips(todo_latents, dm.frame_stride), batch_size=None, num_workers=dm.num_workers)
     for key, sample, pixels in loader:
         if isinstance(pixels, str):
@@ -118,7 +119,7 @@ def build_cache(cfg: DictConfig) -> dict:
             tensors = {"latents": encode_video(encoders.vae, pixels)[0]}
             if encoders.image_latent:
                 tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
-            latent_writer.add(key, tensors)
+            latent_writer.add(key, {k: v.to(dtype) for k, v in tensors.items()})
         bar.update(1)
     latent_writer.close()
     bar.close()

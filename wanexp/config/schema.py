@@ -151,6 +151,7 @@ class DataConfig:
     cache_dir: Optional[str] = MISSING  # the latent/text cache (python -m wanexp.cli.cache fills it)
     use_cache: bool = MISSING  # train from the cache when it holds every sample of the run; else encode online
     cache_shard_size: int = knob(MISSING, ge=1, doc="entries per cache shard file")
+    cache_dtype: str = knob(MISSING, choices=("fp32", "bf16"), doc="dtype of cached latents")
     generate: Optional[Dict[str, Any]] = MISSING  # synthetic data only
 
 

@@ -204,7 +204,8 @@ class WanDataModule(L.LightningDataModule):
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
                  frame_stride: int, window: str, windows_per_clip: int, batch_size: int, token_budget: int | None, num_workers: int, max_samples: int | None, dataset_repeat: int,
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
-                 cache_dir: str | None, use_cache: bool, cache_shard_size: int, generate: dict | None, seed: int,
+                 cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
+                 generate: dict | None, seed: int,
                  encoders: dict | None = None):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, and ``encoders``: what
         identifies the model's VAE and text encoder for cache keys (``WanSpec.encoder_info()``; None: no cache)."""
@@ -220,7 +221,7 @@ class WanDataModule(L.LightningDataModule):
         self.rejects_path = Path(rejects) if rejects else None
         self.generate, self.seed = generate, seed
         self.cache_dir, self.use_cache, self.encoders = (Path(cache_dir) if cache_dir else None), use_cache, encoders
-        self.cache_shard_size = cache_shard_size
+        self.cache_shard_size, self.cache_dtype = cache_shard_size, cache_dtype
         self.cached = False  # every sample's latents and text are in the cache: training never runs the encoders
         self.keys: list[tuple[str, str]] = []
         self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
@@ -312,7 +313,7 @@ class WanDataModule(L.LightningDataModule):
     def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int]) -> list[tuple[str, str]]:
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
         e = self.encoders
-        vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"]])
+        vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"], self.cache_dtype])
         text_id = _digest_ids([folder_identity(e["text_encoder"], e["text_dtype"]), folder_identity(e["tokenizer"])])
         return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e["image_latent"]),
                  text_key(text_id, e["text_len"], s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
