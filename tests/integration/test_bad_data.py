@@ -50,9 +50,15 @@ def test_a_run_skips_every_bad_row_and_lists_it(shared_dir, tmp_path, messy_data
         assert any(p == path and got.startswith(reason) for p, got in rejects), (path, reason, rejects)
     assert any(x["reason"] == "prompt is not UTF-8" and x["source"].endswith(f":{1 + 10 + len(BAD_ROWS) + 1}") for x in lines)
     warnings = [x for x in lines if x["kind"] == "warning"]
-    assert [w["path"].endswith("bad/tiny.png") and "upscaled" in w["reason"] for w in warnings] == [True]
+    upscaled = [w for w in warnings if "upscaled" in w["reason"]]
+    assert [w["path"].endswith("bad/tiny.png") for w in upscaled] == [True]
+    # the tiny model reads 64 tokens; its byte-level tokenizer makes most demo captions longer: warned, not rejected
+    long = [w for w in warnings if w["reason"].startswith("caption is ")]
+    assert long and all(w["reason"].endswith("truncated to 64 (model.text_len)") for w in long)
+    assert len(upscaled) + len(long) == len(warnings)
     status = json.loads((out / "status.json").read_text())
     assert status["data"]["rejected"] == len(BAD_ROWS) + 1 and status["data"]["rows"] == 10 + len(BAD_ROWS) + 2
+    assert status["data"]["long_captions"] == len(long)
 
 
 def test_mostly_broken_data_stops_before_training(shared_dir, tmp_path, messy_data):
@@ -63,3 +69,28 @@ def test_mostly_broken_data_stops_before_training(shared_dir, tmp_path, messy_da
         tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.metadata={messy_data}/metadata.csv",
                                                 "data.generate=null"])
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_clip_that_fails_during_training_is_replaced_and_listed(shared_dir, tmp_path):
+    """Unprobed (data.probe=false), a corrupt clip fails in the loader: its batch takes the next clip of the bucket,
+    the failure is listed per rank, and past data.max_reject_fraction of the drawn samples the run stops."""
+    src = Path(shared_dir) / "data" / "synthetic"
+    if not (src / "metadata.csv").exists():
+        tiny_run(shared_dir, tmp_path / "warm", ["model=tiny", "trainer.max_steps=1"])
+    data = tmp_path / "data"
+    shutil.copytree(src, data)
+    (data / "broken.mp4").write_bytes(bytes(range(256)) * 64)
+    rows = (data / "metadata.csv").read_text().rstrip("\n") + "\nbroken.mp4,a clip that does not decode\n"
+    (data / "metadata.csv").write_text(rows)
+    common = ["model=tiny", f"data.metadata={data}/metadata.csv", "data.generate=null", "data.probe=false"]
+    r = tiny_run(shared_dir, tmp_path / "run", [*common, "data.max_reject_fraction=0.5", "trainer.max_steps=6"])
+    assert r["global_step"] == 6
+    out = Path(r["output_dir"])
+    lines = [json.loads(x) for x in (out / "rejects-online-r000.jsonl").read_text().splitlines()]
+    assert lines and all(x["path"].endswith("broken.mp4") and "cannot" in x["reason"] for x in lines)
+    assert json.loads((out / "status.json").read_text())["rejected_online"] == len(lines)
+    from wanexp.errors import MetadataError
+
+    with pytest.raises(MetadataError, match=r"samples failed to decode during training, more than "
+                                            r"data.max_reject_fraction=0.05"):
+        tiny_run(shared_dir, tmp_path / "strict", [*common, "trainer.max_steps=12"])

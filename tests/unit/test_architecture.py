@@ -15,16 +15,17 @@ ROOT = Path(__file__).resolve().parents[2] / "wanexp"
 # errors <- config <- (models, objectives, data, parallel, lora, perf, optim) <- module, callbacks <- train, cli.
 ALLOWED = {
     "errors": set(),
+    "text": set(),
     "config": {"errors"},
     "perf": set(),
     "lora": {"errors"},
     "optim": {"config"},
-    "models": {"errors", "config", "perf"},
+    "models": {"errors", "config", "perf", "text"},
     "objectives": {"config"},
-    "data": {"errors", "config"},
+    "data": {"errors", "config", "text"},
     "parallel": {"config"},
     "module": {"errors", "models", "objectives", "optim"},
-    "callbacks": set(),
+    "callbacks": {"errors"},
     "train": {"errors", "config", "models", "module", "optim", "callbacks"},
     "cli": {"errors", "config", "data", "models", "module", "perf", "train"},
 }

@@ -67,6 +67,7 @@ class RunStatus(Callback):
         self.t_last: float | None = None
         self.samples = 0
         self.flops = 0.0  # model FLOPs since the last optimizer step, from each training_step's output
+        self.seen = self.rejected = 0  # samples this rank trained on / replaced because they failed to decode
 
         self.state: dict = {}
 
@@ -90,6 +91,9 @@ class RunStatus(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
         self.samples += bs * trainer.world_size
+        self.seen += bs
+        if batch.get("rejected"):
+            self._reject_online(trainer, batch["rejected"])
         if isinstance(outputs, dict):
             self.flops += float(outputs.get("flops", 0.0))
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
@@ -110,6 +114,23 @@ class RunStatus(Callback):
         every = max(1, trainer.log_every_n_steps)
         if trainer.global_step % every == 0:
             self._write(trainer, loss=None if loss is None else float(loss), samples_per_s=sps)
+
+    def _reject_online(self, trainer, rejected: list) -> None:
+        """Samples that failed to decode during training (each replaced in its batch): listed per rank; past the
+        data's max_reject_fraction of what this rank has seen, the run stops with one line."""
+        from wanexp.errors import MetadataError
+
+        self.rejected += len(rejected)
+        with open(self.path.with_name(f"rejects-online-r{trainer.global_rank:03d}.jsonl"), "a") as f:
+            for path, reason in rejected:
+                f.write(json.dumps({"kind": "reject", "source": path, "path": path, "reason": reason,
+                                    "step": trainer.global_step}) + "\n")
+        limit = getattr(trainer.datamodule, "max_reject_fraction", 1.0)
+        if self.rejected / max(1, self.seen + self.rejected) > limit:
+            raise MetadataError(f"{self.rejected} samples failed to decode during training, more than "
+                                f"data.max_reject_fraction={limit} of the {self.seen + self.rejected} drawn (first: "
+                                f"{rejected[0][0]}: {rejected[0][1]}); see {self.path.parent}/rejects-online-*.jsonl")
+        self._write(trainer, rejected_online=self.rejected)
 
     def on_train_end(self, trainer, pl_module) -> None:
         loss = trainer.callback_metrics.get("train/loss")

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import MetadataError, Reject, Sample, read_metadata_with_rejects
+from wanexp.errors import MediaError
 from wanexp.data.probe import probe_samples
 from wanexp.data.windows import RANDOM_START, expand, random_start
 
@@ -74,12 +75,14 @@ class ClipDataset(Dataset):
         self.samples, self.shapes, self.frame_stride = samples, shapes, frame_stride
         self.starts = starts or [0] * len(samples)
         self.available, self.seed = available, seed
+        self.same_shape: dict[Shape, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            self.same_shape.setdefault(shape, []).append(i)
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i) -> dict:
-        i, epoch = i if isinstance(i, tuple) else (i, 0)
+    def _load(self, i: int, epoch: int) -> dict:
         s = self.samples[i]
         frames, height, width = self.shapes[i]
         start = self.starts[i]
@@ -87,6 +90,25 @@ class ClipDataset(Dataset):
             start = random_start(self.available[i], frames, self.frame_stride, self.seed, epoch, i)
         pixels = load_clip(s, frames, height, width, self.frame_stride, start=start)
         return {"pixels": pixels, "prompt": s.prompt, "index": i}
+
+    def __getitem__(self, i) -> dict:
+        """A sample that fails to decode now (it passed the pre-flight check) is replaced by the next one of its
+        bucket, so the batch keeps its shape; the failure travels with the batch (``rejected``) to be logged."""
+        i, epoch = i if isinstance(i, tuple) else (i, 0)
+        try:
+            return dict(self._load(i, epoch), rejected=[])
+        except MediaError as e:
+            rejected = [(self.samples[i].path, _reason(e, self.samples[i].path))]
+        group = self.same_shape[self.shapes[i]]
+        at = group.index(i)
+        for k in range(1, min(len(group), 8)):
+            j = group[(at + k) % len(group)]
+            try:
+                return dict(self._load(j, epoch), rejected=rejected)
+            except MediaError as e:
+                rejected.append((self.samples[j].path, _reason(e, self.samples[j].path)))
+        raise MediaError(f"{rejected[0][0]}: {rejected[0][1]}, and the next {len(rejected) - 1} samples of its "
+                         "bucket failed too; check the data (data.probe=true finds such files before training)")
 
 
 class CachedDataset(Dataset):
@@ -117,6 +139,11 @@ class _Epoch:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+
+def _reason(error: Exception, path: str) -> str:
+    """A decoding error's one line, without the path it starts with."""
+    return str(error).strip().splitlines()[-1].removeprefix(f"{path}: ")
 
 
 class EpochTagged(Sampler[list[tuple[int, int]]]):
@@ -193,7 +220,8 @@ class BucketBatchSampler(Sampler[list[int]]):
 def collate(items: list[dict]) -> dict:
     batch = {k: torch.stack([it[k] for it in items]) for k in ("pixels", "latents", "text", "image_latent")
              if k in items[0]}
-    return dict(batch, prompt=[it["prompt"] for it in items], index=torch.tensor([it["index"] for it in items]))
+    return dict(batch, prompt=[it["prompt"] for it in items], index=torch.tensor([it["index"] for it in items]),
+                rejected=[r for it in items for r in it.get("rejected", ())])
 
 
 def _digest_ids(ids: list[str]) -> str:
@@ -253,8 +281,10 @@ class WanDataModule(L.LightningDataModule):
                                                 workers=max(1, self.num_workers))
             samples, rejects = [r.sample for r in good], rejects + bad
             sizes, frames = [(r.width, r.height) for r in good], [r.frames for r in good]
+        warnings += self._long_captions(samples)
         total = len(samples) + len(rejects)
         self.report = {"rows": total, "rejected": len(rejects), "warnings": len(warnings),
+                       "long_captions": sum(w.reason.startswith("caption is ") for w in warnings),
                        "rejects_file": str(self.rejects_path) if self.rejects_path else None}
         self._write_rejects(rejects, warnings)
         if rejects and (not samples or len(rejects) / total > self.max_reject_fraction):
@@ -281,6 +311,20 @@ class WanDataModule(L.LightningDataModule):
                 for lst, value in zip(out, (sample, shape, start, available)):
                     lst.append(value)
         return out
+
+    def _long_captions(self, samples: list[Sample]) -> list[Reject]:
+        """Captions longer than the text length (they train truncated): one warning each."""
+        if not self.encoders or not samples:
+            return []
+        from transformers import AutoTokenizer
+
+        from wanexp.text import clean_prompt
+
+        tokenizer = AutoTokenizer.from_pretrained(self.encoders["tokenizer"])
+        limit = self.encoders["text_len"]
+        ids = tokenizer([clean_prompt(s.prompt) for s in samples], add_special_tokens=True).input_ids
+        return [Reject(s.path, s.path, f"caption is {len(t)} tokens, truncated to {limit} (model.text_len)")
+                for s, t in zip(samples, ids) if len(t) > limit]
 
     def _write_rejects(self, rejects: list[Reject], warnings: list) -> None:
         if self.rejects_path is None:

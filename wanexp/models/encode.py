@@ -4,25 +4,12 @@ These run once per sample: online inside the training step for now, and into the
 """
 from __future__ import annotations
 
-import html
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-try:  # ftfy fixes mojibake; the cleaning must match between caching and inference.
-    import ftfy
-except ImportError:  # pragma: no cover - ftfy is a pinned dependency
-    ftfy = None
-
-
-def clean_prompt(text: str) -> str:
-    """ftfy fix + double html unescape + whitespace collapse (the Wan prompt cleaning)."""
-    if ftfy is not None:
-        text = ftfy.fix_text(text)
-    text = html.unescape(html.unescape(text)).strip()
-    return re.sub(r"\s+", " ", text).strip()
+from wanexp.text import clean_prompt
 
 
 def _latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
