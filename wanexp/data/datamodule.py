@@ -322,7 +322,7 @@ class WanDataModule(L.LightningDataModule):
 
         tokenizer = AutoTokenizer.from_pretrained(self.encoders["tokenizer"])
         limit = self.encoders["text_len"]
-        ids = tokenizer([clean_prompt(s.prompt) for s in samples], add_special_tokens=True).input_ids
+        ids = tokenizer([clean_prompt(s.prompt) for s in samples], add_special_tokens=True, verbose=False).input_ids
         return [Reject(s.path, s.path, f"caption is {len(t)} tokens, truncated to {limit} (model.text_len)")
                 for s, t in zip(samples, ids) if len(t) > limit]
 
