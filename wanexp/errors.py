@@ -24,3 +24,11 @@ class MediaError(UserError, ValueError):
 
 class DivergedError(UserError, FloatingPointError):
     """Training produced a non-finite loss (usually a learning rate or precision the run cannot hold)."""
+
+
+class Interrupted(SystemExit):
+    """Not an error: the run stopped on a signal after saving a checkpoint; its exit code is 128 + the signal."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        super().__init__(128 + signum)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint

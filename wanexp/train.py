@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
-from wanexp.errors import ConfigError, UserError
+from wanexp.errors import ConfigError, Interrupted, UserError
 
 # The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
@@ -54,6 +54,10 @@ def build_trainer(cfg: DictConfig, out: Path):
         from wanexp.callbacks.status import LoaderWait
 
         kwargs["profiler"] = LoaderWait()
+    if cfg.parallel.name != "deepspeed":  # DeepSpeed writes its own checkpoint folders
+        from wanexp.callbacks.checkpoint import AtomicCheckpointIO
+
+        kwargs["plugins"] = [AtomicCheckpointIO()]
     trainer = L.Trainer(**kwargs, strategy=strategy, logger=loggers or False,
                         callbacks=callbacks, default_root_dir=str(out),
                         enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
@@ -162,6 +166,13 @@ def cli(cfg: DictConfig) -> None:
     try:
         _adopt_sweep_folder(cfg)
         result = run(cfg)
+    except Interrupted as e:
+        _finish_wandb(failed=True)
+        import signal
+
+        print(f"wanexp: interrupted by {signal.Signals(e.signum).name} at step {e.step}; saved {e.checkpoint}; "
+              "continue with resume=last", file=sys.stderr, flush=True)
+        sys.exit(e.code)
     except UserError as e:
         _finish_wandb(failed=True)
         # Raised in a DataLoader worker, the message carries the worker's traceback: its last line is the error.

@@ -1,7 +1,42 @@
-"""Checkpoints: Lightning's ModelCheckpoint, plus a save at the run's final step."""
+"""Checkpoints: Lightning's ModelCheckpoint plus a save at the run's final step, written atomically."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+from wanexp.errors import UserError
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, read-only folder); the previous one is intact."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint under a temporary name in its own folder, then renames it: a kill or a full disk during
+    a save never leaves a truncated file under a checkpoint's name (a temporary file in ``$TMPDIR`` would not be
+    renamable across filesystems, so the temporary file sits next to the target)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {path} ({e.strerror or e}); the previous checkpoint is intact: free space "
+                "or make the folder writable (or set paths.output_dir elsewhere), then continue with resume=last"
+            ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 class RunCheckpoint(ModelCheckpoint):

@@ -137,5 +137,11 @@ class RunStatus(Callback):
         self._write(trainer, state="finished", loss=None if loss is None else float(loss),
                     replicas_in_sync=replicas_in_sync(trainer, pl_module))
 
+    def interrupted(self, trainer, signal_name: str, checkpoint: str | None) -> None:
+        """Called by the Preemption callback after it saved: the run stops on a signal and can be resumed."""
+        self._write(trainer, state="interrupted", signal=signal_name, checkpoint=checkpoint)
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.state.get("state") == "interrupted":
+            return
         self._write(trainer, state="failed", error=f"{type(exception).__name__}: {exception}")

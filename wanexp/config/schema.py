@@ -259,6 +259,11 @@ class RunStatusConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    _target_: str = "wanexp.callbacks.preemption.Preemption"
+
+
+@dataclass
 class ProgressConfig:
     _target_: str = "wanexp.callbacks.progress.StepProgressBar"
 
@@ -313,6 +318,7 @@ SCHEMAS: dict[str, type] = {
     "callbacks/lora_export": LoraExportConfig,
     "callbacks/status": RunStatusConfig,
     "callbacks/progress": ProgressConfig,
+    "callbacks/preemption": PreemptionConfig,
     "paths": PathsConfig,
 }
 
