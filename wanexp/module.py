@@ -23,7 +23,7 @@ from wanexp.optim import build_optimizer, lr_lambda
 
 class WanModule(L.LightningModule):
     def __init__(self, spec: WanSpec, adapter, objective: Objective, boundary: dict, optimizer: Callable, lr: float,
-                 schedule: dict, max_steps: int = -1, load_encoders: bool = True):
+                 schedule: dict, max_steps: int = -1, load_encoders: bool = True, allow_resume_changes: bool = False):
         super().__init__()
         self.spec, self.adapter, self.objective = spec, adapter, objective
         self.boundary_name = boundary["name"]
@@ -32,6 +32,7 @@ class WanModule(L.LightningModule):
         self.optimizer_factory, self.lr, self.schedule = optimizer, lr, dict(schedule)
         self.max_steps = max_steps
         self.load_encoders = load_encoders  # False when every batch carries cached latents and text embeddings
+        self.allow_resume_changes = allow_resume_changes
         self.transformers = nn.ModuleDict()
         self.encoders = None
         self.denoiser = Denoiser(spec, self.transformers, self.sigma_range)
@@ -82,6 +83,27 @@ class WanModule(L.LightningModule):
             opt, lr_lambda(s["scheduler"], int(s["warmup_steps"]), total, float(s["min_lr_ratio"])))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def _check_resume_settings(self, saved: dict) -> None:
+        """Resume only what the checkpoint was written with: a different weight layout always stops the run; a
+        different schedule (alpha, lr, steps, ...) stops it unless allow_resume_changes=true, and is then printed."""
+        from wanexp.errors import ConfigError
+
+        now = self.run_settings()
+        for kind in ("fixed", "schedule"):
+            diff = [f"{k}={saved[kind][k]} in the checkpoint, {v} now" for k, v in now[kind].items()
+                    if kind in saved and k in saved[kind] and saved[kind][k] != v]
+            if not diff:
+                continue
+            if kind == "fixed":
+                raise ConfigError(f"resume: {'; '.join(diff)}: the checkpoint's weights have another layout; resume "
+                                  "with its settings, or start a new run (another run_name)")
+            if not self.allow_resume_changes:
+                raise ConfigError(f"resume: {'; '.join(diff)}; resume with the checkpoint's settings, or pass "
+                                  "allow_resume_changes=true to continue with the new ones")
+            if self.global_rank == 0:
+                print(f"wanexp: resume with changed settings (allow_resume_changes=true): {'; '.join(diff)}",
+                      flush=True)
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip as Lightning would, also for a fused optimizer under bf16 autocast.
 
@@ -101,12 +123,28 @@ class WanModule(L.LightningModule):
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
 
     # ---- checkpoints hold trainable weights only -------------------------------------------------------------
+    def run_settings(self) -> dict:
+        """What a checkpoint must agree with to be resumed: ``fixed`` (the weights' layout) and ``schedule``."""
+        a = self.adapter
+        return {"fixed": {"model": self.spec.name, "experts": list(self.expert_names), "boundary": self.boundary_name,
+                          "objective": self.objective.name, "adapter.rank": a.rank, "adapter.targets": list(a.targets),
+                          "adapter.attention": list(a.attention)},
+                "schedule": {"adapter.alpha": a.alpha, "adapter.dropout": a.dropout, "optim.lr": self.lr,
+                             "optim.scheduler": self.schedule["scheduler"],
+                             "optim.warmup_steps": self.schedule["warmup_steps"],
+                             "optim.min_lr_ratio": self.schedule["min_lr_ratio"],
+                             # the run's length shapes a decaying schedule only
+                             **({} if self.schedule["scheduler"] == "constant" else
+                                {"trainer.max_steps": self.max_steps})}}
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         keep = set(self.trainable_names)
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
-        checkpoint["wanexp"] = {"model": self.spec.name, "experts": self.expert_names, "boundary": self.boundary_name}
+        checkpoint["wanexp"] = {"model": self.spec.name, "experts": self.expert_names, "boundary": self.boundary_name,
+                                **self.run_settings()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._check_resume_settings(checkpoint.get("wanexp", {}))
         if "state_dict" not in checkpoint:  # FSDP loads weights itself before this hook
             return
         missing = [n for n in self.trainable_names if n not in checkpoint["state_dict"]]

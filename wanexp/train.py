@@ -148,11 +148,12 @@ def run(cfg: DictConfig) -> dict:
               f"(optim.lr={o.lr:g}, lr_scaling={o.lr_scaling}, reference_batch={o.reference_batch})", flush=True)
     module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
-                       max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached)
+                       max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
+                       allow_resume_changes=bool(cfg.allow_resume_changes))
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)  # nothing is unpickled
     if trainer.checkpoint_callback is None:  # checkpointing switched off: one checkpoint at the end
         trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it
     export = next((c for c in trainer.callbacks if isinstance(c, LoraExport)), None)

@@ -25,7 +25,7 @@ def test_resume_mid_epoch_continues_with_exactly_the_unseen_batches(shared_dir, 
     assert epoch0[:len(epoch1)] != epoch1  # a new order each epoch
     first = recorded(tiny_run(shared_dir, tmp_path / "cut", ["model=tiny", *RECORD, f"trainer.max_steps={stop}"]))
     rest = recorded(tiny_run(shared_dir, tmp_path / "cut", ["model=tiny", *RECORD, "resume=last",
-                                                           "trainer.max_steps=9"]))
+                                                           "trainer.max_steps=9", "allow_resume_changes=true"]))
     assert first + rest == full
 
 
@@ -46,7 +46,7 @@ def test_resume_mid_epoch_under_ddp_gives_each_rank_its_unseen_batches(shared_di
 
     run(tmp_path / "full", tmp_path / "full.jsonl", 6)  # 16 clips / (2 ranks x 2) = 4 batches per epoch
     run(tmp_path / "cut", tmp_path / "cut.jsonl", 2)
-    run(tmp_path / "cut", tmp_path / "cut.jsonl", 6, "resume=last")
+    run(tmp_path / "cut", tmp_path / "cut.jsonl", 6, "resume=last", "allow_resume_changes=true")
     for rank in (0, 1):
         assert read(tmp_path / "cut.jsonl", rank) == read(tmp_path / "full.jsonl", rank)
     seen = [i for rank in (0, 1) for b in read(tmp_path / "full.jsonl", rank)[:4] for i in b]

@@ -56,7 +56,8 @@ def test_a_signal_saves_marks_interrupted_and_resumes(shared_dir, tmp_path, sig,
     assert (out / "lora" / f"step_{step:06d}" / "tiny_lora_comfyui.safetensors").is_file()
     if sig != signal.SIGTERM:
         return  # the same checkpoint path as SIGTERM's, resumed below
-    res = run_cli([*args[:-1], f"paths.output_dir={out}", "resume=last", f"trainer.max_steps={step + 2}"], timeout=300)
+    res = run_cli([*args[:-1], f"paths.output_dir={out}", "resume=last", f"trainer.max_steps={step + 2}",
+                   "allow_resume_changes=true"], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((out / "status.json").read_text())["step"] == step + 2
 

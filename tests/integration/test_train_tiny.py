@@ -77,7 +77,8 @@ def test_checkpoint_holds_lora_weights_only(trained):
     ckpt = torch.load(Path(r["output_dir"]) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     keys = list(ckpt["state_dict"])
     assert keys and all("lora_" in k for k in keys)
-    assert ckpt["wanexp"] == {"model": "tiny", "experts": ["dense"], "boundary": "full"}
+    assert {k: ckpt["wanexp"][k] for k in ("model", "experts", "boundary")} == {"model": "tiny", "experts": ["dense"], "boundary": "full"}
+    assert ckpt["wanexp"]["fixed"]["adapter.rank"] == 4 and ckpt["wanexp"]["schedule"]["adapter.alpha"] == 2.0
     assert ckpt["global_step"] == 4 and ckpt["optimizer_states"]
 
 
@@ -91,7 +92,7 @@ def test_resume_last_continues_from_the_checkpoint(trained, shared_dir):
     assert same["global_step"] == 4
     after = {n: p.detach() for n, p in same["module"].named_parameters() if p.requires_grad}
     assert set(after) == set(before) and all(torch.equal(before[n], after[n]) for n in before)
-    more = tiny_run(shared_dir, out, ["model=tiny", "resume=last", "trainer.max_steps=6"])
+    more = tiny_run(shared_dir, out, ["model=tiny", "resume=last", "trainer.max_steps=6", "allow_resume_changes=true"])
     assert more["global_step"] == 6
     assert json.loads((out / "status.json").read_text())["step"] == 6
     # the first session's metrics survive; each resumed session logs beside them
@@ -163,3 +164,19 @@ def test_missing_media_files_fail_before_weights_load(shared_dir, tmp_path):
     meta.write_text("video,prompt\nclips/nowhere.mp4,a red circle\n")
     with pytest.raises(MetadataError, match="1 of 1 samples rejected.*file not found.*data.root"):
         tiny_run(shared_dir, tmp_path / "r", ["model=tiny", f"data.metadata={meta}", "data.generate=null"])
+
+
+def test_resume_refuses_other_settings_with_one_line(trained, shared_dir, tmp_path):
+    from wanexp.errors import ConfigError
+
+    first = trained("tiny")
+    out = tmp_path / "again"
+    shutil.copytree(first["output_dir"], out)
+    with pytest.raises(ConfigError, match=r"^resume: adapter.rank=4 in the checkpoint, 8 now: the checkpoint's weights "
+                                          r"have another layout"):
+        tiny_run(shared_dir, out, ["model=tiny", "resume=last", "adapter.rank=8"])
+    with pytest.raises(ConfigError, match=r"^resume: adapter.alpha=2.0 in the checkpoint, 4.0 now; trainer.max_steps=4 "
+                                          r"in the checkpoint, 5 now; .*allow_resume_changes=true"):
+        tiny_run(shared_dir, out, ["model=tiny", "resume=last", "adapter.alpha=4", "trainer.max_steps=5"])
+    r = tiny_run(shared_dir, out, ["model=tiny", "resume=last", "trainer.max_steps=5", "allow_resume_changes=true"])
+    assert r["global_step"] == 5

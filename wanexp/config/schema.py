@@ -285,6 +285,7 @@ class TrainConfig:
     tags: List[str] = knob(MISSING)
     resume: Optional[str] = MISSING  # null | "last" | a path to a .ckpt file
     overwrite: bool = MISSING
+    allow_resume_changes: bool = MISSING
     model: Any = MISSING
     boundary: Any = MISSING
     adapter: Any = MISSING
