@@ -77,6 +77,48 @@ def launch_rank() -> int:
     return 0
 
 
+_LOCKS: dict[str, object] = {}  # run folder -> the open lock file this process holds
+
+
+def lock_run_folder(out: Path) -> None:
+    """Hold ``DIR/.lock`` for this process's life (rank 0): a second run on a live folder, or ``overwrite=true`` of
+    one, stops with one line naming the live run. The OS drops the lock when its process dies, so a crashed run
+    leaves none behind."""
+    import fcntl
+    import json
+    import socket
+    import time
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / ".lock", "a+")
+    except OSError as e:
+        raise ConfigError(f"paths.output_dir={out}: cannot write there ({e.strerror or e}); pick a writable folder "
+                          "(paths.output_dir or paths.root_dir)") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "{}"
+        f.close()
+        info = json.loads(holder) if holder.startswith("{") else {}
+        raise ConfigError(f"paths.output_dir={out} is in use by a live run (pid {info.get('pid', '?')} on "
+                          f"{info.get('host', '?')}, started {info.get('started', '?')}); wait for it to end, stop "
+                          "it, or give this run another run_name") from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    f.flush()
+    _LOCKS[str(out)] = f
+
+
+def unlock_run_folder(out: Path) -> None:
+    f = _LOCKS.pop(str(out), None)
+    if f is not None:
+        f.close()
+
+
 def clear_run_folder(out: Path) -> None:
     """overwrite=true: remove what an earlier run of this folder wrote (rank 0 only)."""
     import shutil
@@ -89,11 +131,15 @@ def clear_run_folder(out: Path) -> None:
 def resume_path(cfg: DictConfig, out: Path) -> str | None:
     if cfg.resume is None:
         return None
-    if cfg.resume == "last":
+    if cfg.resume == "last":  # the newest complete checkpoint: last.ckpt links it (a kill may come before the link)
         last = out / "checkpoints" / "last.ckpt"
-        if not last.is_file():
-            raise ConfigError(f"resume=last: no {last} yet; start without resume, or pass resume=/path/to/file.ckpt")
-        return str(last)
+        steps = sorted((out / "checkpoints").glob("step_*.ckpt"))
+        if last.is_file():
+            return str(last)
+        if steps:
+            return str(steps[-1])
+        raise ConfigError(f"resume=last: {out} holds no checkpoint yet; start it fresh (resume=null), or pass "
+                          "resume=/path/to/file.ckpt")
     return str(cfg.resume)
 
 
@@ -110,15 +156,24 @@ def run(cfg: DictConfig) -> dict:
     spec.check_folder(experts)
     check_paths(cfg)
 
+    out = Path(cfg.paths.output_dir).resolve()
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
+    if launch_rank() == 0:
+        lock_run_folder(out)  # before anything in it is cleared or written
+    try:
+        return _fit(cfg, spec, adapter, objective, out)
+    finally:
+        unlock_run_folder(out)
+
+
+def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     import lightning as L
 
     from wanexp.callbacks.lora_export import LoraExport
     from wanexp.module import WanModule
     from wanexp.optim import scaled_lr
 
-    out = Path(cfg.paths.output_dir).resolve()
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
     dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load

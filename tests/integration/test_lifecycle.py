@@ -79,3 +79,46 @@ def test_checkpoints_are_written_atomically(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.load(path, weights_only=True) == {"step": 1}  # the previous file, whole
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary file left
+
+
+def test_a_live_run_folder_is_locked(shared_dir, tmp_path):
+    out = tmp_path / "run"
+    proc, args = _start(shared_dir, out)
+    try:
+        _wait_for_step(out, 2)
+        before = sorted(p.name for p in out.rglob("*"))
+        res = run_cli([*args[:-1], f"paths.output_dir={out}", "overwrite=true"], timeout=120)
+        errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
+        assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
+        assert f"is in use by a live run (pid {proc.pid} on " in errors[0]
+        assert set(before) <= {p.name for p in out.rglob("*")}  # overwrite=true deleted nothing of the live run
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    res = run_cli([*args[:-1], f"paths.output_dir={out}", "resume=last", "allow_resume_changes=true",
+                   "trainer.max_steps=1"], timeout=300)  # the lock went with its process
+    assert "in use by a live run" not in res.stderr
+
+
+def test_resume_last_takes_the_newest_checkpoint_and_unwritable_folders_are_one_line(tmp_path):
+    from omegaconf import OmegaConf
+
+    from wanexp.errors import ConfigError
+    from wanexp.train import lock_run_folder, resume_path, unlock_run_folder
+
+    out = tmp_path / "run"
+    cfg = OmegaConf.create({"resume": "last"})
+    with pytest.raises(ConfigError, match="holds no checkpoint yet; start it fresh"):
+        resume_path(cfg, out)
+    (out / "checkpoints").mkdir(parents=True)
+    for step in (2, 4):  # killed after saving step 4 but before last.ckpt linked it
+        (out / "checkpoints" / f"step_{step:06d}.ckpt").write_bytes(b"x")
+    assert resume_path(cfg, out).endswith("step_000004.ckpt")
+    (out / "checkpoints" / "last.ckpt").symlink_to("step_000004.ckpt")
+    assert resume_path(cfg, out).endswith("last.ckpt")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"paths.output_dir=.*/file/run: cannot write there"):
+        lock_run_folder(blocked / "run")
+    lock_run_folder(out)
+    unlock_run_folder(out)
