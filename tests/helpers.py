@@ -59,3 +59,52 @@ class BatchRecorder(Callback):
 
             with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch, "index": idx}) + "\n")
+
+
+class _CountedFrame:
+    def __init__(self, frame, index: int, converted: list[int]):
+        self._frame, self._index, self._converted = frame, index, converted
+
+    def __getattr__(self, name: str):
+        return getattr(self._frame, name)
+
+    def to_ndarray(self, *args, **kwargs):
+        self._converted.append(self._index)
+        return self._frame.to_ndarray(*args, **kwargs)
+
+
+class CountingContainer:
+    """Wraps a PyAV container: frames decoded (``decoded``), which of them were converted to arrays (``converted``,
+    by decode index) and whether it was closed (``closed``)."""
+
+    def __init__(self, container):
+        self._container = container
+        self.decoded, self.converted, self.closed = 0, [], False
+
+    def __getattr__(self, name: str):
+        return getattr(self._container, name)
+
+    def __enter__(self) -> "CountingContainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._container.close()
+        self.closed = True
+
+    def decode(self, *args, **kwargs):
+        for frame in self._container.decode(*args, **kwargs):
+            self.decoded += 1
+            yield _CountedFrame(frame, self.decoded - 1, self.converted)
+
+
+def count_decoding(monkeypatch, av_module) -> list[CountingContainer]:
+    """Make ``av_module.open`` return CountingContainers; returns the list of those opened."""
+    opened: list[CountingContainer] = []
+    real_open = av_module.open
+
+    def counting_open(*args, **kwargs):
+        opened.append(CountingContainer(real_open(*args, **kwargs)))
+        return opened[-1]
+
+    monkeypatch.setattr(av_module, "open", counting_open)
+    return opened

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import count_decoding
 from wanexp.data import media as media_mod
 from wanexp.data.media import MediaError, load_clip, write_video
 from wanexp.data.metadata import (
@@ -270,36 +271,11 @@ def test_too_short_video(tmp_path: Path) -> None:
 
 def test_decoding_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _counter_video(tmp_path / "long.mp4", 60)
-    decoded: list[int] = []
-    closed: list[bool] = []
-    real_open = media_mod.av.open
-
-    class Counting:
-        """Wraps a container to count decoded frames and record closing."""
-
-        def __init__(self, container: object) -> None:
-            self._container = container
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self._container, name)
-
-        def __enter__(self) -> "Counting":
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self._container.close()  # type: ignore[attr-defined]
-            closed.append(True)
-
-        def decode(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-            for frame in self._container.decode(*args, **kwargs):  # type: ignore[attr-defined]
-                decoded.append(1)
-                yield frame
-
-    monkeypatch.setattr(media_mod.av, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    opened = count_decoding(monkeypatch, media_mod.av)
     clip = load_clip(path, 3, 16, 16, stride=2)
     assert _frame_levels(clip) == [0, 2, 4]
-    assert len(decoded) == 5
-    assert closed == [True]
+    assert len(opened) == 1 and opened[0].decoded == 5
+    assert opened[0].closed
 
 
 # ----------------------------------------------------------------------------- resize / errors

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import count_decoding
 from wanexp.data import media as media_mod
 from wanexp.data.media import MediaError, load_clip, write_video
 from wanexp.data.metadata import Sample
@@ -263,38 +264,8 @@ def test_start_decodes_only_up_to_window_and_converts_only_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = _counter_video(tmp_path / "long.mp4")
-    decoded: list[int] = []
-    converted: list[int] = []
-    real_open = media_mod.av.open
-
-    class Frame:
-        def __init__(self, frame: object, index: int) -> None:
-            self._frame, self._index = frame, index
-
-        def to_ndarray(self, *args: object, **kwargs: object) -> np.ndarray:
-            converted.append(self._index)
-            return self._frame.to_ndarray(*args, **kwargs)  # type: ignore[attr-defined]
-
-    class Counting:
-        def __init__(self, container: object) -> None:
-            self._container = container
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self._container, name)
-
-        def __enter__(self) -> "Counting":
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self._container.close()  # type: ignore[attr-defined]
-
-        def decode(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-            for frame in self._container.decode(*args, **kwargs):  # type: ignore[attr-defined]
-                decoded.append(1)
-                yield Frame(frame, len(decoded) - 1)
-
-    monkeypatch.setattr(media_mod.av, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    opened = count_decoding(monkeypatch, media_mod.av)
     clip = load_clip(path, 3, 16, 16, stride=2, start=9)
     assert _frame_indices(clip) == [9, 11, 13]
-    assert len(decoded) == 14  # frames 0 .. 13, none after the window
-    assert converted == [9, 11, 13]  # frames before the start and between taken ones stay undecoded to arrays
+    assert len(opened) == 1 and opened[0].decoded == 14  # frames 0 .. 13, none after the window
+    assert opened[0].converted == [9, 11, 13]  # frames before the start and between taken ones stay undecoded to arrays
