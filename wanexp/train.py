@@ -41,6 +41,16 @@ def build(node: DictConfig, **kwargs):
         raise
 
 
+def prepare_model_folder(spec, boundary: str) -> None:
+    """The model folder a run needs: a tiny model is built into it first (only those have ``build``), then every
+    component the run loads is checked (one line naming what is missing)."""
+    if spec.build:
+        from wanexp.models.build import ensure_tiny_model
+
+        ensure_tiny_model(spec)
+    spec.check_folder(spec.trained_experts(boundary))
+
+
 def build_trainer(cfg: DictConfig, out: Path):
     import lightning as L
     from lightning.pytorch.callbacks import ProgressBar
@@ -148,12 +158,7 @@ def run(cfg: DictConfig) -> dict:
     # Checks and light components first: a bad run fails in seconds, before Lightning or any weight loads.
     check_config(cfg)
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
-    experts = spec.trained_experts(cfg.boundary.name)
-    if spec.build:
-        from wanexp.models.build import ensure_tiny_model
-
-        ensure_tiny_model(spec)
-    spec.check_folder(experts)
+    prepare_model_folder(spec, cfg.boundary.name)
     check_paths(cfg)
 
     out = Path(cfg.paths.output_dir).resolve()

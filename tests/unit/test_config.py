@@ -119,10 +119,9 @@ def _fake_folder(root, subfolders, in_channels=16):
 
 def check_files(cfg) -> None:
     """What run() checks on disk before Lightning loads: the spec's folder, then the run's paths."""
-    from wanexp.train import build
+    from wanexp.train import build, prepare_model_folder
 
-    spec = build(cfg.model)
-    spec.check_folder(spec.trained_experts(cfg.boundary.name))
+    prepare_model_folder(build(cfg.model), cfg.boundary.name)
     check_paths(cfg)
 
 

@@ -15,13 +15,10 @@ from omegaconf import DictConfig, open_dict
 
 
 def loader_rate(cfg: DictConfig, use_cache: bool, batches: int) -> dict:
-    from wanexp.train import build
+    from wanexp.train import build, prepare_model_folder
 
     spec = build(cfg.model)
-    if spec.build:
-        from wanexp.models.build import ensure_tiny_model
-
-        ensure_tiny_model(spec)
+    prepare_model_folder(spec, cfg.boundary.name)
     with open_dict(cfg):
         cfg.data.use_cache = use_cache
     dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())

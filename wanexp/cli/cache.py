@@ -51,16 +51,11 @@ def build_cache(cfg: DictConfig) -> dict:
     from omegaconf import open_dict
 
     from wanexp.config import check_config
-    from wanexp.train import build
+    from wanexp.train import build, prepare_model_folder
 
     check_config(cfg)
     spec = build(cfg.model)
-    experts = spec.trained_experts(cfg.boundary.name)
-    if spec.build:
-        from wanexp.models.build import ensure_tiny_model
-
-        ensure_tiny_model(spec)
-    spec.check_folder(experts)
+    prepare_model_folder(spec, cfg.boundary.name)
     if not cfg.data.cache_dir:
         raise ConfigError("data.cache_dir is null: set it to the folder the cache goes in")
     if cfg.data.window == "random":
