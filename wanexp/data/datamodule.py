@@ -224,10 +224,6 @@ def collate(items: list[dict]) -> dict:
                 rejected=[r for it in items for r in it.get("rejected", ())])
 
 
-def _digest_ids(ids: list[str]) -> str:
-    return "+".join(ids)
-
-
 class WanDataModule(L.LightningDataModule):
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
                  frame_stride: int, window: str, windows_per_clip: int, batch_size: int, token_budget: int | None, num_workers: int, max_samples: int | None, dataset_repeat: int,
@@ -302,8 +298,8 @@ class WanDataModule(L.LightningDataModule):
         """Training samples: (sample, bucket shape, first frame, frames available), one per frame window."""
         samples, sizes, frames = self.samples()
         out: tuple[list, list, list, list] = ([], [], [], [])
-        for sample, size, available in zip(samples, sizes, frames):
-            shape = bucket_shapes([sample], self.num_frames, self.height, self.width, self.resolutions, [size])[0]
+        shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
+        for sample, shape, available in zip(samples, shapes, frames):
             starts = [0] if self.window == "first" else [
                 start for _, start in expand([sample], [available], self.num_frames, self.frame_stride, self.window,
                                              self.windows_per_clip)]
@@ -358,7 +354,7 @@ class WanDataModule(L.LightningDataModule):
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
         e = self.encoders
         vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"], self.cache_dtype])
-        text_id = _digest_ids([folder_identity(e["text_encoder"], e["text_dtype"]), folder_identity(e["tokenizer"])])
+        text_id = folder_identity(e["text_encoder"], e["text_dtype"]) + "+" + folder_identity(e["tokenizer"])
         return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e["image_latent"]),
                  text_key(text_id, e["text_len"], s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
 
