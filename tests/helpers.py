@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from wanexp.objectives.base import Objective, ObjectiveOutput
-from wanexp.objectives.flow_matching import masked_mse
+from wanexp.objectives.flow_matching import FlowMatching, masked_mse
 
 
 class GradNormProbe(Callback):
@@ -108,3 +108,33 @@ def count_decoding(monkeypatch, av_module) -> list[CountingContainer]:
 
     monkeypatch.setattr(av_module, "open", counting_open)
     return opened
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward; a NaN gradient backward (a finite loss whose gradients blew up)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class FaultyFlowMatching(FlowMatching):
+    """Flow matching that goes non-finite on chosen calls (1-based): a NaN loss, or a NaN gradient."""
+
+    def __init__(self, *, nan_loss_at=(), nan_grad_at=(), **kwargs):
+        super().__init__(**kwargs)
+        self.nan_loss_at, self.nan_grad_at = set(nan_loss_at), set(nan_grad_at)
+        self.calls = 0
+
+    def __call__(self, batch, denoiser, generator=None):
+        self.calls += 1
+        out = super().__call__(batch, denoiser, generator)
+        if self.calls in self.nan_loss_at:
+            out.loss = out.loss * float("nan")
+        if self.calls in self.nan_grad_at:
+            out.loss = _NaNGrad.apply(out.loss)
+        return out

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
 from wanexp.errors import ConfigError, Interrupted, UserError
+from wanexp.runfolder import RunLock, clear_run_folder, remove_stale_temporaries, resume_path
 
 # The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
@@ -73,8 +74,22 @@ def build_trainer(cfg: DictConfig, out: Path):
                         enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
                         use_distributed_sampler=False, enable_model_summary=False)
     for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        lg.log_hyperparams(redacted(OmegaConf.to_container(cfg, resolve=True)))
     return trainer
+
+
+SECRET_KEYS = ("api_key", "apikey", "token", "password", "secret")
+
+
+def redacted(node):
+    """The config as written to the run folder and the loggers: values of secret-looking keys (a W&B api_key, a
+    token) replaced by ``***``. (W&B itself reads its key from the environment or ~/.netrc, never from the config.)"""
+    if isinstance(node, dict):
+        return {k: "***" if any(s in str(k).lower() for s in SECRET_KEYS) and v is not None else redacted(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [redacted(v) for v in node]
+    return node
 
 
 def launch_rank() -> int:
@@ -85,72 +100,6 @@ def launch_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
-
-
-_LOCKS: dict[str, object] = {}  # run folder -> the open lock file this process holds
-
-
-def lock_run_folder(out: Path) -> None:
-    """Hold ``DIR/.lock`` for this process's life (rank 0): a second run on a live folder, or ``overwrite=true`` of
-    one, stops with one line naming the live run. The OS drops the lock when its process dies, so a crashed run
-    leaves none behind."""
-    import fcntl
-    import json
-    import socket
-    import time
-
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / ".lock", "a+")
-    except OSError as e:
-        raise ConfigError(f"paths.output_dir={out}: cannot write there ({e.strerror or e}); pick a writable folder "
-                          "(paths.output_dir or paths.root_dir)") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "{}"
-        f.close()
-        info = json.loads(holder) if holder.startswith("{") else {}
-        raise ConfigError(f"paths.output_dir={out} is in use by a live run (pid {info.get('pid', '?')} on "
-                          f"{info.get('host', '?')}, started {info.get('started', '?')}); wait for it to end, stop "
-                          "it, or give this run another run_name") from None
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
-    f.flush()
-    _LOCKS[str(out)] = f
-
-
-def unlock_run_folder(out: Path) -> None:
-    f = _LOCKS.pop(str(out), None)
-    if f is not None:
-        f.close()
-
-
-def clear_run_folder(out: Path) -> None:
-    """overwrite=true: remove what an earlier run of this folder wrote (rank 0 only)."""
-    import shutil
-
-    for sub in ("checkpoints", "lora", "logs"):
-        shutil.rmtree(out / sub, ignore_errors=True)
-    (out / "status.json").unlink(missing_ok=True)
-
-
-def resume_path(cfg: DictConfig, out: Path) -> str | None:
-    if cfg.resume is None:
-        return None
-    if cfg.resume == "last":  # the newest complete checkpoint: last.ckpt links it (a kill may come before the link)
-        last = out / "checkpoints" / "last.ckpt"
-        steps = sorted((out / "checkpoints").glob("step_*.ckpt"))
-        if last.is_file():
-            return str(last)
-        if steps:
-            return str(steps[-1])
-        raise ConfigError(f"resume=last: {out} holds no checkpoint yet; start it fresh (resume=null), or pass "
-                          "resume=/path/to/file.ckpt")
-    return str(cfg.resume)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -164,12 +113,19 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
         cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
+    lock = None
     if launch_rank() == 0:
-        lock_run_folder(out)  # before anything in it is cleared or written
+        lock = RunLock(out, cfg.guard.lock_stale_s)
+        lock.acquire()  # before anything in it is cleared or written
+        stale = remove_stale_temporaries(out)
+        if stale:
+            print(f"wanexp: removed {len(stale)} temporary file(s) of an interrupted write in {out} "
+                  f"(e.g. {stale[0].name})", flush=True)
     try:
         return _fit(cfg, spec, adapter, objective, out)
     finally:
-        unlock_run_folder(out)
+        if lock is not None:
+            lock.release()
 
 
 def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
@@ -193,7 +149,10 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
         elif c.get("missing_entries"):
             print(f"wanexp: data: encoding online: the cache {c['dir']} lacks {c['missing_entries']} entries of this "
                   "run; python -m wanexp.cli.cache with the same overrides fills it", flush=True)
-    ckpt = resume_path(cfg, out)
+    ckpt = resume_path(cfg.resume, out)
+    if cfg.resume == "auto" and launch_rank() == 0:
+        print(f"wanexp: resume=auto: {f'continuing from {Path(ckpt).resolve()}' if ckpt else 'no checkpoint yet, starting fresh'}",
+              flush=True)
     if cfg.overwrite and ckpt is None and launch_rank() == 0:
         clear_run_folder(out)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -209,10 +168,11 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
-                       allow_resume_changes=bool(cfg.allow_resume_changes))
+                       allow_resume_changes=bool(cfg.allow_resume_changes),
+                       max_bad_steps=int(cfg.guard.max_bad_steps))
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(redacted(OmegaConf.to_container(cfg, resolve=True))))
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)  # nothing is unpickled
     if trainer.checkpoint_callback is None:  # checkpointing switched off: one checkpoint at the end
         trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it

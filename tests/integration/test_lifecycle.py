@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,16 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from tests.conftest import ROOT, run_cli
 from wanexp.callbacks.checkpoint import AtomicCheckpointIO, CheckpointWriteError
 
 
-def _start(shared_dir, out, steps=400):
+def _start(shared_dir, out, steps=400, env=None):
     args = ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
             "data.use_cache=false", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1",
             "callbacks.checkpoint.every_n_train_steps=1000", "callbacks.progress=null", f"paths.output_dir={out}"]
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")), args
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))), args
 
 
 def _wait_for_step(out: Path, step: int, timeout: float = 120) -> None:
@@ -42,11 +45,22 @@ def _wait_for_step(out: Path, step: int, timeout: float = 120) -> None:
                          ids=["SIGTERM", "SIGUSR1", "SIGINT"])
 def test_a_signal_saves_marks_interrupted_and_resumes(shared_dir, tmp_path, sig, code):
     out = tmp_path / "run"
-    proc, args = _start(shared_dir, out)
+    env = None
+    if sig == signal.SIGUSR1:  # as a SLURM job step (Lightning sees SLURM too), with a scontrol that records its call
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.calls\n")
+        (bin_dir / "scontrol").chmod(0o755)
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1",
+               "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train"}
+    proc, args = _start(shared_dir, out, env=env)
     _wait_for_step(out, 3)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    out_text, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err[-3000:]
+    if env:  # requeued once, after the step-end save (not from inside the handler: no hpc_ckpt of Lightning's)
+        assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"
+        assert "SLURM job 4242 requeued" in out_text and not list(out.rglob("hpc_ckpt*"))
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "interrupted" and status["signal"] == sig.name
     step = status["step"]
@@ -101,24 +115,115 @@ def test_a_live_run_folder_is_locked(shared_dir, tmp_path):
 
 
 def test_resume_last_takes_the_newest_checkpoint_and_unwritable_folders_are_one_line(tmp_path):
-    from omegaconf import OmegaConf
-
     from wanexp.errors import ConfigError
-    from wanexp.train import lock_run_folder, resume_path, unlock_run_folder
+    from wanexp.runfolder import RunLock, resume_path
 
     out = tmp_path / "run"
-    cfg = OmegaConf.create({"resume": "last"})
     with pytest.raises(ConfigError, match="holds no checkpoint yet; start it fresh"):
-        resume_path(cfg, out)
+        resume_path("last", out)
+    assert resume_path("auto", out) is None  # a requeued job's first start
     (out / "checkpoints").mkdir(parents=True)
     for step in (2, 4):  # killed after saving step 4 but before last.ckpt linked it
         (out / "checkpoints" / f"step_{step:06d}.ckpt").write_bytes(b"x")
-    assert resume_path(cfg, out).endswith("step_000004.ckpt")
+    (out / "checkpoints" / ".step_000006.ckpt.123.tmp").write_bytes(b"half")  # killed during the next save
+    assert resume_path("last", out).endswith("step_000004.ckpt")
+    assert resume_path("auto", out).endswith("step_000004.ckpt")
     (out / "checkpoints" / "last.ckpt").symlink_to("step_000004.ckpt")
-    assert resume_path(cfg, out).endswith("last.ckpt")
+    assert resume_path("last", out).endswith("last.ckpt")
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     with pytest.raises(ConfigError, match=r"paths.output_dir=.*/file/run: cannot write there"):
-        lock_run_folder(blocked / "run")
-    lock_run_folder(out)
-    unlock_run_folder(out)
+        RunLock(blocked / "run", 60).acquire()
+    lock = RunLock(out, 60)
+    lock.acquire()
+    lock.release()
+
+
+def _tmpdir_elsewhere(tmp_path: Path) -> Path:
+    """A $TMPDIR on another filesystem than the run folder (tmpfs where there is one), as on clusters."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != tmp_path.stat().st_dev:
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix="wanexp-test-", dir=shm))
+    (tmp_path / "tmpdir").mkdir()
+    return tmp_path / "tmpdir"
+
+
+def _complete_checkpoints(out: Path) -> dict[str, int]:
+    """Every checkpoint under its final name loads (weights_only) and is complete: name -> its step."""
+    found = {}
+    for f in sorted((out / "checkpoints").glob("*.ckpt")):
+        if f.is_file():
+            found[f.name] = torch.load(f, map_location="cpu", weights_only=True)["global_step"]
+    return found
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights(shared_dir, tmp_path):
+    """5 SIGKILLs at random moments of one run (one of them while a checkpoint is being written, with $TMPDIR on
+    another filesystem), each followed by resume=auto; the run ends with the LoRA weights of an uninterrupted run with
+    the same seed, bit for bit (the data order, the optimizer and the random streams all resume exactly)."""
+    steps = 14
+    common = ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+              "data.use_cache=false", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1",
+              "callbacks.checkpoint.every_n_train_steps=2", "callbacks.progress=null", "overwrite=false"]
+    ref = run_cli([*common, f"paths.output_dir={tmp_path / 'ref'}"])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    tmpdir = _tmpdir_elsewhere(tmp_path)
+    secret = "wanexp-test-secret-0123456789"  # a W&B key in the environment must never reach the run folder
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmpdir), WANDB_API_KEY=secret,
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "faults"), str(ROOT)]))
+    out = tmp_path / "killed"
+    rng = random.Random(20261126)
+    for trial in range(5):
+        during_save = trial == 1
+        newest = max(_complete_checkpoints(out).values(), default=0) if out.exists() else 0
+        log = tmp_path / f"trial{trial}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"paths.output_dir={out}",
+                                     "resume=auto"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    env=dict(env, WANEXP_TEST_SLOW_FSYNC="2" if during_save else ""))
+            deadline = time.time() + 120
+            target = min(steps - 5, newest + rng.randint(1, 3))  # the kill comes before the run could end
+            while time.time() < deadline and proc.poll() is None:
+                if during_save:  # a checkpoint is being written: its temporary file exists, its final name not yet
+                    if list((out / "checkpoints").glob(".step_*.tmp")):
+                        break
+                else:
+                    try:
+                        status = json.loads((out / "status.json").read_text())
+                        if status.get("pid") == proc.pid and status["step"] >= target:
+                            time.sleep(rng.uniform(0, 0.4))
+                            break
+                    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                        pass
+                time.sleep(0.01)
+            assert proc.poll() is None, f"trial {trial}: the run ended before the kill:\n{log.read_text()[-2000:]}"
+            proc.kill()
+            proc.wait()
+        text = log.read_text()
+        if newest:  # it continued from the newest complete checkpoint
+            line = next(x for x in text.splitlines() if "resume=auto: continuing from" in x)
+            assert line.endswith(f"/checkpoints/step_{newest:06d}.ckpt"), line
+        else:
+            assert "resume=auto: no checkpoint yet, starting fresh" in text
+        saved = _complete_checkpoints(out)  # each final-named file is whole, whenever the kill came
+        assert all(name == "last.ckpt" or name == f"step_{step:06d}.ckpt" for name, step in saved.items()), saved
+        if during_save:
+            assert list((out / "checkpoints").glob(".step_*.tmp")), "the kill came during a save"
+
+    res = run_cli([*common, f"paths.output_dir={out}", "resume=auto"], env={"TMPDIR": str(tmpdir)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("tiny_lora_comfyui.safetensors", "tiny_lora_diffusers.safetensors"):
+        a, b = load_file(tmp_path / "ref" / "lora" / "final" / name), load_file(out / "lora" / "final" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert json.loads((out / "status.json").read_text())["state"] == "finished"
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step_000010.ckpt", "step_000012.ckpt", "step_000014.ckpt"]  # exactly K=3 kept
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]  # the killed save's temporary file is gone
+    assert not [p for p in tmpdir.rglob("*") if p.is_file() and p.stat().st_size > 4096]  # nothing big in $TMPDIR
+    assert not [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    metrics = sorted((out / "logs").glob("version_*/metrics.csv"))
+    assert len(metrics) >= 2  # every session kept its own metrics (none deleted or overwritten)

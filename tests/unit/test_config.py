@@ -191,6 +191,13 @@ CLI_BAD = [
     (["optim=sgd"], "optim=sgd: no such option; allowed values are adamw"),
     (["adapter.rnak=8"], "adapter.rnak: no such key in adapter"),
     (["experiment=demo", "adapter.targets=[q,qkv]"], "adapter.targets: unknown target 'qkv'"),
+    (["guard.max_bad_steps=0"], "guard.max_bad_steps=0: must be >= 1"),
+    # a tiny model is built only into an absent folder, never into a mistyped path that holds something else
+    (["experiment=demo", "model.path=/usr"], "model.path=/usr: exists and is not a model built by model=tiny"),
+    # generated demo data names a CSV file; a folder there is a mistake, reported before anything is written
+    (["experiment=demo", "data.metadata=/usr"], "data.metadata=/usr is a folder, but data.generate is on"),
+    (["experiment=demo", "resume=/nowhere/step_000010.ckpt"], "resume=/nowhere/step_000010.ckpt: checkpoint file "
+                                                              "not found"),
 ]
 
 

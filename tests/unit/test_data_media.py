@@ -242,9 +242,12 @@ def test_make_demo_dataset_refuses_foreign_folder(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     out.mkdir()
     (out / "something.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="metadata.csv"):
+    from wanexp.errors import MetadataError
+
+    with pytest.raises(MetadataError, match="exists and holds no metadata.csv"):
         make_demo_dataset(out, num_videos=1, num_images=0, num_frames=2, height=16, width=16)
     assert (out / "something.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no stray generated clips beside it
 
 
 # ----------------------------------------------------------------------------- stride / length

@@ -47,6 +47,25 @@ class RunCheckpoint(ModelCheckpoint):
     yet seen. (A checkpoint saved after ``fit`` returns is taken by Lightning as the end of its epoch.)
     """
 
+    def load_state_dict(self, state_dict) -> None:
+        """Resuming: retention keeps exactly ``save_top_k`` step checkpoints. A kill between writing a new checkpoint
+        and deleting the one it replaces leaves that older file behind; it is removed here (rank 0)."""
+        super().load_state_dict(state_dict)
+        if self.save_top_k <= 0 or not self.dirpath or not self.best_k_models:
+            return
+        import re
+
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        if rank_zero_only.rank != 0:
+            return
+        kept = {Path(p).resolve() for p in self.best_k_models}
+        oldest = min(float(v) for v in self.best_k_models.values())
+        for f in Path(self.dirpath).glob("step_*.ckpt"):
+            m = re.fullmatch(r"step_(\d+)\.ckpt", f.name)
+            if m and int(m.group(1)) < oldest and f.resolve() not in kept:
+                f.unlink(missing_ok=True)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         steps_done = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps

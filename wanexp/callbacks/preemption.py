@@ -17,14 +17,19 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preemption(Callback):
-    def __init__(self):
+    """``requeue``: in a SLURM job (``SLURM_JOB_ID`` set), SIGUSR1 also requeues the job with ``scontrol requeue``
+    once the checkpoint is saved (what Lightning's SLURM auto-requeue does, but after a consistent step-end save
+    instead of a save from inside the signal handler); the requeued job continues with ``resume=auto``."""
+
+    def __init__(self, requeue: bool):
+        self.requeue = requeue
         self.received = 0
         self._previous: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
         self.received = self.received or signum
         previous = self._previous.get(signum)
-        if callable(previous) and signum != signal.SIGINT:  # e.g. Lightning's SLURM requeue on SIGUSR1
+        if callable(previous) and signum == signal.SIGTERM:  # Lightning's: it also stops a launcher's children
             previous(signum, frame)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -63,4 +68,25 @@ class Preemption(Callback):
         for cb in trainer.callbacks:
             if hasattr(cb, "interrupted"):
                 cb.interrupted(trainer, signal.Signals(signum).name, checkpoint)
+        if signum == signal.SIGUSR1 and self.requeue and trainer.global_rank == 0:
+            requeue_slurm_job()
         raise Interrupted(signum, trainer.global_step, checkpoint)
+
+
+def requeue_slurm_job() -> None:
+    """``scontrol requeue`` this SLURM job (an array task by its own id); outside SLURM nothing happens."""
+    import os
+    import subprocess
+
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    try:
+        res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        ok, why = res.returncode == 0, (res.stderr or res.stdout).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, str(e)
+    print(f"wanexp: SLURM job {job} requeued" if ok else
+          f"wanexp: warning: scontrol requeue {job} failed ({why}); resubmit the job with resume=auto", flush=True)

@@ -81,7 +81,10 @@ class RunStatus(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.t_last = time.perf_counter()
         opt = trainer.optimizers[0] if trainer.optimizers else None
-        self._write(trainer, state="running", steps_per_epoch=optimizer_steps_per_epoch(trainer),
+        import socket
+
+        self._write(trainer, state="running", host=socket.gethostname(), pid=os.getpid(),
+                    steps_per_epoch=optimizer_steps_per_epoch(trainer),
                     batches_per_epoch=trainer.num_training_batches,
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
                     data=getattr(trainer.datamodule, "report", None),
@@ -113,7 +116,8 @@ class RunStatus(Callback):
         loss = trainer.callback_metrics.get("train/loss")
         every = max(1, trainer.log_every_n_steps)
         if trainer.global_step % every == 0:
-            self._write(trainer, loss=None if loss is None else float(loss), samples_per_s=sps)
+            self._write(trainer, loss=None if loss is None else float(loss), samples_per_s=sps,
+                        skipped_steps=getattr(pl_module, "skipped_steps", 0))
 
     def _reject_online(self, trainer, rejected: list) -> None:
         """Samples that failed to decode during training (each replaced in its batch): listed per rank; past the
@@ -135,7 +139,12 @@ class RunStatus(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         loss = trainer.callback_metrics.get("train/loss")
         self._write(trainer, state="finished", loss=None if loss is None else float(loss),
+                    skipped_steps=getattr(pl_module, "skipped_steps", 0),
                     replicas_in_sync=replicas_in_sync(trainer, pl_module))
+
+    def lora_flagged(self, trainer, entry: dict) -> None:
+        """Called by LoraExport for an export whose weights look diverged."""
+        self._write(trainer, lora_flagged=self.state.get("lora_flagged", []) + [entry])
 
     def interrupted(self, trainer, signal_name: str, checkpoint: str | None) -> None:
         """Called by the Preemption callback after it saved: the run stops on a signal and can be resumed."""

@@ -70,6 +70,12 @@ def _check_target(key: str, node: DictConfig) -> None:
 def check_paths(cfg: DictConfig) -> None:
     """Files a run needs before anything loads: the metadata file, the resume checkpoint, a free run folder."""
     d = cfg.data
+    if d.generate and Path(d.metadata).is_dir():
+        raise ConfigError(
+            f"data.metadata={d.metadata} is a folder, but data.generate is on: it names the CSV file the generated "
+            f"demo clips are listed in (e.g. {Path(d.metadata) / 'synthetic' / 'metadata.csv'}); or set "
+            "data.generate=null to train on the media and captions of that folder"
+        )
     if not d.generate and not Path(d.metadata).exists():
         raise ConfigError(
             f"data.metadata={d.metadata}: file not found; point data.metadata (or paths.data_dir) at your "
@@ -81,6 +87,6 @@ def check_paths(cfg: DictConfig) -> None:
             f"paths.output_dir={out} already holds checkpoints of an earlier run; pass resume=last to continue it, "
             "a new run_name (or paths.output_dir), or overwrite=true to replace it"
         )
-    if cfg.resume not in (None, "last") and not Path(cfg.resume).is_file():
-        raise ConfigError(f"resume={cfg.resume}: checkpoint file not found; pass a .ckpt path, resume=last, or "
-                          "resume=null")
+    if cfg.resume not in (None, "last", "auto") and not Path(cfg.resume).is_file():
+        raise ConfigError(f"resume={cfg.resume}: checkpoint file not found; pass a .ckpt path, resume=last, "
+                          "resume=auto, or resume=null")

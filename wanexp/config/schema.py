@@ -249,6 +249,7 @@ class CheckpointConfig:
 class LoraExportConfig:
     _target_: str = "wanexp.callbacks.lora_export.LoraExport"
     output_dir: str = MISSING
+    flag_above: float = knob(MISSING, gt=0.0, doc="|LoRA weight| above which an export is flagged as diverged")
 
 
 @dataclass
@@ -261,6 +262,7 @@ class RunStatusConfig:
 @dataclass
 class PreemptionConfig:
     _target_: str = "wanexp.callbacks.preemption.Preemption"
+    requeue: bool = MISSING  # under SLURM, SIGUSR1 also requeues the job (scontrol requeue) after the save
 
 
 @dataclass
@@ -279,13 +281,20 @@ class PathsConfig:
 
 # ---- the whole run ---------------------------------------------------------------------------------------------
 @dataclass
+class GuardConfig:
+    max_bad_steps: int = knob(MISSING, ge=1, doc="non-finite steps in a row that stop the run")
+    lock_stale_s: float = knob(MISSING, gt=0.0, doc="seconds without a heartbeat after which a run lock is stale")
+
+
+@dataclass
 class TrainConfig:
     run_name: str = MISSING
     seed: int = knob(MISSING, ge=0)
     tags: List[str] = knob(MISSING)
-    resume: Optional[str] = MISSING  # null | "last" | a path to a .ckpt file
+    resume: Optional[str] = MISSING  # null | "last" | "auto" | a path to a .ckpt file
     overwrite: bool = MISSING
     allow_resume_changes: bool = MISSING
+    guard: GuardConfig = field(default_factory=GuardConfig)
     model: Any = MISSING
     boundary: Any = MISSING
     adapter: Any = MISSING

@@ -390,5 +390,8 @@ class WanDataModule(L.LightningDataModule):
             sampler.resume(self.steps_done, self.trainer.accumulate_grad_batches if self.trainer else 1)
         if self.window == "random":
             sampler = EpochTagged(sampler)
+        # Its own generator: the loader's worker base seed is drawn from it, not from the global RNG, whose state a
+        # checkpoint restores (so a resumed run draws the same noise and timesteps as an uninterrupted one).
         return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
-                          pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
+                          pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0,
+                          generator=torch.Generator().manual_seed(self.seed))

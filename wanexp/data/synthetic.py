@@ -13,6 +13,7 @@ import numpy as np
 from PIL import Image
 
 from wanexp.data.media import write_video
+from wanexp.errors import MetadataError
 
 __all__ = ["COLORS", "DIRECTIONS", "SHAPES", "ShapeSpec", "demo_specs", "make_demo_dataset", "render_frames"]
 
@@ -202,8 +203,10 @@ def make_demo_dataset(
         except OSError:
             if metadata.is_file():  # another process won the race
                 return metadata
-            raise FileExistsError(
-                f"{out}: folder exists but has no {METADATA_NAME}; remove it or choose another out_dir"
+            raise MetadataError(
+                f"data.metadata={metadata}: the generated demo clips go into {out}, which exists and holds no "
+                f"{METADATA_NAME} (nothing was written there); point data.metadata (or paths.data_dir) at a new "
+                "folder, or set data.generate=null to train on media you have"
             ) from None
     finally:
         if tmp.exists():

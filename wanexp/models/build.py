@@ -91,13 +91,52 @@ def save_pipeline_folder(spec: WanSpec, comps: dict, out: Path) -> None:
     pipe.save_pretrained(out)
 
 
+def _quiet_libraries() -> None:
+    """Building writes through diffusers/transformers, whose dtype notes and shard progress bars say nothing here."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.set_verbosity_error()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
+def _built_from_spec(spec: WanSpec, folder: Path) -> bool:
+    """Whether ``folder`` holds a model built from ``spec.build`` (its DiT config has the build's sizes)."""
+    import json
+
+    wanted = dict(spec.build.get("transformer") or {})
+    for sub in ("transformer", "transformer_2"):
+        cfg = folder / sub / "config.json"
+        if cfg.is_file():
+            have = json.loads(cfg.read_text())
+            return all(have.get(k) == v for k, v in wanted.items())
+    return False
+
+
 def ensure_tiny_model(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Build ``spec.path`` from ``spec.build`` unless it already exists. Safe when several processes race."""
+    """Build ``spec.path`` from ``spec.build`` unless it already holds that model. Safe when several processes race.
+
+    Only an absent (or empty) folder is built into, with a printed line: a path that holds anything else (a real
+    model, another layout, a mistyped path to some other folder) stops with one line and is never written to."""
+    from wanexp.errors import ConfigError
+
     target = spec.path
-    if (target / "model_index.json").is_file():
-        return target
     if not spec.build:
         raise ValueError(f"{spec.name} has no build section; only tiny models are built")
+    if (target / "model_index.json").is_file():
+        if _built_from_spec(spec, target):
+            return target
+        raise ConfigError(f"model.path={target}: holds a model that model={spec.name} did not build (model.build "
+                          f"builds a random model into an absent folder); use the model group of that folder "
+                          f"(model=ti2v5b|i2v14b|t2v14b), or point model.path at an absent folder")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"model.path={target}: exists and is not a model built by model={spec.name}; model.build "
+                          "writes only into an absent or empty folder: check the spelling of model.path, or pick an "
+                          "absent folder")
+    print(f"wanexp: building the random model {spec.name} into {target} (model.build; an absent model.path)",
+          flush=True)
+    _quiet_libraries()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -105,8 +144,8 @@ def ensure_tiny_model(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = t
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / "model_index.json").is_file():  # a broken leftover, not a racing winner
-                shutil.rmtree(target, ignore_errors=True)
+            if not (target / "model_index.json").is_file():  # an empty folder, not a racing winner's build
+                target.rmdir()
                 os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,168 @@
+"""The run folder's lifecycle: its lock, which checkpoint a resume takes, and what a start clears or cleans up.
+
+The lock (``DIR/.lock``, rank 0) is an OS file lock plus a record of its holder (pid, host, start, heartbeat) that a
+thread refreshes every few seconds. A second run on a live folder, or ``overwrite=true`` of one, stops with one line
+naming the live run. A stale lock is taken over with a warning: one whose holder on this host is dead (the OS lock
+went with the process), or, on a filesystem where the OS lock does not reach other hosts or is not supported, one
+from another host whose heartbeat is older than ``guard.lock_stale_s``.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from wanexp.errors import ConfigError
+
+CHECKPOINTS = "checkpoints"
+
+
+class RunLock:
+    def __init__(self, out: Path, stale_s: float):
+        self.path = Path(out) / ".lock"
+        self.stale_s = float(stale_s)
+        self.file = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.info = {"pid": os.getpid(), "host": socket.gethostname(),
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def acquire(self) -> None:
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError as e:
+            raise ConfigError(f"paths.output_dir={self.path.parent}: cannot write there ({e.strerror or e}); pick a "
+                              "writable folder (paths.output_dir or paths.root_dir)") from None
+        os_lock = True
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder(f)
+            f.close()
+            raise self._live_error(holder) from None
+        except OSError as e:  # e.g. a shared filesystem mounted without lock support: the heartbeat decides alone
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            os_lock = False
+        holder = self._holder(f)
+        if holder:  # the last holder did not release: dead, or alive where the OS lock cannot see it
+            age = time.time() - holder.get("heartbeat", 0)
+            same_host = holder.get("host") == self.info["host"]
+            alive = _pid_alive(holder.get("pid")) if same_host else age < self.stale_s
+            if alive and not (same_host and os_lock):
+                f.close()
+                raise self._live_error(holder)
+            why = "its process is gone" if same_host else f"no heartbeat for {age:.0f} s (guard.lock_stale_s={self.stale_s:g})"
+            print(f"wanexp: warning: taking over the stale lock of {self.path.parent} (pid {holder.get('pid')} on "
+                  f"{holder.get('host')}, started {holder.get('started')}): {why}", flush=True)
+        self.file = f
+        self._beat()
+        self._thread = threading.Thread(target=self._heartbeat, name="wanexp-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.file is not None:
+            try:
+                self.file.seek(0)
+                self.file.truncate()  # released: the next run finds no holder to take over from
+            except OSError:
+                pass
+            self.file.close()
+            self.file = None
+
+    def _beat(self) -> None:
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(json.dumps(dict(self.info, heartbeat=time.time())))
+        self.file.flush()
+
+    def _heartbeat(self) -> None:
+        interval = max(0.05, min(30.0, self.stale_s / 4))
+        while not self._stop.wait(interval):
+            try:
+                self._beat()
+            except (OSError, ValueError):  # a full disk or a closed file: the next beat tries again
+                pass
+
+    @staticmethod
+    def _holder(f) -> dict:
+        f.seek(0)
+        text = f.read().strip()
+        try:
+            return json.loads(text) if text else {}
+        except json.JSONDecodeError:  # caught mid-write by its heartbeat: someone holds it
+            return {"pid": "?", "host": "?", "heartbeat": time.time()}
+
+    def _live_error(self, holder: dict) -> ConfigError:
+        return ConfigError(f"paths.output_dir={self.path.parent} is in use by a live run (pid {holder.get('pid', '?')} "
+                           f"on {holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to end, "
+                           "stop it, or give this run another run_name")
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def resume_path(resume: str | None, out: Path) -> str | None:
+    """``resume=last``: the newest complete checkpoint of the run; ``resume=auto``: the same, or a fresh start when
+    the run has none (a requeued job's first start).
+
+    Every checkpoint under its final name is complete (written under a temporary name, then renamed), so the newest
+    is the one written last: ``last.ckpt`` links it, unless a kill came between a save and the link's update."""
+    if resume is None:
+        return None
+    if resume in ("last", "auto"):
+        folder = Path(out) / CHECKPOINTS
+        files = [p for p in folder.glob("*.ckpt") if p.is_file()]  # a dangling link is not a checkpoint
+        if files:
+            newest = max(files, key=lambda p: (p.resolve().stat().st_mtime_ns, p.name != "last.ckpt", p.name))
+            last = folder / "last.ckpt"
+            if last.is_file() and last.resolve() == newest.resolve():
+                return str(last)
+            return str(newest)
+        if resume == "auto":
+            return None
+        raise ConfigError(f"resume=last: {out} holds no checkpoint yet; start it fresh (resume=null), or pass "
+                          "resume=/path/to/file.ckpt")
+    return str(resume)
+
+
+def clear_run_folder(out: Path) -> None:
+    """overwrite=true: remove what an earlier run of this folder wrote (rank 0 only, under the lock)."""
+    import shutil
+
+    for sub in (CHECKPOINTS, "lora", "logs"):
+        shutil.rmtree(Path(out) / sub, ignore_errors=True)
+    (Path(out) / "status.json").unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Temporary files of writes a killed process never finished (a SIGKILL runs no cleanup). Called under the lock,
+    so no live process of this run is writing them."""
+    out = Path(out)
+    found = [p for p in (*out.glob(f"{CHECKPOINTS}/.*.tmp"), *out.glob("lora/**/.*.tmp"), *out.glob(".*.tmp"))]
+    found += [p for p in out.glob("lora/.final.tmp")]
+    for p in found:
+        if p.is_dir():
+            import shutil
+
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return found
