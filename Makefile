@@ -1,6 +1,7 @@
 # make demo: set up .venv (first time), cache the generated clips' latents and text, train the tiny Wan2.2 from the
 # cache (CPU, about a minute).
 # make test: set up .venv (first time) and run the test suite.
+# make setup: only the .venv, with wanexp installed editable (wanexp-train, wanexp-status, ... in .venv/bin).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,19 +9,26 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test setup clean
 
+PACKAGE := $(VENV)/.wanexp-installed
+
 $(STAMP): requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.lock
 	touch $(STAMP)
 
-setup: $(STAMP)
+# wanexp itself, editable: importable from any folder, with the wanexp-* commands in $(VENV)/bin
+$(PACKAGE): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(PACKAGE)
 
-demo: $(STAMP)
+setup: $(PACKAGE)
+
+demo: $(PACKAGE)
 	$(PY) -m wanexp.cli.cache experiment=demo
 	$(PY) train.py experiment=demo
 
-test: $(STAMP)
+test: $(PACKAGE)
 	$(PY) -m pytest -q
 
 clean:

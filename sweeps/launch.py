@@ -3,7 +3,9 @@
 Hydra's multirun runs points inside one process, which cannot host a multi-GPU point (Lightning would relaunch the
 whole sweep in every rank). This launcher expands the same grid (the sweep config's ``hydra.sweeper.params`` plus
 any ``key=a,b`` on the command line) and starts one ``torchrun ... train.py`` per point, with explicit run names and
-folders (``outputs/sweeps/<sweep>/<n>``) and the W&B group set to the sweep's name.
+folders (``outputs/sweeps/<sweep>/<n>``), the sweep config applied to every point (its name: the W&B group; alpha
+tied to rank) and, at the end, the same summary (summary.csv/.md, loss.png, heatmap.png) as a Hydra multirun.
+For one SLURM job per point use Hydra's launcher instead: ``python train.py -m sweep=rank_lr hydra/launcher=slurm``.
 
     python sweeps/launch.py sweep=rank_lr --nproc 8 model.path=/models/Wan2.2-TI2V-5B-Diffusers
     python sweeps/launch.py sweep=rank_lr --dry-run ...        # print the commands (e.g. for sbatch)
@@ -56,9 +58,11 @@ def commands(overrides: list[str], nproc: int, nnodes: int, torchrun_args: str =
     out = []
     for i, point in enumerate(points):
         name = f"{sweep}/{i}_" + ",".join(point)
+        # the sweep config itself (its name, alpha tied to rank, ...) in single-run mode, this point's values on top
+        sweep_cfg = [f"sweep={sweep}", "hydra.mode=RUN"] if sweep != "multirun" else [f"+sweep.name={sweep}"]
         out.append([python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
-                    *shlex.split(torchrun_args), str(ROOT / "train.py"), *fixed, *point,
-                    f"+sweep.name={sweep}", f"run_name='{name}'",
+                    *shlex.split(torchrun_args), str(ROOT / "train.py"), *sweep_cfg, *fixed, *point,
+                    f"run_name='{name}'",
                     f"paths.output_dir=${{paths.root_dir}}/outputs/sweeps/{sweep}/{i}", f"trainer.num_nodes={nnodes}"])
     return out
 
@@ -82,10 +86,26 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep_going:
                 print(f"sweep point failed (exit {rc}); stopping (use --keep-going to run the rest)", file=sys.stderr)
                 return rc
+    if not args.dry_run:
+        _summarize(overrides)
     if failed:
         print(f"{len(failed)} sweep point(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _summarize(overrides: list[str]) -> None:
+    """summary.csv/.md and the plots in the sweep folder, as a Hydra multirun writes them."""
+    from wanexp.callbacks.sweep import write_summary
+    from wanexp.config import compose
+
+    sweep = expand(overrides)[0]
+    cfg = compose([o for o in overrides if o.startswith("paths.")] + ["run_name=x"])
+    folder = Path(cfg.paths.root_dir)
+    folder = (folder if folder.is_absolute() else ROOT / folder) / "outputs" / "sweeps" / sweep
+    written = write_summary(folder) if folder.is_dir() else {}
+    if written:
+        print(f"sweep summary: {', '.join(str(p) for p in written.values())}", flush=True)
 
 
 if __name__ == "__main__":

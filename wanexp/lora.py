@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,16 +58,44 @@ def add_lora(transformer, rank: int, alpha: float, dropout: float, targets: list
 
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
                      target_modules=target_regex(targets, attention))
-    transformer.add_adapter(cfg, adapter_name=adapter_name)
+    before = {n: p.requires_grad for n, p in transformer.named_parameters() if "lora_" in n}
+    transformer.add_adapter(cfg, adapter_name=adapter_name)  # peft's set_adapter freezes the other adapters
     names = []
     for name, p in transformer.named_parameters():
         if "lora_" in name and f".{adapter_name}." in name:
             p.data = p.data.float()
             p.requires_grad_(True)
             names.append(name)
-        elif "lora_" not in name:  # the base stays frozen; other adapters keep their own settings
+        elif "lora_" not in name:  # the base stays frozen
             p.requires_grad_(False)
+        else:  # other adapters keep their own settings
+            p.requires_grad_(before[name])
     return names
+
+
+@contextmanager
+def use_adapter(modules, name: str | None):
+    """Run ``modules`` (transformers) with only adapter ``name`` active, or with every adapter off (``None``: the
+    frozen base, e.g. a distillation teacher); restores the previous state on exit.
+
+    Unlike peft's ``set_adapter``/``disable_adapters`` this never touches ``requires_grad``: the trainable set stays
+    what the optimizers and DDP were built with. Activation checkpointing recomputes a block's forward during backward
+    under whatever adapter is active then, so a backward must run inside the same ``use_adapter`` as its forward."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for t in modules for m in t.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+    for layer in layers:
+        if name is None:
+            layer._disable_adapters = True
+        else:
+            layer._active_adapter = [name]
+            layer._disable_adapters = False
+    try:
+        yield
+    finally:
+        for layer, (active, disabled) in zip(layers, saved):
+            layer._active_adapter, layer._disable_adapters = active, disabled
 
 
 class LoraAdapter:

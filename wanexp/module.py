@@ -35,10 +35,13 @@ class WanModule(L.LightningModule):
         self.load_encoders = load_encoders  # False when every batch carries cached latents and text embeddings
         self.allow_resume_changes = allow_resume_changes
         self.max_bad_steps = max_bad_steps  # non-finite steps in a row that stop the run
-        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient, over the whole run
-        self._bad_in_row = 0
+        self._skipped = torch.zeros((), dtype=torch.long)  # steps skipped for a non-finite loss or gradient (device)
+        self._bad_in_row = torch.zeros((), dtype=torch.long)
         self._loss_finite: torch.Tensor | None = None  # every loss of the current optimizer step was finite
         self._rng_to_restore: dict | None = None  # from a resumed checkpoint, put back before the first step
+        self.automatic_optimization = not objective.manual  # several adapters: each step trains the one it names
+        self._metric_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # metrics over the log window
+        self._negative_text: torch.Tensor | None = None  # the negative prompt's embedding (objectives with CFG)
         self.transformers = nn.ModuleDict()
         self.encoders = None
         self.denoiser = Denoiser(spec, self.transformers, self.sigma_range)
@@ -70,14 +73,75 @@ class WanModule(L.LightningModule):
     # ---- the step -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int):
         encoded = cached_batch(batch) if "latents" in batch else self.encoders(batch)
+        if not self.automatic_optimization:
+            return self._manual_step(encoded)
         out = self.objective(encoded, self.denoiser)
         finite = torch.isfinite(out.loss.detach())  # checked (one sync) once per optimizer step, before it
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self.log("train/loss", out.loss, prog_bar=True, batch_size=out.batch_size)
-        for name, (value, n) in out.metrics.items():
-            self.log(name, value, batch_size=n)
+        self._log_metrics(out.metrics)
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0], batch_size=out.batch_size)
         return {"loss": out.loss, "flops": out.flops}
+
+    def _manual_step(self, encoded):
+        """One optimizer step of the adapter the objective's phase names (e.g. DMD: critic, ..., critic, generator)."""
+        from wanexp.lora import use_adapter
+
+        phase = self.objective.phase(self.global_step)
+        k = list(self.objective.optimizer_settings()).index(phase)
+        opt, sched = self.optimizers()[k], self.lr_schedulers()[k]
+        out = self.objective(encoded, self.denoiser, step=self.global_step, negative_text=self.negative_text())
+        opt.zero_grad(set_to_none=True)
+        with use_adapter(list(self.transformers.values()), out.adapter):  # a recomputing backward sees the same adapter
+            self.manual_backward(out.loss)
+        clip = self.objective.optimizer_settings()[phase].get("clip")
+        if clip:
+            params = [p for group in opt.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        self._loss_finite = torch.isfinite(out.loss.detach())
+        opt.step()  # on_before_optimizer_step skips it if the loss or a gradient is not finite
+        sched.step()
+        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=out.batch_size)
+        self._log_metrics(out.metrics)
+        self.log(f"train/lr_{phase}", sched.get_last_lr()[0], batch_size=out.batch_size)
+        return {"loss": out.loss.detach(), "flops": out.flops}
+
+    def _log_metrics(self, metrics: dict) -> None:
+        """An objective's metrics, ``name -> (mean, samples)`` (tensors or numbers), summed on the device over the
+        log window and logged as the window's sample-weighted mean at each log step: one host sync per log step, not
+        one per step and metric; a group with no sample in the window (e.g. a sigma quarter) is left out."""
+        acc = self._metric_sums
+        for name, (value, n) in metrics.items():
+            n = torch.as_tensor(n, dtype=torch.float32, device=value.device)
+            total = torch.where(n > 0, value.detach().float() * n, torch.zeros_like(n))
+            if name in acc:
+                total, n = acc[name][0] + total, acc[name][1] + n
+            acc[name] = (total, n)
+        if acc and self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+            names = list(acc)
+            counts = torch.stack([acc[k][1].to(self.device) for k in names]).tolist()
+            for k, c in zip(names, counts):
+                if c > 0:
+                    self.log(k, acc[k][0] / c, batch_size=int(c))
+            acc.clear()
+
+    def negative_text(self) -> torch.Tensor | None:
+        """The negative prompt's text embedding (1, text_len, D), encoded once on this device (objectives with CFG);
+        a run from the cache loads the text encoder for it and frees it again."""
+        if not self.objective.needs_negative_text:
+            return None
+        if self._negative_text is None:
+            from wanexp.models.encode import encode_text
+
+            if self.encoders is not None:
+                te, tok = self.encoders.text_encoder, self.encoders.tokenizer
+            else:
+                te = self.spec.load_text_encoder().to(self.device)
+                tok = self.spec.load_tokenizer()
+            with torch.autocast(device_type=self.device.type, enabled=False):
+                self._negative_text = encode_text(tok, te, [self.objective.negative_prompt], self.spec.text_len)
+            del te
+        return self._negative_text
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._rng_to_restore is not None:  # resumed: continue the random streams exactly where the save left them
@@ -88,40 +152,67 @@ class WanModule(L.LightningModule):
 
     # ---- optimisation ---------------------------------------------------------------------------------------
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Skip an optimizer step whose loss or gradients are not finite (its gradients are dropped, so AdamW leaves
-        the weights and moments as they were), count it in ``train/skipped_steps``, and stop the run after
-        ``max_bad_steps`` of them in a row. With an fp16 grad scaler, gradient overflow is the scaler's to skip."""
+        """Skip an optimizer step whose loss or gradients are not finite (AdamW leaves the weights and moments as they
+        were), count it in ``train/skipped_steps``, and stop the run after ``max_bad_steps`` of them in a row. With an
+        fp16 grad scaler, gradient overflow is the scaler's to skip.
+
+        A fused optimizer (AdamW on GPU) skips on the device through its ``found_inf`` input, as under a grad scaler:
+        no host sync in the step; the run-stopping count is then read at log steps. Other optimizers get their
+        gradients dropped, which needs the flag on the host every step."""
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         if self._loss_finite is not None:
             bad = bad | ~self._loss_finite.to(self.device)
         self._loss_finite = None
-        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2: this rank's shard
             if grads:
                 bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()).to(self.device)
         if self.trainer.world_size > 1:  # sharded gradients: every rank must take the same decision
             bad = self.trainer.strategy.reduce(bad.float(), reduce_op="max") > 0
-        if bool(bad):
+        self._skipped = self._skipped.to(self.device) + bad
+        self._bad_in_row = (self._bad_in_row.to(self.device) + 1) * bad
+        on_device = scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False) and \
+            bool(optimizer.defaults.get("fused"))
+        if on_device:
+            optimizer.grad_scale, optimizer.found_inf = None, bad.float()
+        elif bool(bad):
             optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            self._bad_in_row += 1
-            if self.global_rank == 0:
+        if not on_device or self.trainer._logger_connector.should_update_logs:
+            in_row = int(self._bad_in_row)
+            if in_row and self.global_rank == 0:
                 print(f"wanexp: step {self.global_step + 1}: non-finite loss or gradient; step skipped "
-                      f"({self._bad_in_row} in a row, {self.skipped_steps} in the run)", flush=True)
-            if self._bad_in_row >= self.max_bad_steps:
+                      f"({in_row} in a row, {self.skipped_steps} in the run)", flush=True)
+            if in_row >= self.max_bad_steps:
                 raise DivergedError(
-                    f"{self._bad_in_row} optimizer steps in a row had a non-finite loss or gradient (up to step "
+                    f"{in_row} optimizer steps in a row had a non-finite loss or gradient (up to step "
                     f"{self.global_step + 1}); the run diverged and stopped with its last checkpoint intact: lower "
                     "optim.lr, or use trainer.precision=bf16-mixed, then resume=last (guard.max_bad_steps sets the limit)")
-        else:
-            self._bad_in_row = 0
-        self.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+        self.log("train/skipped_steps", self._skipped.float(), on_step=True, on_epoch=False, batch_size=1)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient over the whole run (reads the device)."""
+        return int(self._skipped)
 
     def configure_optimizers(self):
-        opt = build_optimizer(self.optimizer_factory, (p for p in self.parameters() if p.requires_grad), self.lr)
         total = self.max_steps if self.max_steps and self.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         s = self.schedule
+        if not self.automatic_optimization:  # one optimizer per trained adapter, stepped only in its own phase
+            opts, scheds = [], []
+            for name, o in self.objective.optimizer_settings().items():
+                params = [p for n, p in self.named_parameters() if p.requires_grad and f".{name}." in n]
+                opt = build_optimizer(self.optimizer_factory, params, float(o["lr"]),
+                                      weight_decay=float(o["weight_decay"]), eps=float(o["eps"]),
+                                      betas=tuple(o["betas"]))
+                steps = sum(self.objective.phase(i) == name for i in range(total))
+                opts.append(opt)
+                scheds.append({"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(
+                    s["scheduler"], int(s["warmup_steps"]), max(1, steps), float(s["min_lr_ratio"]))),
+                    "interval": "step"})
+            return opts, scheds
+        opt = build_optimizer(self.optimizer_factory, (p for p in self.parameters() if p.requires_grad), self.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(s["scheduler"], int(s["warmup_steps"]), total, float(s["min_lr_ratio"])))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -148,17 +239,23 @@ class WanModule(L.LightningModule):
                       flush=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip as Lightning would, also for a fused optimizer under bf16 autocast.
+        """Clip as Lightning would, also for a fused optimizer under mixed precision.
 
-        Lightning's mixed-precision plugin refuses to clip gradients for any fused optimizer, a rule that matters only
-        with an fp16 grad scaler (the fused step unscales internally). Without a scaler the gradients are already
-        true gradients, so they are clipped here with the same torch call.
+        Lightning's mixed-precision plugin refuses to clip gradients for any fused optimizer, because with an fp16
+        grad scaler the fused step unscales internally. Without a scaler the gradients are already true gradients;
+        with one they are unscaled here first. Either way they are clipped with the same torch call.
         """
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         plugin = self.trainer.precision_plugin
-        if not (gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None):
+        if not (gradient_clip_val and isinstance(plugin, MixedPrecision)):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if plugin.scaler is not None:
+            if not getattr(optimizer, "_step_supports_amp_scaling", False):
+                return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            # fp16 with a fused optimizer: Lightning leaves the gradients scaled (the fused step unscales); unscale
+            # them here first, which the scaler records, so its step neither unscales twice nor misses an overflow
+            plugin.scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
@@ -192,7 +289,7 @@ class WanModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("wanexp", {})
         self._check_resume_settings(saved)
-        self.skipped_steps = int(saved.get("skipped_steps", 0))
+        self._skipped = torch.tensor(int(saved.get("skipped_steps", 0)))
         states = saved.get("rng") or []
         if len(states) == self.trainer.world_size:  # another world size draws differently anyway
             self._rng_to_restore = states[self.global_rank]

@@ -40,10 +40,12 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float) -> Callable[
     return f
 
 
-def build_optimizer(factory: Callable, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Call the configured optimizer; ``fused=None`` becomes the fused kernel when every parameter is on a GPU."""
+def build_optimizer(factory: Callable, params: Iterable[torch.nn.Parameter], lr: float,
+                    **overrides) -> torch.optim.Optimizer:
+    """Call the configured optimizer; ``fused=None`` becomes the fused kernel when every parameter is on a GPU.
+    ``overrides`` replace the configured arguments (e.g. one adapter's weight decay in a several-adapter objective)."""
     params = list(params)
-    kwargs = {"lr": lr}
+    kwargs = {"lr": lr, **overrides}
     accepts_fused = "fused" in inspect.signature(getattr(factory, "func", factory)).parameters
     if accepts_fused and getattr(factory, "keywords", {}).get("fused", "unset") is None:
         kwargs["fused"] = bool(params) and all(p.is_cuda for p in params) or None

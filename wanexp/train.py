@@ -22,6 +22,8 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 # The datamodule resumes the data order itself (wanexp/data/datamodule.py), which Lightning cannot see.
 warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
+# Several adapters on one base (DMD: generator + critic) is by design.
+warnings.filterwarnings("ignore", message=r".*Already found a `peft_config` attribute in the model.*")
 
 
 def instantiate_named(nodes: DictConfig | None) -> list:
@@ -156,15 +158,23 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     if cfg.overwrite and ckpt is None and launch_rank() == 0:
         clear_run_folder(out)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    if objective.manual:  # several adapters, each step trains one: the objective clips per adapter
+        with open_dict(cfg):
+            cfg.trainer.gradient_clip_val = None
+            if cfg.parallel.name == "ddp":  # the other adapter's parameters get no gradient in a step
+                cfg.parallel.strategy.find_unused_parameters = True
 
     trainer = build_trainer(cfg, out)
     o = cfg.optim
     effective = int(cfg.data.batch_size) * trainer.world_size * int(cfg.trainer.accumulate_grad_batches)
     lr = scaled_lr(float(o.lr), o.lr_scaling, effective, int(o.reference_batch))
     if trainer.global_rank == 0:
+        lrs = f"lr {lr:g} (optim.lr={o.lr:g}, lr_scaling={o.lr_scaling}, reference_batch={o.reference_batch})"
+        if objective.manual:  # one optimizer per adapter, with the objective's own settings
+            lrs = "lr " + ", ".join(f"{k} {v['lr']:g}" for k, v in objective.optimizer_settings().items()) + \
+                f" (objective={objective.name}; each step trains one adapter)"
         print(f"wanexp: effective batch {effective} = {cfg.data.batch_size} per device x {trainer.world_size} "
-              f"device(s) x {cfg.trainer.accumulate_grad_batches} accumulation; lr {lr:g} "
-              f"(optim.lr={o.lr:g}, lr_scaling={o.lr_scaling}, reference_batch={o.reference_batch})", flush=True)
+              f"device(s) x {cfg.trainer.accumulate_grad_batches} accumulation; {lrs}", flush=True)
     module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
@@ -211,6 +221,23 @@ def cli(cfg: DictConfig) -> None:
             print(f"wanexp: LoRA file {f}")
 
 
+USAGE = """usage: python train.py [group=option ...] [key=value ...]     (installed: wanexp-train ...)
+Fine-tune Wan2.2 with LoRA (Hydra composes the run from conf/, Lightning runs it). README.md has the details.
+
+examples:
+  python train.py experiment=demo                                # tiny random model, generated clips, CPU, ~1 min
+  python train.py data=mbc_5k paths.data_dir=/data/mbc model.path=/models/Wan2.2-TI2V-5B-Diffusers
+  python train.py model=i2v14b boundary=high adapter.rank=64 model.path=...
+  torchrun --nproc_per_node=8 train.py parallel=fsdp run_name=x model.path=...
+  python train.py run_name=x resume=last                         # continue a stopped run
+  python train.py -m sweep=rank_lr logger=wandb model.path=...   # rank x lr grid; summary in outputs/sweeps/rank_lr
+  WANDB_MODE=offline python train.py logger=wandb ...            # W&B without a login; wandb sync DIR/wandb later
+  python train.py --cfg job [overrides]                          # print the composed config and stop
+related: wanexp-cache (latents + text once), wanexp-status DIR [--follow], wanexp-sample, wanexp-bench
+clusters: hydra/launcher=slurm (one SLURM job per sweep point), hydra/sweeper=optuna_lr (lr search); plugins
+"""
+
+
 def main(task=None) -> None:
     """``python train.py`` (or another entry with the same overrides, e.g. the cache command): compose with Hydra,
     then run ``task`` (default :func:`cli`). Composition errors are one line, exit 2."""
@@ -219,6 +246,13 @@ def main(task=None) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     register()
+    if {"--help", "-h"} & set(sys.argv[1:]):  # usage, examples and groups first; Hydra then prints the config
+        groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+        print((USAGE if task is None else f"usage: {Path(sys.argv[0]).name} [group=option ...] [key=value ...] "
+               "(the same overrides as python train.py)\n") + "\nconfig groups (group=option):\n" +
+              "".join(f"  {g.name:<11} {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}\n" for g in groups) +
+              "  (top level)  run_name, seed, tags, resume (null|last|auto|PATH), overwrite, allow_resume_changes, "
+              "guard.*\n", flush=True)
     keep_traceback = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing its report
     entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(task or cli)
@@ -232,19 +266,27 @@ def main(task=None) -> None:
 
 
 def _adopt_sweep_folder(cfg: DictConfig) -> None:
-    """In a multirun, each point runs in Hydra's job folder and is named after its overrides."""
+    """Under Hydra: the command line's overrides are kept in the config (``overrides``: config.yaml, the loggers).
+    In a multirun, each point runs in Hydra's job folder and is named after its overrides."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    with open_dict(cfg):
+        cfg.overrides = list(hc.overrides.task)
+    if hc.mode != RunMode.MULTIRUN:
         return
     devices = str(cfg.trainer.devices)
-    if devices != "1" and not (devices == "auto" and _gpu_count() <= 1):
+    # a cluster launcher (hydra-submitit-launcher) starts each point's ranks itself: one job per point
+    own_job = "submitit" in str(OmegaConf.select(hc, "launcher._target_", default=""))
+    if devices != "1" and not (devices == "auto" and _gpu_count() <= 1) and not own_job:
         raise ConfigError(
             f"a multirun sweep with trainer.devices={devices}: each point would relaunch the whole sweep on every rank; "
-            "run multi-GPU points with python sweeps/launch.py (same overrides), or set trainer.devices=1"
+            "run multi-GPU points with python sweeps/launch.py (same overrides) or hydra/launcher=slurm, "
+            "or set trainer.devices=1"
         )
-    hc = HydraConfig.get()
     swept = set(OmegaConf.to_container(hc.sweeper.get("params") or {}).keys())
     pairs = [o.split("=", 1) for o in hc.overrides.task if "=" in o]
     chosen = [f"{k}={v}" for k, v in pairs if k in swept] or [f"{k}={v}" for k, v in pairs if "/" not in v]
@@ -261,6 +303,25 @@ def _gpu_count() -> int:
 
 
 def _finish_wandb(failed: bool) -> None:
+    """End this process's W&B run (rank 0 holds one) as the training ended: finished; interrupted by a signal
+    (marked preempting, exit code 128 + signal, resumable); or failed (exit code 2 for bad input, else 1), with the
+    error's last line in the run summary. Called inside ``cli``'s ``except`` blocks, so the exception is at hand."""
     mod = sys.modules.get("wandb")
-    if mod is not None and getattr(mod, "run", None) is not None:
-        mod.finish(exit_code=1 if failed else 0)
+    run = getattr(mod, "run", None) if mod is not None else None
+    if run is None:
+        return
+    error = sys.exc_info()[1] if failed else None
+    code = 1 if failed else 0
+    try:
+        if isinstance(error, Interrupted):
+            code = error.code
+            run.summary["wanexp/state"] = "interrupted"
+            run.mark_preempting()
+        elif error is not None:
+            code = 2 if isinstance(error, UserError) else 1
+            run.summary["wanexp/state"] = "failed"
+            run.summary["wanexp/error"] = (str(error).strip().splitlines() or [type(error).__name__])[-1][:500]
+        else:
+            run.summary["wanexp/state"] = "failed" if failed else "finished"
+    finally:
+        mod.finish(exit_code=code)

@@ -1,4 +1,4 @@
-"""The CLI as users run it: 2-process DDP on CPU (gloo), a multirun sweep, and W&B offline."""
+"""The CLI as users run it: 2-process DDP on CPU (gloo) with W&B offline, a multirun sweep, a resume, torchrun."""
 from __future__ import annotations
 
 import json
@@ -21,53 +21,144 @@ def _common(shared_dir, tmp_path) -> list[str]:
     ]
 
 
-def test_ddp_two_processes_on_cpu_counts_optimizer_steps(shared_dir, tmp_path):
-    # 16 clips, 2 ranks x batch 2, accumulation 2: the bar must say 16 / (2 x 2) / 2 = 2 steps per epoch
+WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # as a user without a W&B login would run
+
+
+def _wandb_env(tmp_path) -> dict:
+    """W&B offline through the environment (the config leaves mode null); its own files under tmp_path."""
+    return dict(WANDB_OFFLINE, WANDB_DATA_DIR=str(tmp_path / "wandb-data"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+                WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+
+
+def _bars(text: str) -> list[tuple[str, str]]:
+    """(n, total) of every drawn state of the training bar."""
+    return re.findall(r"Training:\s+\d+%\|[^|]*\| (\d+)/(\S+) ", text.replace("\r", "\n"))
+
+
+def test_ddp_two_processes_with_wandb_offline_progress_and_status(shared_dir, tmp_path):
+    """2 ranks (gloo), W&B offline via WANDB_MODE: the whole-run bar counts optimizer steps, status.json is written
+    during the run with per-rank fields, and the offline W&B run holds the config, the metrics and the LoRA files."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+    from tests.wandb_offline import summary
+
+    # 16 clips, 2 ranks x batch 2, accumulation 2: 16 / (2 x 2) / 2 = 2 optimizer steps per epoch, x 3 epochs
     out = tmp_path / "ddp"
-    res = run_cli([
-        *_common(shared_dir, tmp_path), "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-        f"paths.data_dir={tmp_path}/data", "data.generate.num_videos=16", "data.generate.num_images=0",
-        "data.batch_size=2", "trainer.accumulate_grad_batches=2", "trainer.max_steps=-1", "trainer.max_epochs=2",
-        "callbacks.checkpoint.every_n_train_steps=2", f"paths.output_dir={out}",
-    ], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    args = [*_common(shared_dir, tmp_path), "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+            f"paths.data_dir={tmp_path}/data", "data.generate.num_videos=16", "data.generate.num_images=0",
+            "data.batch_size=2", "trainer.accumulate_grad_batches=2", "trainer.max_steps=-1", "trainer.max_epochs=3",
+            "callbacks.checkpoint.every_n_train_steps=2", f"paths.output_dir={out}", "logger=[csv,wandb]"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **_wandb_env(tmp_path)))
+    during = None
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            s = json.loads((out / "status.json").read_text())
+        except (OSError, ValueError):
+            s = {}
+        if during is None and s.get("state") == "running" and s.get("step", 0) >= 1:
+            during = s
+        time.sleep(0.1)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    # during the run: step of total, ETA, per-rank fields of both ranks
+    assert during is not None, "status.json never showed the running run"
+    assert during["total_steps"] == 6 and during["eta_s"] is not None and during["eta_s"] >= 0
+    assert [r["rank"] for r in during["ranks"]] == [0, 1] and all(r["loss"] is not None for r in during["ranks"])
+    # after: the totals
     status = json.loads((out / "status.json").read_text())
-    assert status["world_size"] == 2 and status["batches_per_epoch"] == 4
-    assert status["steps_per_epoch"] == 2 and status["step"] == 4 and status["state"] == "finished"
+    assert status["world_size"] == 2 and status["batches_per_epoch"] == 4 and status["steps_per_epoch"] == 2
+    assert status["step"] == status["total_steps"] == 6 and status["state"] == "finished" and status["eta_s"] == 0
     assert status["replicas_in_sync"] is True  # gradients were all-reduced: both ranks hold the same LoRA
-    bars = re.findall(r"Epoch (\d+): 100%\|[^|]*\| (\d+)/(\d+)", res.stdout + res.stderr)
-    assert bars and all(n == total == "2" for _, n, total in bars), res.stderr[-2000:]
-    printed = re.findall(r"wanexp: LoRA file (\S+)", res.stdout)
+    assert [r["step"] for r in status["ranks"]] == [6, 6] and status["last_checkpoint"].endswith("step_000006.ckpt")
+    history = [json.loads(x) for x in (out / "status.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6] and all(h["loss"] > 0 for h in history)
+    # one bar over the run's optimizer steps (rank 0 only), no per-epoch bars, no "Training: 0/?"
+    text = stdout + stderr
+    bars = _bars(text)
+    assert bars and {t for _, t in bars} == {"6"} and bars[-1][0] == "6", text[-2000:]
+    assert "Epoch " not in text and "0/?" not in text and "Tip:" not in text
+    printed = re.findall(r"wanexp: LoRA file (\S+)", stdout)
     assert len(printed) == 2 and all(Path(p).is_file() for p in printed)  # printed once, by rank 0
     assert (out / "checkpoints" / "step_000002.ckpt").is_file() and (out / "lora" / "step_000004").is_dir()
+    # W&B: one offline run (rank 0) in the run folder, with the config, the overrides, the metrics, the LoRA files
+    (run,) = (out / "wandb").glob("offline-run-*")
+    wb = summary(run)
+    assert wb["config"]["adapter"]["rank"] == 8 and "logger=[csv,wandb]" in wb["config"]["overrides"]
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "perf/samples_per_s",
+            "perf/tokens_per_s", "perf/tflops", "data/rejected", "data/rejected_online"} <= wb["metrics"]
+    loras = [a for a in wb["artifacts"] if a[0] == "lora"]
+    assert [a[1] for a in loras] == ["demo-lora"] * 3 and [sorted(a[3]) for a in loras] == \
+        [["latest", "step-2"], ["latest", "step-4"], ["latest", "step-6"]]
+    assert all(a[2] == ["tiny_lora_comfyui.safetensors", "tiny_lora_diffusers.safetensors"] for a in loras)
+    assert not any(a[0] == "model" for a in wb["artifacts"]) and wb["exit_code"] == 0  # no .ckpt uploads
+    # the status command reads it (the per-rank table included)
+    from wanexp.cli.status import render
+
+    table, running = render(out)
+    assert not running and "6 / 6 (100.0 %)" in table and "per rank" in table
 
 
 def test_rank_lr_sweep_runs_every_point_in_its_own_folder(shared_dir, tmp_path):
+    """A 2x2 multirun: the job list first, one run folder and one W&B run per point in one group, alpha tied to rank,
+    and at the end a 4-row summary (CSV + Markdown) and the plots in the sweep folder."""
+    import csv
+
+    from tests.wandb_offline import summary
+
     res = run_cli([
         "-m", "sweep=rank_lr", *_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data",
-        f"paths.root_dir={tmp_path}", "trainer.max_steps=1", "callbacks.progress=null",
+        f"paths.root_dir={tmp_path}", "trainer.max_steps=2", "callbacks.progress=null", "logger=wandb",
         "adapter.rank=4,8", "optim.lr=1e-4,1e-3",  # the command line narrows the grid
-    ], timeout=600)
+    ], timeout=600, env=_wandb_env(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
+    listed = re.findall(r"wanexp: sweep:\s+(\d+): (.+)", res.stdout)
+    assert listed == [("0", "adapter.rank=4 optim.lr=0.0001"), ("1", "adapter.rank=4 optim.lr=0.001"),
+                      ("2", "adapter.rank=8 optim.lr=0.0001"), ("3", "adapter.rank=8 optim.lr=0.001")], res.stdout[:2000]
+    assert res.stdout.index("wanexp: sweep:   3:") < res.stdout.index("wanexp: finished")  # listed before any point
     sweep_dir = tmp_path / "outputs" / "sweeps" / "rank_lr"
     runs = sorted(p for p in sweep_dir.iterdir() if (p / "status.json").exists())
     assert len(runs) == 4, list(sweep_dir.iterdir())
-    seen = set()
+    seen, groups = set(), set()
     for run in runs:
         cfg = OmegaConf.load(run / "config.yaml")
         seen.add((cfg.adapter.rank, cfg.optim.lr))
+        assert cfg.adapter.alpha == cfg.adapter.rank  # the sweep ties alpha to rank
         assert cfg.run_name.startswith("rank_lr/") and (run / "lora" / "final" / "tiny_lora_comfyui.safetensors").is_file()
-    assert seen == {(4, 1e-4), (4, 1e-3), (8, 1e-4), (8, 1e-3)}
+        (wb,) = (run / "wandb").glob("offline-run-*")
+        groups.add(summary(wb)["group"])
+    assert seen == {(4, 1e-4), (4, 1e-3), (8, 1e-4), (8, 1e-3)} and groups == {"rank_lr"}
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [(r["adapter.rank"], r["optim.lr"], r["state"]) for r in rows] == [
+        ("4", "0.0001", "finished"), ("4", "0.001", "finished"), ("8", "0.0001", "finished"), ("8", "0.001", "finished")]
+    assert all(float(r["final_train_loss"]) > 0 and float(r["samples_per_s"]) > 0 and r["val_loss"] == "" for r in rows)
+    assert len([ln for ln in (sweep_dir / "summary.md").read_text().splitlines() if "finished" in ln]) == 4
+    for png in ("loss.png", "heatmap.png"):
+        assert (sweep_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_wandb_offline_logger(shared_dir, tmp_path):
-    out = tmp_path / "wb"
-    res = run_cli([*_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data", "logger=wandb",
-                   "logger.wandb.mode=offline", "trainer.max_steps=2", f"paths.output_dir={out}", "callbacks.progress=null"],
-                  timeout=300, env={"WANDB_SILENT": "true"})
+def test_resumed_run_continues_its_bar_history_and_wandb_run(shared_dir, tmp_path):
+    """After a resume the bar starts at the resumed step of the run's total, status.jsonl keeps the steps before it,
+    and W&B continues the same run (offline: the same run id)."""
+    out = tmp_path / "resumed"
+    common = [*_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data", "logger=wandb",
+              "optim.scheduler=constant", "callbacks.checkpoint.every_n_train_steps=2", f"paths.output_dir={out}"]
+    first = run_cli([*common, "trainer.max_steps=2"], timeout=300, env=_wandb_env(tmp_path))
+    assert first.returncode == 0, first.stderr[-3000:]
+    res = run_cli([*common, "trainer.max_steps=4", "resume=last"], timeout=300, env=_wandb_env(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
+    bars = _bars(res.stdout + res.stderr)
+    assert bars[0] == ("2", "4") and bars[-1] == ("4", "4") and {t for _, t in bars} == {"4"}, bars
+    history = [json.loads(x)["step"] for x in (out / "status.jsonl").read_text().splitlines()]
+    assert history == [1, 2, 3, 4]
     runs = list((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+    assert len(runs) == 2 and len({p.name.rpartition("-")[2] for p in runs}) == 1
 
 
 def test_torchrun_launch_on_cpu(shared_dir, tmp_path):

@@ -93,3 +93,18 @@ def test_a_corrupt_weight_file_is_one_line(shared_dir, tmp_path, capsys):
     assert e.value.code == 2 and "Traceback" not in err and len(errors) == 1, err[-2000:]
     assert f"model.path={tmp_path / 'models' / 'tiny'}: cannot read the dense transformer" in errors[0]
     assert "corrupt or incomplete" in errors[0]
+
+
+def test_a_fused_optimizer_skips_on_the_device_without_a_host_sync(shared_dir, tmp_path):
+    """AdamW(fused=True) (the default on GPU; CPU has the kernel too): the skip goes through its found_inf input."""
+    r = tiny_run(shared_dir, tmp_path / "run", [
+        *_faulty_objective(tmp_path, nan_loss_at=[2], nan_grad_at=[3]), "trainer.max_steps=4",
+        "optim.optimizer.fused=true", "callbacks.checkpoint.every_n_train_steps=1",
+        "callbacks.checkpoint.save_top_k=-1"])
+    out = Path(r["output_dir"])
+    assert r["trainer"].optimizers[0].defaults["fused"] and r["module"].skipped_steps == 2
+    one, two, three, four = (_lora(out, s) for s in (1, 2, 3, 4))
+    assert all(torch.equal(one[k], two[k]) and torch.equal(one[k], three[k]) for k in one)
+    assert any(not torch.equal(three[k], four[k]) for k in three)
+    state = torch.load(out / "checkpoints" / "step_000004.ckpt", weights_only=True)["optimizer_states"][0]["state"]
+    assert all(float(v["step"]) == 2 for v in state.values())  # two real updates

@@ -17,13 +17,15 @@ import launch  # noqa: E402
 def test_grid_from_the_sweep_config_narrowed_by_the_command_line():
     sweep, fixed, points = launch.expand(["sweep=rank_lr", "model.path=/m", "optim.lr=1e-4"])
     assert sweep == "rank_lr" and fixed == ["model.path=/m"]
-    assert points == [["adapter.rank=16", "optim.lr=1e-4"],
+    assert points == [["adapter.rank=8", "optim.lr=1e-4"],
+                      ["adapter.rank=16", "optim.lr=1e-4"],
                       ["adapter.rank=32", "optim.lr=1e-4"],
                       ["adapter.rank=64", "optim.lr=1e-4"]]
     _, _, full = launch.expand(["sweep=rank_lr"])
-    assert len(full) == 6
+    assert len(full) == 12  # rank 8, 16, 32, 64 x lr 5e-5, 1e-4, 2e-4
     cmd = launch.commands(["sweep=rank_lr", "adapter.rank=8"], nproc=4, nnodes=1)[1]
-    assert "--nproc_per_node=4" in cmd and "+sweep.name=rank_lr" in cmd and "sweep=rank_lr" not in cmd
+    # each point gets the sweep config (its name, alpha tied to rank) as one run, not as a multirun
+    assert "--nproc_per_node=4" in cmd and "sweep=rank_lr" in cmd and "hydra.mode=RUN" in cmd
     assert "run_name='rank_lr/1_adapter.rank=8,optim.lr=1e-4'" in cmd
 
 
@@ -48,4 +50,6 @@ def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
         status = json.loads((run / "status.json").read_text())
         assert status["world_size"] == 2 and status["state"] == "finished"
         assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
-        assert f"rank: {rank}" in (run / "config.yaml").read_text()
+        assert f"rank: {rank}" in (run / "config.yaml").read_text() and f"alpha: {rank}" in (run / "config.yaml").read_text()
+    rows = (tmp_path / "outputs" / "sweeps" / "rank_lr" / "summary.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("adapter.rank,")  # the same summary as a Hydra multirun

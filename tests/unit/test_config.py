@@ -74,7 +74,7 @@ BAD = [
     (["optim.lr=0"], "optim.lr=0.0", "must be > 0.0"),
     (["optim.lr_scaling=cubic"], "optim.lr_scaling=cubic", "none, linear, sqrt"),
     (["data.num_workers=-1"], "data.num_workers=-1", "must be >= 0"),
-    (["trainer.precision=16-mixed"], "trainer.precision=16-mixed", "bf16-mixed"),
+    (["trainer.precision=16-true"], "trainer.precision=16-true", "bf16-mixed, bf16-true, 16-mixed"),
     (["model.experts=[dense,mid]"], "model.experts: unknown value 'mid'", "dense, high, low"),
     (["callbacks.checkpoint.save_top_k=-2"], "callbacks.checkpoint.save_top_k=-2", ">= -1"),
     (["parallel=fsdp", "trainer.accelerator=cpu"], "parallel=fsdp with trainer.accelerator=cpu", "parallel=ddp"),
@@ -192,6 +192,9 @@ CLI_BAD = [
     (["adapter.rnak=8"], "adapter.rnak: no such key in adapter"),
     (["experiment=demo", "adapter.targets=[q,qkv]"], "adapter.targets: unknown target 'qkv'"),
     (["guard.max_bad_steps=0"], "guard.max_bad_steps=0: must be >= 1"),
+    (["experiment=demo", "trainer.precision=16-mixed"], "trainer.precision=16-mixed with trainer.accelerator=cpu"),
+    (["model.path=/nowhere", "trainer.precision=16-mixed", "trainer.accelerator=gpu"],
+     "trainer.precision=16-mixed with model.dtype=bf16: fp16 autocast over bf16 weights"),
     # a tiny model is built only into an absent folder, never into a mistyped path that holds something else
     (["experiment=demo", "model.path=/usr"], "model.path=/usr: exists and is not a model built by model=tiny"),
     # generated demo data names a CSV file; a folder there is a mistake, reported before anything is written

@@ -69,7 +69,8 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         steps_done = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs and \
+        last_epoch = trainer.max_epochs is not None and trainer.max_epochs > 0 and \
+            trainer.current_epoch + 1 >= trainer.max_epochs and \
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if (steps_done or last_epoch) and not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)

@@ -30,7 +30,7 @@ class LoraExport(Callback):
         if trainer.global_rank != 0:
             return
         meta = {"wanexp_model": pl_module.spec.name, "wanexp_step": trainer.global_step,
-                "wanexp_boundary": pl_module.boundary_name}
+                "wanexp_boundary": pl_module.boundary_name, **pl_module.objective.export_metadata()}
         for expert, transformer in pl_module.transformers.items():
             prefix = f"transformers.{expert}."
             files = pl_module.adapter.export(checkpoint["state_dict"], prefix, transformer,

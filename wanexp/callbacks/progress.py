@@ -1,9 +1,18 @@
-"""A progress bar that counts optimizer steps: samples / (world_size x batch) / accumulation per epoch."""
+"""One progress bar for the whole run, counting optimizer steps: ``step / total`` with loss, samples/s and the run's ETA.
+
+The total is the run's optimizer steps: ``trainer.max_steps``, or (when it is -1 or the epochs end first) the steps of
+one epoch (batches per rank / accumulation, rounded up: Lightning steps at the end of each epoch too) x ``max_epochs``.
+The batches per rank already divide the samples (x ``data.dataset_repeat``) by world size x batch, so the total is
+right for any world size, batch and accumulation. A resumed run's bar starts at the resumed step, and its ETA counts
+only the steps of this session.
+"""
 from __future__ import annotations
 
 import math
+import sys
 
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 
 def optimizer_steps_per_epoch(trainer) -> int:
@@ -14,15 +23,64 @@ def optimizer_steps_per_epoch(trainer) -> int:
     return math.ceil(batches / trainer.accumulate_grad_batches)
 
 
+def total_optimizer_steps(trainer) -> int:
+    """Optimizer steps of the whole run (0 when unknown: an endless loader with no ``max_steps``)."""
+    per_epoch = optimizer_steps_per_epoch(trainer)
+    epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
+    by_epochs = per_epoch * epochs if per_epoch and epochs else 0
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return min(trainer.max_steps, by_epochs) if by_epochs else trainer.max_steps
+    return by_epochs
+
+
 class StepProgressBar(TQDMProgressBar):
+    """``Training: 45%|████▌     | 450/1000 [02:10<02:39, 3.45step/s, loss=0.123, samples/s=13.8]`` (rank 0).
+
+    One bar from the first to the last optimizer step (no per-epoch bars); ``refresh_rate`` in optimizer steps.
+    """
+
+    def __init__(self, refresh_rate: int = 1):
+        super().__init__(refresh_rate=refresh_rate, leave=False)
+        self._bar_step = 0
+
+    def init_train_tqdm(self) -> Tqdm:
+        # created with its total and start step, so no "Training: 0/?" bar is ever drawn
+        step = self.trainer.global_step
+        return Tqdm(desc="Training", total=self.total_train_batches or None, initial=step,
+                    position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
+                    file=sys.stdout, smoothing=0.1, unit="step",
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+
     @property
     def total_train_batches(self) -> int:
-        return optimizer_steps_per_epoch(self.trainer)
+        return total_optimizer_steps(self.trainer)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.train_progress_bar = self.init_train_tqdm()
+        self._bar_step = trainer.global_step
+
+    def on_train_epoch_start(self, trainer, *_) -> None:
+        pass  # one bar for the run: nothing resets per epoch
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        n = math.ceil((batch_idx + 1) / trainer.accumulate_grad_batches)
-        bar = self.train_progress_bar
-        if bar is not None and bar.n != n and self._should_update(n, bar.total):
-            bar.n = n
+        bar, step = self.train_progress_bar, trainer.global_step
+        if bar is None or step == self._bar_step:
+            return  # accumulating: no optimizer step yet
+        self._bar_step = step
+        if step % self.refresh_rate == 0 or step == bar.total:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()
-            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pass
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        """Loss and samples/s (the values logged at the last step; rank 0's)."""
+        shown = {}
+        m = trainer.callback_metrics
+        if "train/loss" in m:
+            shown["loss"] = f"{float(m['train/loss']):.4g}"
+        if "perf/samples_per_s" in m:
+            shown["samples/s"] = f"{float(m['perf/samples_per_s']):.3g}"
+        return shown

@@ -1,16 +1,26 @@
-"""Run status and throughput: DIR/status.json (rank 0) and perf/* metrics."""
+"""Run status and throughput: DIR/status.json (rank 0, every few seconds), DIR/status.jsonl (one line per logged
+step) and the perf/* metrics.
+
+status.json is rewritten atomically by rank 0 at most every ``every_s`` seconds (a clock throttle: rank 0 alone,
+no collective) and at every state change. The per-rank fields (``ranks``: step, loss, samples/s, GPU memory and
+utilisation, rejects) are gathered with one collective at the logged steps (every ``trainer.log_every_n_steps``
+optimizer steps): a fixed step cadence, so every rank calls it at the same step.
+""" 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
 
-from wanexp.callbacks.progress import optimizer_steps_per_epoch
+from wanexp.callbacks import quiet  # noqa: F401  (imported before the Trainer exists: Lightning's adverts off)
+from wanexp.callbacks.progress import optimizer_steps_per_epoch, total_optimizer_steps
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -58,66 +68,228 @@ class LoaderWait(Profiler):
         return ""
 
 
-class RunStatus(Callback):
-    """Writes state (running/finished/failed), step, epoch, steps per epoch, loss and samples/s to status.json."""
+RANK_FIELDS = ("step", "loss", "samples_per_s", "mem_gib", "peak_mem_gib", "gpu_util", "rejected_online")
 
-    def __init__(self, output_dir: str, run_name: str):
+
+def _number(x) -> float | None:
+    """A finite float, or None (JSON has no NaN)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def batch_tokens(batch: dict, spec) -> int:
+    """DiT tokens of a loader batch: latent frames x latent patches, from cached latents or from the pixels."""
+    patch = getattr(spec, "patch", None)
+    stride = getattr(spec, "vae_stride", None)
+    if patch is None:
+        return 0
+    if "latents" in batch:
+        b, _, f, h, w = batch["latents"].shape
+    elif "pixels" in batch and stride is not None:
+        b, _, frames, height, width = batch["pixels"].shape
+        f, h, w = (frames - 1) // stride[0] + 1, height // stride[1], width // stride[2]
+    else:
+        return 0
+    return b * (f // patch[0]) * (h // patch[1]) * (w // patch[2])
+
+
+def _gpu() -> dict:
+    """This process's GPU memory (GiB) and utilisation (%, where NVML is available); empty on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    out = {"mem_gib": torch.cuda.memory_allocated() / 2**30, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    try:
+        out["gpu_util"] = float(torch.cuda.utilization())
+    except Exception:  # no pynvml / NVML: utilisation is not reported
+        pass
+    return out
+
+
+class RunStatus(Callback):
+    """status.json: state (running/finished/failed/interrupted), step of total, ETA, loss, lr, throughput, memory,
+    the last checkpoint, rejects and per-rank fields; also logs perf/* (samples/s, tokens/s, TFLOP/s, % of peak,
+    memory, loader wait) every step and ``train/grad_norm`` (before clipping) at logged steps.
+
+    ``every_s``: status.json is rewritten at most this often (rank 0). ``peak_tflops``: the accelerator's peak for
+    ``perf/pct_of_peak`` (null: not logged; never on CPU).
+    """
+
+    def __init__(self, output_dir: str, run_name: str, every_s: float = 5.0, peak_tflops: float | None = None):
         self.path = Path(output_dir) / "status.json"
+        self.history = Path(output_dir) / "status.jsonl"
         self.run_name = run_name
+        self.every_s = float(every_s)
+        self.peak_tflops = peak_tflops
         self.t_last: float | None = None
-        self.samples = 0
+        self.samples = self.tokens = 0
         self.flops = 0.0  # model FLOPs since the last optimizer step, from each training_step's output
         self.seen = self.rejected = 0  # samples this rank trained on / replaced because they failed to decode
-
+        self._others_rejected = 0  # the other ranks' online rejects, as of the last gather
+        self._step = 0  # global step at the last optimizer step seen
+        self._recent: deque = deque(maxlen=50)  # (seconds, samples, tokens) of the last optimizer steps
+        self._t_written = 0.0
+        self._perf: dict = {}
         self.state: dict = {}
 
+    # ---- writing ---------------------------------------------------------------------------------------------
     def _write(self, trainer, **extra) -> None:
         if trainer.global_rank != 0:
             return
         self.state.update(extra, run_name=self.run_name, step=trainer.global_step, epoch=trainer.current_epoch,
                           max_steps=trainer.max_steps, world_size=trainer.world_size, updated=time.time())
+        self._t_written = time.monotonic()
         write_json_atomic(self.path, self.state)
 
+    def _progress(self, trainer) -> dict:
+        """Step of total, ETA (from the last steps' pace), throughput, loss, lr, memory, checkpoint, rejects."""
+        total = total_optimizer_steps(trainer)
+        seconds = sum(r[0] for r in self._recent)
+        per_step = seconds / len(self._recent) if self._recent else None
+        loss = trainer.callback_metrics.get("train/loss")
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        ckpt = trainer.checkpoint_callback
+        last = getattr(ckpt, "_last_checkpoint_saved", "") or getattr(ckpt, "last_model_path", "") or None
+        out = {"total_steps": total or None,
+               "eta_s": _number(per_step * max(0, total - trainer.global_step)) if per_step and total else None,
+               "step_time_s": _number(per_step),
+               "samples_per_s": _number(sum(r[1] for r in self._recent) / seconds) if seconds else None,
+               "tokens_per_s": _number(sum(r[2] for r in self._recent) / seconds) if seconds else None,
+               "loss": _number(loss), "lr": None if opt is None else _number(opt.param_groups[0]["lr"]),
+               "last_checkpoint": last, "rejected_online": self.rejected + self._others_rejected,
+               "elapsed_s": time.time() - self.state.get("started", time.time())}
+        for k in ("tflops", "pct_of_peak", "loader_wait_frac"):
+            if k in self._perf:
+                out[k] = _number(self._perf[k])
+        out.update({k: _number(v) for k, v in _gpu().items()})
+        return out
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         self.t_last = time.perf_counter()
+        self._step = trainer.global_step
         opt = trainer.optimizers[0] if trainer.optimizers else None
         import socket
 
-        self._write(trainer, state="running", host=socket.gethostname(), pid=os.getpid(),
-                    steps_per_epoch=optimizer_steps_per_epoch(trainer),
+        if trainer.global_rank == 0:
+            self._trim_history(trainer.global_step)
+        self._write(trainer, state="running", host=socket.gethostname(), pid=os.getpid(), started=time.time(),
+                    steps_per_epoch=optimizer_steps_per_epoch(trainer), total_steps=total_optimizer_steps(trainer),
+                    start_step=trainer.global_step,
                     batches_per_epoch=trainer.num_training_batches,
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
                     data=getattr(trainer.datamodule, "report", None),
                     optimizer=None if opt is None else {"name": type(opt).__name__, "lr": opt.param_groups[0]["lr"],
                                                         "fused": bool(opt.defaults.get("fused"))})
+        report = getattr(trainer.datamodule, "report", None) or {}
+        if "rejected" in report and trainer.global_rank == 0:
+            for lg in trainer.loggers:  # once: rows rejected before training (reasons in DIR/rejects.jsonl)
+                lg.log_metrics({"data/rejected": float(report["rejected"]), "data/rows": float(report["rows"])},
+                               step=trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """``train/grad_norm`` (total L2 norm of the trainable gradients, before clipping) at logged steps only:
+        a sharded model needs a collective for it, and the cadence is the same on every rank."""
+        if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps):
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:  # DeepSpeed keeps its gradients to itself
+            return
+        sharded = any(hasattr(g, "to_local") for g in grads)
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        squares = torch.stack(torch._foreach_norm(local)).float().pow(2).sum()
+        if sharded and trainer.world_size > 1:
+            squares = trainer.strategy.reduce(squares, reduce_op="sum")
+        pl_module.log("train/grad_norm", squares.sqrt(), on_step=True, on_epoch=False, rank_zero_only=True,
+                      batch_size=1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
         self.samples += bs * trainer.world_size
+        self.tokens += batch_tokens(batch, getattr(pl_module, "spec", None)) * trainer.world_size
         self.seen += bs
         if batch.get("rejected"):
             self._reject_online(trainer, batch["rejected"])
         if isinstance(outputs, dict):
-            self.flops += float(outputs.get("flops", 0.0))
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return
+            self.flops = self.flops + outputs.get("flops", 0.0)
+        if trainer.global_step == self._step:
+            return  # accumulating: no optimizer step yet
+        self._step = trainer.global_step
         now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
-        sps = self.samples / dt if dt > 0 else 0.0
-        self.samples = 0
-        metrics = {"perf/samples_per_s": sps, "perf/step_time_s": dt,
-                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0}
+        self._recent.append((dt, self.samples, self.tokens))
+        metrics = {"perf/samples_per_s": self.samples / dt if dt > 0 else 0.0,
+                   "perf/tokens_per_s": self.tokens / dt if dt > 0 else 0.0, "perf/step_time_s": dt,
+                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0}  # per device
+        self.samples = self.tokens = 0
         self.flops = 0.0
+        if self.peak_tflops and torch.cuda.is_available():
+            metrics["perf/pct_of_peak"] = 100.0 * metrics["perf/tflops"] / float(self.peak_tflops)
         if isinstance(trainer.profiler, LoaderWait):
             metrics["perf/loader_wait_frac"] = trainer.profiler.take() / dt if dt > 0 else 0.0
         if torch.cuda.is_available():
             metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["perf/mem_gib"] = torch.cuda.memory_allocated() / 2**30
+        self._perf = {k.split("/", 1)[1]: v for k, v in metrics.items()}
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        logged_step = trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+        ranks = self._gather(trainer) if logged_step else None  # a collective: the same steps on every rank
+        if trainer.global_rank != 0:
+            return
+        if logged_step:
+            pl_module.log("data/rejected_online", float(self.rejected + self._others_rejected), on_step=True,
+                          on_epoch=False, rank_zero_only=True, batch_size=1)
+        if ranks is not None or time.monotonic() - self._t_written >= self.every_s:
+            progress = self._progress(trainer)
+            extra = {"ranks": ranks} if ranks is not None else {}
+            self._write(trainer, **progress, **extra, skipped_steps=getattr(pl_module, "skipped_steps", 0))
+            if logged_step:
+                self._append_history(trainer, progress)
+
+    def _gather(self, trainer) -> list[dict] | None:
+        """Per-rank fields, gathered to every rank (one all_gather of a few numbers)."""
         loss = trainer.callback_metrics.get("train/loss")
-        every = max(1, trainer.log_every_n_steps)
-        if trainer.global_step % every == 0:
-            self._write(trainer, loss=None if loss is None else float(loss), samples_per_s=sps,
-                        skipped_steps=getattr(pl_module, "skipped_steps", 0))
+        recent = list(self._recent)[-max(1, trainer.log_every_n_steps):]
+        seconds = sum(r[0] for r in recent)
+        own = {"step": trainer.global_step, "loss": loss,
+               "samples_per_s": sum(r[1] for r in recent) / trainer.world_size / seconds if seconds else None,
+               **_gpu(), "rejected_online": self.rejected}
+        row = torch.tensor([float("nan") if own.get(k) is None else float(own[k]) for k in RANK_FIELDS],
+                           dtype=torch.float64, device=trainer.strategy.root_device)
+        rows = trainer.strategy.all_gather(row).reshape(-1, len(RANK_FIELDS)) if trainer.world_size > 1 else row[None]
+        out = []
+        for rank, values in enumerate(rows.cpu().tolist()):
+            entry = {"rank": rank, **{k: _number(v) for k, v in zip(RANK_FIELDS, values)}}
+            entry["step"] = int(entry["step"]) if entry["step"] is not None else None
+            entry["rejected_online"] = int(entry["rejected_online"] or 0)
+            out.append(entry)
+        self._others_rejected = sum(e["rejected_online"] for e in out) - self.rejected
+        return out
+
+    def _append_history(self, trainer, progress: dict) -> None:
+        line = {"step": trainer.global_step, "time": time.time(), "loss": progress.get("loss"),
+                "lr": progress.get("lr"), "samples_per_s": progress.get("samples_per_s")}
+        val = trainer.callback_metrics.get("val/loss")
+        if val is not None:
+            line["val_loss"] = _number(val)
+        with open(self.history, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _trim_history(self, step: int) -> None:
+        """A fresh run starts an empty history; a resumed one drops the lines after its checkpoint's step."""
+        if not self.history.exists():
+            return
+        keep = []
+        for raw in self.history.read_text().splitlines():
+            try:
+                if json.loads(raw)["step"] <= step and step > 0:
+                    keep.append(raw)
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = self.history.with_name(f".{self.history.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.history)
 
     def _reject_online(self, trainer, rejected: list) -> None:
         """Samples that failed to decode during training (each replaced in its batch): listed per rank; past the
@@ -134,13 +306,14 @@ class RunStatus(Callback):
             raise MetadataError(f"{self.rejected} samples failed to decode during training, more than "
                                 f"data.max_reject_fraction={limit} of the {self.seen + self.rejected} drawn (first: "
                                 f"{rejected[0][0]}: {rejected[0][1]}); see {self.path.parent}/rejects-online-*.jsonl")
-        self._write(trainer, rejected_online=self.rejected)
+        self._write(trainer, rejected_online=self.rejected + self._others_rejected)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        loss = trainer.callback_metrics.get("train/loss")
-        self._write(trainer, state="finished", loss=None if loss is None else float(loss),
-                    skipped_steps=getattr(pl_module, "skipped_steps", 0),
-                    replicas_in_sync=replicas_in_sync(trainer, pl_module))
+        in_sync = replicas_in_sync(trainer, pl_module)  # a collective: before rank 0 alone goes on
+        if trainer.global_rank != 0:
+            return
+        self._write(trainer, state="finished", **{**self._progress(trainer), "eta_s": 0},
+                    skipped_steps=getattr(pl_module, "skipped_steps", 0), replicas_in_sync=in_sync)
 
     def lora_flagged(self, trainer, entry: dict) -> None:
         """Called by LoraExport for an export whose weights look diverged."""
@@ -148,7 +321,7 @@ class RunStatus(Callback):
 
     def interrupted(self, trainer, signal_name: str, checkpoint: str | None) -> None:
         """Called by the Preemption callback after it saved: the run stops on a signal and can be resumed."""
-        self._write(trainer, state="interrupted", signal=signal_name, checkpoint=checkpoint)
+        self._write(trainer, state="interrupted", signal=signal_name, checkpoint=checkpoint, last_checkpoint=checkpoint)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.state.get("state") == "interrupted":

@@ -1,16 +1,38 @@
-"""Time one LoRA training step: the plain diffusers+peft loop (baseline) and wanexp's LightningModule step.
+"""Time one LoRA training step three ways on the same card, and check that wanexp's step computes the plain function.
 
-Both run on the same card in one process, from the same local model folder, on cached-latent-shaped inputs
-(random latents and text embeddings: throughput does not depend on values). Prints a table and writes JSON.
+    plain         the plain loop of ../shared/performance.md, as users write it: diffusers WanTransformer3DModel in
+                  bf16, peft LoRA (rank r, alpha = r) on to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2 with fp32
+                  LoRA parameters, the forward under torch.autocast(bf16), fp32 MSE, torch.optim.AdamW(params, lr)
+                  (PyTorch's default implementation: foreach, not fused), eager, one timestep per sample.
+    plain_tokens  TI2V-5B only: the same loop with the pipeline's per-token timesteps (shape (B, tokens)), the first
+                  latent frame clean at t=0 (what a correct TI2V step computes).
+    wanexp        the project's step as `python train.py` builds it from the default config (+ --set overrides):
+                  WanModule with its spec (fast modulation, compiled blocks, attention backend as configured), adapter,
+                  objective (sigma, noise and first-frame draws, TI2V conditioning, masked loss) and the configured
+                  optimizer through wanexp.optim.build_optimizer (fused AdamW on a GPU); forward under autocast as
+                  trainer.precision=bf16-mixed runs it. What is not timed: Lightning's loop, logging and callbacks.
 
-    python -m wanexp.cli.bench --model-path /models/Wan2.2-TI2V-5B-Diffusers --height 704 --width 1280 --frames 17
+Numerics: the wanexp step and the plain loop of the same function (plain_tokens for TI2V-5B with a clean first frame
+and without; plain for A14B) are run on identical weights (the same random LoRA A and B) and inputs (the same sigma,
+noise and first-frame draws): the relative error of the DiT output and of the LoRA gradients is printed and the
+command exits 1 when one is above --tol (1e-2, bf16).
+
+    python -m wanexp.cli.bench --model-path /models/Wan2.2-TI2V-5B-Diffusers --frames 17 --json bench.json
+    python -m wanexp.cli.bench --model t2v14b --model-path /models/Wan2.2-T2V-A14B-Diffusers --height 480 \\
+        --width 832 --frames 81 --ckpt --paths plain,wanexp --json bench.json
+
+Inputs are cached-latent-shaped random tensors (throughput does not depend on values). The table gives ms/step (median
+after warm-up), TFLOP/s (wanexp.perf.transformer_step_flops), % of 790 TFLOP/s (a large bf16 matmul on H100), peak
+GiB (torch.cuda.max_memory_allocated, weights included) and each path's speed-up over each plain loop.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +40,13 @@ import torch
 
 from wanexp.perf import transformer_step_flops
 
+PEAK_TFLOPS = 790.0  # a large bf16 matmul on one H100 (../shared/performance.md)
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+CHECK_SEED = 1234
+LAYOUT = {  # --model: (latent channels, spatial VAE stride, per-token timesteps, expert folder)
+    "ti2v5b": (48, 16, True, "transformer"),
+    "t2v14b": (16, 8, False, "transformer"),
+}
 
 
 def _sync():
@@ -38,92 +66,289 @@ def _time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def baseline_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt: bool, device):
-    """The plain loop of performance.md: bf16 DiT, fp32 peft LoRA, AdamW, scalar timestep, eager."""
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _autocast(device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+# ---- the plain loop ----------------------------------------------------------------------------------------------
+def plain_model(args, device):
+    """bf16 DiT from the folder + peft LoRA (fp32 parameters) as a user adds it."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
-    t = WanTransformer3DModel.from_pretrained(model_path, subfolder="transformer", dtype=torch.bfloat16).to(device)
+    sub = LAYOUT[args.model][3]
+    t = WanTransformer3DModel.from_pretrained(args.model_path, subfolder=sub, dtype=torch.bfloat16).to(device)
     t.requires_grad_(False)
-    t.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS))
+    t.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=TARGETS))
     params = [p for n, p in t.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
-    if ckpt:
+    if args.ckpt:
         t.enable_gradient_checkpointing()
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    g = torch.Generator(device=device).manual_seed(0)
-    x0 = torch.randn(latent_shape, device=device, generator=g)
-    text = torch.randn(latent_shape[0], text_len, t.config.text_dim, device=device, dtype=torch.bfloat16, generator=g)
+    return t, params
+
+
+def plain_inputs(x0, noise, sigma, first_frame, per_token: bool):
+    """x_t and the timestep as the diffusers pipelines build them (TI2V: a mask over latent frame 0)."""
+    b = x0.shape[0]
+    s = sigma.view(b, 1, 1, 1, 1)
+    x_t = (1 - s) * x0 + s * noise
+    if not per_token:
+        return x_t, sigma * 1000, None
+    mask = torch.ones(b, 1, *x0.shape[2:], device=x0.device)
+    mask[first_frame.to(x0.device), :, 0] = 0
+    hidden = (1 - mask) * x0 + mask * x_t
+    timestep = (mask[:, 0, :, ::2, ::2] * (sigma * 1000).view(b, 1, 1, 1)).flatten(1)
+    return hidden, timestep, mask
+
+
+def plain_loss(pred, target, mask):
+    err = (pred.float() - target) ** 2
+    if mask is None:
+        return err.mean()
+    m = mask.expand_as(err)
+    return ((err * m).sum(dim=(1, 2, 3, 4)) / m.sum(dim=(1, 2, 3, 4))).mean()
+
+
+def plain_step(args, device, data, per_token: bool):
+    t, params = plain_model(args, device)
+    opt = torch.optim.AdamW(params, lr=1e-4)  # as users write it: PyTorch's default (foreach) implementation
+    x0, text = data
 
     def step():
         sigma = torch.rand(x0.shape[0], device=device)
         noise = torch.randn_like(x0)
-        x_t = (1 - sigma.view(-1, 1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1, 1) * noise
-        pred = t(x_t.to(torch.bfloat16), sigma * 1000, text, return_dict=False)[0]
+        first = torch.ones(x0.shape[0], dtype=torch.bool, device=device)  # TI2V: frame 0 clean, at t=0
+        hidden, timestep, _ = plain_inputs(x0, noise, sigma, first, per_token)
+        with _autocast(device):
+            pred = t(hidden, timestep, text, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), noise - x0)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return t, step
+    return t, step, {"optimizer": "torch.optim.AdamW (default: foreach, not fused)"}
 
 
-def wanexp_step(model_path: str, latent_shape, text_len: int, rank: int, ckpt: bool, device):
-    """The training step as `python train.py` builds it (model, adapter, objective and optimizer from the default
-    config: TI2V conditioning with per-token timesteps and first-frame draws), on encoded-batch-shaped inputs."""
+# ---- wanexp's step -----------------------------------------------------------------------------------------------
+def wanexp_module(args, device):
     from wanexp.config import compose
-    from wanexp.models.encode import EncodedBatch
     from wanexp.module import WanModule
     from wanexp.train import build
 
-    cfg = compose(["model=ti2v5b", f"model.path={model_path}", f"model.gradient_checkpointing={ckpt}",
-                   f"model.text_len={text_len}", "model.first_frame_cond=0.5", f"adapter.rank={rank}",
-                   f"adapter.alpha={rank}"])
+    overrides = [f"model={args.model}", f"model.path={args.model_path}", f"model.gradient_checkpointing={args.ckpt}",
+                 f"model.text_len={args.text_len}", f"adapter.rank={args.rank}", f"adapter.alpha={args.rank}",
+                 *([f"boundary={args.boundary}"] if args.model != "ti2v5b" else []), *args.set]
+    cfg = compose(overrides)
     o = cfg.optim
     module = WanModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
                        optimizer=build(o.optimizer), lr=o.lr,
-                       schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False)
+                       schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False,
+                       max_steps=1000)
     module.configure_model()
     module.to(device).train()
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
-    g = torch.Generator(device=device).manual_seed(0)
-    x0 = torch.randn(latent_shape, device=device, generator=g)
-    dim = module.transformers["dense"].config.text_dim
-    text = torch.randn(latent_shape[0], text_len, dim, device=device, dtype=torch.bfloat16, generator=g)
-    batch = EncodedBatch(x0, text)
+    return module, cfg
+
+
+def wanexp_step(args, device, data, module_cfg=None):
+    from wanexp.models.encode import EncodedBatch
+
+    module, cfg = module_cfg or wanexp_module(args, device)
+    opt = module.configure_optimizers()["optimizer"]  # wanexp.optim.build_optimizer, as training builds it
+    batch = EncodedBatch(*data)
 
     def step():
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        with _autocast(device):
             loss = module.objective(batch, module.denoiser).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return module, step
+    m = cfg.model
+    info = {"optimizer": f"{type(opt).__module__}.{type(opt).__name__} fused={opt.defaults.get('fused')}",
+            "fast_modulation": bool(m.fast_modulation), "compile": bool(m.compile),
+            "attention_backend": m.attention_backend, "first_frame_cond": float(m.first_frame_cond),
+            "overrides": list(args.set)}
+    return module, step, info
 
 
-def measure(name, builder, args, latent_shape, device) -> dict:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    model, step = builder(args.model_path, latent_shape, args.text_len, args.rank, args.ckpt, device)
+# ---- numerics: wanexp's step vs the plain loop of the same function -----------------------------------------------
+def lora_tensors(named_params, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random values for every LoRA tensor (B too, so that A gets a gradient), by parameter name."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, p in sorted(named_params):
+        out[n] = torch.randn(p.shape, generator=g) * (0.5 / p.shape[-1] ** 0.5)
+    return out
+
+
+def _lora_names(named):
+    """Parameter name -> name relative to the transformer (wanexp's are prefixed by transformers.<expert>.)."""
+    return [(n.split(".", 2)[2] if n.startswith("transformers.") else n, p) for n, p in named if "lora_" in n]
+
+
+def draws(objective, sigma_range, x0, first_frame_cond: float, seed: int):
+    """The objective's draws for a generator seeded ``seed``, in its order: sigma, noise, first frame."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = objective.sample_sigmas(x0.shape[0], *sigma_range, generator=g)
+    noise = torch.randn(x0.shape, generator=g, dtype=x0.dtype)
+    first = torch.rand(x0.shape[0], generator=g) < float(first_frame_cond)
+    return sigma, noise, first
+
+
+def reference(args, device, data, objective, sigma_range, per_token: bool) -> list[dict]:
+    """Plain loop outputs and LoRA gradients for each first-frame case (fresh model, seeded LoRA values)."""
+    t, params = plain_model(args, device)
+    named = _lora_names(t.named_parameters())
+    values = lora_tensors(named, CHECK_SEED)
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(values[n])
+    x0, text = data
+    refs = []
+    for ffc in ((1.0, 0.0) if per_token else (0.0,)):
+        sigma, noise, first = draws(objective, sigma_range, x0, ffc, CHECK_SEED)
+        sigma, noise = sigma.to(device), noise.to(device)
+        hidden, timestep, mask = plain_inputs(x0, noise, sigma, first, per_token)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * noise
+        with _autocast(device):
+            pred = t(hidden, timestep, text, return_dict=False)[0]
+        loss = plain_loss(pred, noise - x0, mask)
+        loss.backward()
+        refs.append({"first_frame_cond": ffc, "x_t": x_t.cpu(), "out": pred.detach().float().cpu(),
+                     "grads": {n: p.grad.detach().cpu() for n, p in named}, "loss": loss.item()})
+        t.zero_grad(set_to_none=True)
+    del t, params
+    return refs, values
+
+
+class Recorder:
+    """Wraps the module's denoiser to keep what the objective fed it and what it returned."""
+
+    def __init__(self, denoiser):
+        self.inner, self.seen = denoiser, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, x_t, sigma, batch):
+        pred = self.inner(x_t, sigma, batch)
+        self.seen = {"x_t": x_t.detach(), "out": pred.velocity.detach().float()}
+        return pred
+
+
+def check(module, data, refs, values, tol: float) -> list[dict]:
+    from wanexp.models.encode import EncodedBatch
+
+    named = _lora_names(module.named_parameters())
+    assert sorted(n for n, _ in named) == sorted(values), "wanexp's LoRA tensors differ from the plain loop's"
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(values[n])
+    device = data[0].device
+    rec = Recorder(module.denoiser)
+    spec = module.spec
+    saved_ffc = spec.first_frame_cond
+    rows = []
+    for ref in refs:
+        spec.first_frame_cond = ref["first_frame_cond"]
+        with _autocast(device):
+            loss = module.objective(EncodedBatch(*data), rec, generator=torch.Generator().manual_seed(CHECK_SEED)).loss
+        loss.backward()
+        # the objective drew what the plain loop drew (sigma, noise, first frame): x_t is the same tensor
+        same_input = (rec.seen["x_t"].float().cpu() - ref["x_t"]).abs().max().item()
+        out = rec.seen["out"].cpu()
+
+        def rel(a, b):
+            return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+        grad_err = {n: rel(p.grad.cpu(), ref["grads"][n]) for n, p in named}
+        worst = max(grad_err, key=grad_err.get)
+        g_all = rel(torch.cat([p.grad.flatten().cpu() for n, p in sorted(named)]),
+                    torch.cat([ref["grads"][n].flatten() for n, _ in sorted(named)]))
+        rows.append({"first_frame": bool(ref["first_frame_cond"]), "input_max_abs_diff": same_input,
+                     "out_rel_err": rel(out, ref["out"]), "grad_rel_err_all": g_all,
+                     "grad_rel_err_worst": grad_err[worst], "grad_worst_tensor": worst,
+                     "loss": loss.item(), "loss_plain": ref["loss"]})
+        module.zero_grad(set_to_none=True)
+    spec.first_frame_cond = saved_ffc
+    for r in rows:
+        r["ok"] = (r["input_max_abs_diff"] < 1e-5 and r["out_rel_err"] <= tol and r["grad_rel_err_all"] <= tol
+                   and r["grad_rel_err_worst"] <= tol)
+    return rows
+
+
+# ---- running it ------------------------------------------------------------------------------------------------
+KERNEL_KINDS = [  # (kind, substrings of a GPU kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("fused elementwise (triton)", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor")),
+]
+
+
+def profile_kinds(step, steps: int = 2) -> dict:
+    """GPU time per step by kernel kind (torch.profiler), and the step's wall time, for a "where the time goes"
+    table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync()
+    wall = (time.perf_counter() - t0) / steps
+    kinds: dict[str, float] = {}
+    top: dict[str, tuple[float, str]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other (eager elementwise, copies)")
+        kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1e3 / steps  # ms per step
+        if e.time_range.elapsed_us() > top.get(kind, (0.0, ""))[0]:
+            top[kind] = (e.time_range.elapsed_us(), e.name[:90])
+    kinds["total GPU busy"] = sum(kinds.values())
+    kinds["step wall (profiled)"] = 1000 * wall
+    kinds["longest kernel"] = {k: name for k, (_, name) in top.items()}
+    return kinds
+
+
+def measure(name, make, args, device, data, flops) -> dict:
+    _free()
+    t0 = time.perf_counter()
+    model, step, info = make()
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     times = _time_steps(step, args.warmup, args.steps)
+    total_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    cfg = json.loads((Path(args.model_path) / "transformer" / "config.json").read_text())
-    flops = transformer_step_flops(cfg, latent_shape, args.text_len, args.ckpt)
-    tokens = latent_shape[0] * latent_shape[2] * (latent_shape[3] // 2) * (latent_shape[4] // 2)
     med = statistics.median(times)
+    if args.profile and device.type == "cuda" and (name == "wanexp" or name in args.profile.split(",")):
+        info["profile_ms"] = profile_kinds(step)
     del model, step
-    gc.collect()
-    return {"path": name, "tokens": tokens, "ckpt": args.ckpt, "median_s": med, "times_s": times,
-            "peak_gib": peak, "tflops": flops / med / 1e12}
+    _free()
+    return {"path": name, "median_s": med, "times_s": times, "peak_gib": peak, "tflops": flops / med / 1e12,
+            "pct_of_peak": 100 * flops / med / 1e12 / PEAK_TFLOPS, "build_s": build_s,
+            "warmup_and_steps_s": total_s, **info}
 
 
 def main(argv=None) -> list[dict]:
+    """Run the benchmark; returns the results (one dict per path); exits 1 when the numerics check fails."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-path", required=True, help="local diffusers-format TI2V-5B folder (transformer/ is used)")
+    ap.add_argument("--model-path", required=True, help="local diffusers-format folder (transformer/ is used)")
+    ap.add_argument("--model", default="ti2v5b", choices=list(LAYOUT))
+    ap.add_argument("--boundary", default="high", help="A14B: the expert trained (its transformer/ folder: high)")
     ap.add_argument("--height", type=int, default=704)
     ap.add_argument("--width", type=int, default=1280)
     ap.add_argument("--frames", type=int, default=17)
@@ -131,29 +356,126 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--text-len", type=int, default=512)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--ckpt", action="store_true", help="activation (gradient) checkpointing")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--paths", default="baseline,wanexp")
-    ap.add_argument("--json", default=None, help="append results to this JSON file")
+    ap.add_argument("--paths", default=None, help="comma list of plain,plain_tokens,wanexp (default: all that apply)")
+    ap.add_argument("--variants", default="", help="extra wanexp runs, ';'-separated lists of space-separated "
+                    "overrides, e.g. 'model.compile=false;model.attention_backend=_native_cudnn'")
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides for the wanexp path")
+    ap.add_argument("--tol", type=float, default=1e-2, help="numerics check: largest relative error allowed")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", nargs="?", const="wanexp", default="",
+                    help="GPU time by kernel kind for these paths (default: wanexp)")
+    ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
     args = ap.parse_args(argv)
+    if args.model == "ti2v5b":
+        args.boundary = "full"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    latent_shape = (args.batch, 48, (args.frames - 1) // 4 + 1, args.height // 16, args.width // 16)
-    builders = {"baseline": baseline_step, "wanexp": wanexp_step}
-    results = [measure(p, builders[p], args, latent_shape, device) for p in args.paths.split(",")]
-    base = next((r for r in results if r["path"] == "baseline"), None)
-    print(f"{'path':10} {'tokens':>7} {'ckpt':>5} {'step ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} {'vs baseline':>11}")
+    channels, stride, per_token, sub = LAYOUT[args.model]
+    latent_shape = (args.batch, channels, (args.frames - 1) // 4 + 1, args.height // stride, args.width // stride)
+    cfg = json.loads((Path(args.model_path) / sub / "config.json").read_text())
+    flops = transformer_step_flops(cfg, latent_shape, args.text_len, args.ckpt)
+    pt, ph, pw = cfg["patch_size"]
+    tokens = latent_shape[2] // pt * (latent_shape[3] // ph) * (latent_shape[4] // pw)
+    g = torch.Generator(device=device).manual_seed(0)
+    x0 = torch.randn(latent_shape, device=device, generator=g)
+    text = torch.randn(args.batch, args.text_len, cfg["text_dim"], device=device, generator=g).to(torch.bfloat16)
+    data = (x0, text)
+    paths = args.paths.split(",") if args.paths else ["plain"] + (["plain_tokens"] if per_token else []) + ["wanexp"]
+    variants = [v.split() for v in args.variants.split(";") if v.strip()]
+    print(f"wanexp bench: {args.model} {args.height}x{args.width}x{args.frames}, latents {tuple(latent_shape)}, "
+          f"{tokens} tokens, ckpt={args.ckpt}, LoRA r{args.rank}, {flops / 1e12:.1f} TFLOP/step, "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}", flush=True)
+
+    results, checks = [], []
+    refs = values = None
+    if "wanexp" in paths and not args.no_check:  # the plain loop's output and LoRA gradients, kept on the host
+        _free()
+        refs, values = reference(args, device, data, _objective(args), _sigma_range(args), per_token)
+        _free()
+    for name in paths:
+        if name in ("plain", "plain_tokens"):
+            results.append(measure(name, lambda n=name: plain_step(args, device, data, n == "plain_tokens"),
+                                   args, device, data, flops))
+        elif name == "wanexp":
+            for extra in [[]] + variants:
+                run_args = argparse.Namespace(**{**vars(args), "set": [*args.set, *extra]})
+                label = "wanexp" + (f" [{' '.join(extra)}]" if extra else "")
+
+                def make(run_args=run_args, label=label):
+                    module_cfg = wanexp_module(run_args, device)
+                    if refs is not None:  # before timing: the check's steps also warm the compiled blocks up
+                        rows = check(module_cfg[0], data, refs, values, args.tol)
+                        for r in rows:
+                            r["path"] = label
+                        checks.extend(rows)
+                    return wanexp_step(run_args, device, data, module_cfg)
+
+                results.append(measure(label, make, args, device, data, flops))
+        else:
+            raise SystemExit(f"--paths: unknown path {name!r} (plain, plain_tokens, wanexp)")
+
     for r in results:
-        ratio = base["median_s"] / r["median_s"] if base else float("nan")
-        r["speedup_vs_baseline"] = ratio
-        print(f"{r['path']:10} {r['tokens']:>7} {str(r['ckpt']):>5} {1000 * r['median_s']:>9.1f} "
-              f"{r['tflops']:>8.1f} {r['peak_gib']:>9.1f} {ratio:>10.2f}x")
+        r.update(tokens=tokens, ckpt=args.ckpt, flops=flops)
+    bases = [r for r in results if r["path"] in ("plain", "plain_tokens")]
+    print(f"\n{'path':58} {'ms/step':>8} {'TFLOP/s':>8} {'% 790':>6} {'peak GiB':>9} "
+          + " ".join(f"{'vs ' + b['path']:>15}" for b in bases))
+    for r in results:
+        for b in bases:
+            r[f"speedup_vs_{b['path']}"] = b["median_s"] / r["median_s"]
+        print(f"{r['path'][:58]:58} {1000 * r['median_s']:>8.1f} {r['tflops']:>8.1f} {r['pct_of_peak']:>6.1f} "
+              f"{r['peak_gib']:>9.1f} " + " ".join(f"{b['median_s'] / r['median_s']:>14.2f}x" for b in bases))
+    for r in results:
+        print(f"  {r['path']}: {r.get('optimizer')}; times ms {[round(1000 * t, 1) for t in r['times_s']]}")
+    for r in results:
+        if "profile_ms" in r:
+            print(f"  {r['path']}: GPU ms/step by kernel kind: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["profile_ms"].items() if k != "longest kernel"))
+            print(f"    longest kernel of each kind: {r['profile_ms']['longest kernel']}")
+    ok = True
+    if checks:
+        ref_name = "plain_tokens" if per_token else "plain"
+        print(f"\nnumerics vs the plain loop ({ref_name} function), bf16, tolerance {args.tol:g}:")
+        for c in checks:
+            ok &= c["ok"]
+            print(f"  {c['path'][:40]:40} first_frame={str(c['first_frame']):5} out rel err {c['out_rel_err']:.2e}  "
+                  f"LoRA grad rel err {c['grad_rel_err_all']:.2e} (worst tensor {c['grad_rel_err_worst']:.2e})  "
+                  f"input diff {c['input_max_abs_diff']:.1e}  {'ok' if c['ok'] else 'FAILED'}")
     if args.json:
         path = Path(args.json)
         old = json.loads(path.read_text()) if path.exists() else []
-        info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__}
-        path.write_text(json.dumps(old + [dict(r, **info) for r in results], indent=2))
+        run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "command": " ".join(sys.argv), "model": args.model,
+               "shape": [args.height, args.width, args.frames], "latent_shape": list(latent_shape),
+               "tokens": tokens, "ckpt": args.ckpt, "rank": args.rank, "flops_per_step": flops,
+               "results": results, "numerics": checks, "numerics_ok": ok}
+        path.write_text(json.dumps(old + [run], indent=2))
+    if not ok:
+        print("wanexp bench: error: wanexp's step does not compute the plain loop's function (see numerics above)",
+              file=sys.stderr)
+        raise SystemExit(1)
     return results
+
+
+def _objective(args):
+    from wanexp.config import compose
+    from wanexp.train import build
+
+    return build(compose([f"model={args.model}", *args.set]).objective)
+
+
+def _sigma_range(args):
+    from wanexp.config import compose
+
+    b = compose([f"model={args.model}", *([f"boundary={args.boundary}"] if args.model != "ti2v5b" else []),
+                 *args.set]).boundary
+    return float(b.sigma_min), float(b.sigma_max)
+
+
+def entry() -> None:
+    """The console command (wanexp-bench): main() returns its results for callers; a command returns nothing."""
+    main()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ from wanexp.config.rules import check_boundary, check_paths, check_rules
 from wanexp.config.schema import check_schema, register
 from wanexp.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# The configs ship inside the package (wanexp/conf: in a checkout a link to the repository's conf/, in a wheel a
+# copy), so an installed wanexp-train finds them from any folder.
+CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
+if not CONF_DIR.is_dir():  # a checkout whose link was lost (e.g. copied without symlinks)
+    CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 __all__ = ["CONF_DIR", "ConfigError", "check_config", "check_paths", "compose", "one_line_error", "register"]
 

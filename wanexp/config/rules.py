@@ -48,6 +48,22 @@ def check_rules(cfg: DictConfig) -> None:
     if p.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("parallel=deepspeed: the deepspeed package is not installed; pip install deepspeed "
                           "on the GPU node, or use parallel=ddp|fsdp")
+    o, t = cfg.objective, cfg.trainer
+    if str(t.precision) == "16-mixed":  # fp16 autocast with a grad scaler: the path for GPUs without fast bf16
+        if t.accelerator == "cpu":
+            raise ConfigError("trainer.precision=16-mixed with trainer.accelerator=cpu: fp16 mixed precision needs a "
+                              "GPU; use trainer.precision=32 (or bf16-mixed) on CPU")
+        if m.dtype == "bf16":
+            raise ConfigError("trainer.precision=16-mixed with model.dtype=bf16: fp16 autocast over bf16 weights "
+                              "mixes the two formats; set model.dtype=fp16 (V100: no fast bf16) or fp32")
+    if o.name == "dmd":  # each step trains one adapter with its own optimizer (Lightning manual optimization)
+        if t.accumulate_grad_batches != 1:
+            raise ConfigError(f"objective=dmd with trainer.accumulate_grad_batches={t.accumulate_grad_batches}: DMD "
+                              "steps one adapter per batch; set trainer.accumulate_grad_batches=1 (raise "
+                              "data.batch_size instead)")
+        if str(t.precision).startswith("16"):
+            raise ConfigError(f"objective=dmd with trainer.precision={t.precision}: the fp16 grad scaler is not "
+                              "supported with DMD's two optimizers; use bf16-mixed (or 32)")
     for group in ("logger", "callbacks"):
         for name, node in (cfg[group] or {}).items():
             if node is not None:

@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 # ---- allowed values (each list exists once; code that consumes them imports them from here) ----------------------
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # config name -> torch dtype name
-PRECISIONS = ("bf16-mixed", "bf16-true", "32", "32-true")
+PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32", "32-true")  # 16-mixed: pre-Ampere GPUs (V100)
 BOUNDARIES = ("full", "high", "low")
 EXPERTS = ("dense", "high", "low")
 TIMESTEP_SAMPLING = ("uniform", "logit_normal")
@@ -60,6 +60,8 @@ class ModelConfig:
     attention_backend: Optional[str] = MISSING  # checked against diffusers' dispatcher by the spec
     first_frame_cond: float = knob(MISSING, ge=0.0, le=1.0, doc="TI2V: fraction of samples trained image-to-video")
     build: Optional[Dict[str, Any]] = MISSING  # tiny models only: the architecture to build into `path`
+    fast_modulation: bool = knob(MISSING, doc="time embedding + block modulation once per latent frame (same values)")
+    compile: bool = knob(MISSING, doc="torch.compile each transformer block (regional compilation)")
 
 
 @dataclass
@@ -103,6 +105,31 @@ class FlowMatchingConfig(ObjectiveConfig):
     _target_: str = "wanexp.objectives.flow_matching.FlowMatching"
     name: str = "flow_matching"
     timestep: TimestepConfig = MISSING
+
+
+@dataclass
+class AdapterOptimConfig:
+    """One adapter's optimizer in a several-adapter objective (overrides of optim.optimizer, plus clipping)."""
+
+    lr: float = knob(MISSING, gt=0.0, le=1.0)
+    weight_decay: float = knob(MISSING, ge=0.0)
+    eps: float = knob(MISSING, gt=0.0)
+    betas: List[float] = knob(MISSING)
+    clip: Optional[float] = knob(MISSING, gt=0.0, doc="max gradient norm (null: no clipping)")
+
+
+@dataclass
+class DMDConfig(ObjectiveConfig):
+    _target_: str = "wanexp.objectives.dmd.DMD"
+    name: str = "dmd"
+    timestep: TimestepConfig = MISSING  # the noise levels the critic trains on and the teacher scores at
+    student_timesteps: List[int] = knob(MISSING, doc="the student's sampling steps, before the shift (t in 1..1000)")
+    student_shift: float = knob(MISSING, gt=0.0)
+    guidance_scale: float = knob(MISSING, ge=1.0, doc="teacher CFG: v_u + w (v_c - v_u); 1 = no guidance")
+    negative_prompt: str = MISSING
+    generator_every: int = knob(MISSING, ge=1, doc="a generator update after every N critic updates")
+    generator: AdapterOptimConfig = MISSING
+    critic: AdapterOptimConfig = MISSING
 
 
 @dataclass
@@ -220,15 +247,16 @@ class CSVLoggerConfig:
 
 @dataclass
 class WandbLoggerConfig:
-    _target_: str = "lightning.pytorch.loggers.WandbLogger"
-    project: Optional[str] = MISSING
-    entity: Optional[str] = MISSING
-    group: Optional[str] = MISSING
-    name: Optional[str] = MISSING
+    _target_: str = "wanexp.callbacks.wandb_logger.RunWandbLogger"
+    project: Optional[str] = MISSING  # null: WANDB_PROJECT, else wanexp
+    entity: Optional[str] = MISSING  # null: WANDB_ENTITY
+    group: Optional[str] = MISSING  # null: WANDB_RUN_GROUP
+    name: Optional[str] = MISSING  # null: WANDB_NAME
     save_dir: str = MISSING
     mode: Optional[str] = knob(MISSING, choices=WANDB_MODES, doc="null: WANDB_MODE from the environment, else online")
-    log_model: bool = MISSING
-    tags: List[str] = knob(MISSING)
+    log_lora: bool = knob(MISSING, doc="each LoRA export as a W&B artifact version (type lora)")
+    tags: List[str] = knob(MISSING)  # empty: WANDB_TAGS
+    resume_from: Optional[str] = MISSING  # the run's resume setting: a resumed run continues its W&B run
 
 
 @dataclass
@@ -243,6 +271,8 @@ class CheckpointConfig:
     auto_insert_metric_name: bool = False
     save_last: Any = "link"  # last.ckpt: a link to the newest checkpoint
     save_on_train_epoch_end: bool = False
+    # a name is never versioned (-v1): a resume after a kill rewrites last.ckpt's link and the same step names
+    enable_version_counter: bool = False
 
 
 @dataclass
@@ -257,6 +287,8 @@ class RunStatusConfig:
     _target_: str = "wanexp.callbacks.status.RunStatus"
     output_dir: str = MISSING
     run_name: str = MISSING
+    every_s: float = knob(MISSING, gt=0.0, doc="status.json is rewritten at most this often (seconds)")
+    peak_tflops: Optional[float] = knob(MISSING, gt=0.0, doc="accelerator peak for perf/pct_of_peak; null: none")
 
 
 @dataclass
@@ -315,6 +347,7 @@ SCHEMAS: dict[str, type] = {
     "adapter/lora": LoraConfig,
     "objective/base": ObjectiveConfig,
     "objective/flow_matching": FlowMatchingConfig,
+    "objective/dmd": DMDConfig,
     "optim": OptimConfig,
     "data": DataConfig,
     "parallel": ParallelConfig,

@@ -17,7 +17,7 @@ def ti2v_inputs(
     """
     b, _, f, h, w = x0.shape
     cond = torch.zeros(b, 1, f, 1, 1, device=x0.device, dtype=torch.bool)
-    cond[:, :, 0] = first_frame.view(b, 1, 1, 1).to(x0.device)
+    cond[:, :, 0] = first_frame.view(b, 1, 1, 1).to(x0.device, non_blocking=True)  # B host bools: no sync
     hidden = torch.where(cond, x0, x_t)
     pt, ph, pw = patch
     noisy = (~cond).expand(b, 1, f, h, w)[:, 0, ::pt, ::ph, ::pw].to(torch.float32)

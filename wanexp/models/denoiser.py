@@ -42,20 +42,29 @@ class Denoiser:
                            return_dict=False)[0]
 
     def __call__(self, x_t: torch.Tensor, sigma: torch.Tensor, batch: EncodedBatch) -> Prediction:
-        hidden, timestep, mask = self.spec.model_inputs(x_t, batch.x0, sigma, batch.cond)
-        routes = route(sigma, self.experts, self.spec.boundary_ratio)
+        """``sigma`` (B,) may live on the CPU (the objective draws it there): with several experts the routing then
+        needs no host sync. With one expert nothing here waits for the device."""
+        device = x_t.device
+        sigma_dev = sigma.to(device, non_blocking=True)  # a host tensor of B values: staged, no sync
+        hidden, timestep, mask = self.spec.model_inputs(x_t, batch.x0, sigma_dev, batch.cond)
         if len(self.experts) == 1:
+            routes = route(sigma_dev, self.experts, self.spec.boundary_ratio)
             return Prediction(self._forward(self.experts[0], hidden, timestep, batch.text), mask, routes)
+        routes_host = route(sigma.cpu(), self.experts, self.spec.boundary_ratio)  # no-op (no sync) for a host sigma
         velocity = None
         for k, expert in enumerate(self.experts):
-            idx = (routes == k).nonzero().squeeze(1)
-            if idx.numel() == 0:
+            idx_host = (routes_host == k).nonzero().squeeze(1)
+            if idx_host.numel() == 0:
                 continue
+            if idx_host.numel() == hidden.shape[0]:  # the whole batch: no gather/scatter
+                return Prediction(self._forward(expert, hidden, timestep, batch.text), mask,
+                                  routes_host.to(device, non_blocking=True))
+            idx = idx_host.to(device, non_blocking=True)
             out = self._forward(expert, hidden[idx], timestep[idx], batch.text[idx])
             if velocity is None:
                 velocity = out.new_zeros((hidden.shape[0], *out.shape[1:]))
             velocity = velocity.index_put((idx,), out)
-        return Prediction(velocity, mask, routes)
+        return Prediction(velocity, mask, routes_host.to(device, non_blocking=True))
 
     def step_flops(self, latent_shape, text_len: int) -> float:
         """Model FLOPs of one forward + backward (LoRA: no base-weight gradients) over latents of this shape."""

@@ -14,7 +14,8 @@ import torch
 
 from wanexp.config.schema import DTYPES
 from wanexp.errors import ConfigError
-from wanexp.models import conditioning
+from wanexp.models import conditioning, fast
+
 # Which diffusers subfolder holds each expert.
 EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
 
@@ -50,6 +51,8 @@ class WanSpec:
         attention_backend: str | None,
         first_frame_cond: float,
         build: dict | None,
+        fast_modulation: bool,
+        compile: bool,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -65,6 +68,8 @@ class WanSpec:
         self.attention_backend = attention_backend
         self.first_frame_cond = first_frame_cond
         self.build = build
+        self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (models/fast.py)
+        self.compile = compile  # torch.compile each transformer block (regional compilation)
         if attention_backend is not None:
             check_attention_backend(attention_backend)
         if first_frame_cond and not self.draws_first_frame:
@@ -122,6 +127,10 @@ class WanSpec:
             model.set_attention_backend(self.attention_backend)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
+        if self.fast_modulation:
+            fast.use_frame_modulation(model)
+        if self.compile:  # lazy: compiles at the first call, after the adapters are added (and FSDP2 has sharded)
+            fast.compile_blocks(model)
         return model
 
     def load_vae(self):

@@ -16,13 +16,32 @@ class ObjectiveOutput:
     batch_size: int
     metrics: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # name -> (value, samples it averages)
     flops: float = 0.0  # model FLOPs this step spent (forward + backward), for perf/tflops
+    adapter: str | None = None  # several adapters: the one the loss's graph ran under (backward runs under it too)
 
 
 class Objective:
-    """Base class. ``adapters``: the adapter names it needs on every trained expert; ``export``: the one to export."""
+    """Base class. ``adapters``: the adapter names it needs on every trained expert; ``export``: the one to export.
+
+    An objective with several trained adapters (e.g. DMD's generator and critic) sets ``manual = True``: then each
+    training step trains the one adapter ``phase(step)`` names, with its own optimizer settings from
+    ``optimizer_settings()`` (Lightning manual optimization; the LightningModule does the bookkeeping)."""
 
     adapters: tuple[str, ...] = ("default",)
     export: str = "default"
+    manual: bool = False
+    needs_negative_text: bool = False  # True: the module passes the embedding of a negative prompt (CFG)
+
+    def phase(self, step: int) -> str:
+        """The adapter trained at optimizer step ``step`` (0-based; a pure function, so a resume keeps the phase)."""
+        return self.adapters[0]
+
+    def export_metadata(self) -> dict[str, str]:
+        """Written into the exported LoRA files' headers (e.g. how a distilled LoRA must be sampled)."""
+        return {"wanexp_objective": self.name}
+
+    def optimizer_settings(self) -> dict[str, dict]:
+        """Per trained adapter: optimizer overrides (lr, weight_decay, eps, betas) and ``clip`` (max grad norm)."""
+        return {}
 
     def __init__(self, name: str):
         self.name = name

@@ -33,20 +33,31 @@ SIGMA_BUCKETS = 4  # train/loss_t<k> covers shifted sigma in [k/4, (k+1)/4)
 
 
 def loss_breakdown(per_sample: torch.Tensor, sigma: torch.Tensor, route: torch.Tensor,
-                   experts: list[str]) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per-sample losses averaged per expert (when there are several) and per sigma quarter."""
-    out = {}
-    per_sample = per_sample.detach()
+                   experts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-sample losses averaged per expert (when there are several) and per sigma quarter, without a host sync.
+
+    Every key is always present: ``name -> (mean, count)``, both 0-dim tensors on the loss's device; a group with no
+    sample this step has count 0 and mean NaN (nothing to average), so a logger can weight by the count or skip it.
+    """
+    per_sample = per_sample.detach().float()
+    groups = {}
     for k, expert in enumerate(experts if len(experts) > 1 else []):
-        sel = route == k
-        n = int(sel.sum())
-        if n:
-            out[f"train/loss_{expert}"] = (per_sample[sel].mean(), n)
-    buckets = (sigma.detach() * SIGMA_BUCKETS).long().clamp(max=SIGMA_BUCKETS - 1)
-    for k in buckets.unique().tolist():
-        sel = buckets == k
-        out[f"train/loss_t{k}"] = (per_sample[sel].mean(), int(sel.sum()))
+        groups[f"train/loss_{expert}"] = route.to(per_sample.device) == k
+    buckets = (sigma.detach().to(per_sample.device) * SIGMA_BUCKETS).long().clamp(max=SIGMA_BUCKETS - 1)
+    for k in range(SIGMA_BUCKETS):
+        groups[f"train/loss_t{k}"] = buckets == k
+    out = {}
+    for name, sel in groups.items():
+        n = sel.sum()
+        out[name] = ((per_sample * sel).sum() / n, n)
     return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto ``device`` without a host sync: to a GPU through pinned memory, non-blocking."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class FlowMatching(Objective):
@@ -64,11 +75,14 @@ class FlowMatching(Objective):
 
     def __call__(self, batch, denoiser, generator=None) -> ObjectiveOutput:
         x0, b = batch.x0, batch.size
-        sigma = self.sample_sigmas(b, *denoiser.sigma_range, generator=generator, device=x0.device)
-        noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+        # sigma and noise are drawn on the host (the same values on any device) and copied without a host sync;
+        # the denoiser routes experts from the host sigma
+        sigma_host = self.sample_sigmas(b, *denoiser.sigma_range, generator=generator, device="cpu")
+        sigma = to_device(sigma_host, x0.device)
+        noise = to_device(torch.randn(x0.shape, generator=generator, dtype=x0.dtype), x0.device)
         x_t = add_noise(x0, noise, sigma)
         batch = replace(batch, cond=denoiser.spec.sample_condition(batch.cond, b, generator))
-        pred = denoiser(x_t, sigma, batch)
+        pred = denoiser(x_t, sigma_host, batch)
         per_sample = masked_mse(pred.velocity, velocity_target(x0, noise), pred.loss_mask)
         return ObjectiveOutput(
             loss=per_sample.mean(), batch_size=b,

@@ -1,0 +1,202 @@
+"""Observability pieces without training: the status command, the sweep summary and job list, the run's step total,
+the W&B logger's environment fallbacks and how a W&B run is finished."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from wanexp.callbacks.progress import total_optimizer_steps
+from wanexp.callbacks.sweep import grid_points, write_summary
+from wanexp.cli import status as status_cli
+
+
+def _run(folder: Path, **status) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    base = {"state": "finished", "run_name": folder.name, "step": 10, "total_steps": 10, "updated": time.time()}
+    (folder / "status.json").write_text(json.dumps({**base, **status}))
+    return folder
+
+
+def test_status_command_prints_a_run_with_its_ranks(tmp_path, capsys):
+    ranks = [{"rank": r, "step": 40, "loss": 0.1 + r, "samples_per_s": 3.0, "mem_gib": 12.5, "peak_mem_gib": 13.0,
+              "gpu_util": 97.0, "rejected_online": r} for r in range(2)]
+    run = _run(tmp_path / "run", state="running", step=40, total_steps=100, eta_s=3725, loss=0.123, lr=1e-4,
+               samples_per_s=6.0, tokens_per_s=26400.0, tflops=300.0, pct_of_peak=38.0, mem_gib=12.5,
+               peak_mem_gib=13.0, gpu_util=97.0, last_checkpoint="/x/step_000040.ckpt", rejected_online=1,
+               data={"rejected": 2}, host="elsewhere", pid=1, world_size=2, ranks=ranks)
+    assert status_cli.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "40 / 100 (40.0 %)" in out and "1:02:05" in out and "38.0 % of peak" in out and "step_000040" in out
+    assert "2 before training, 1 during" in out
+    rows = [ln.split() for ln in out.split("per rank")[1].splitlines()[3:]]
+    assert [r[:3] for r in rows] == [["0", "40", "0.1"], ["1", "40", "1.1"]]
+
+
+def test_status_command_shows_a_sweep_and_dead_or_stale_runs(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    _run(sweep / "0", run_name="rank_lr/0_adapter.rank=8", loss=0.5)
+    _run(sweep / "1", run_name="rank_lr/1_adapter.rank=16", state="failed")
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer exists on this host
+    _run(sweep / "2", state="running", host=socket.gethostname(), pid=gone.pid)
+    _run(sweep / "10", state="running", host="another-host", pid=1, updated=time.time() - 3600)
+    assert status_cli.main([str(sweep)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("4 points (1 dead, 1 failed, 1 finished, 1 stale)")
+    assert [ln.split()[0] for ln in lines[3:]] == ["0", "1", "2", "10"]  # numeric order
+    assert lines[3].split()[1] == "0_adapter.rank=8"
+
+
+def test_status_command_bad_folder_is_one_line(tmp_path, capsys):
+    assert status_cli.main([str(tmp_path / "nope")]) == 2
+    assert status_cli.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("wanexp: error:") for e in err) and "no status.json" in err[1]
+
+
+def _point(folder: Path, rank: int, lr: str, losses: list[float], val: float | None = None, state="finished"):
+    _run(folder, state=state, step=len(losses), samples_per_s=2.0)
+    (folder / "config.yaml").write_text(f"overrides:\n- experiment=demo\n- adapter.rank={rank}\n- optim.lr={lr}\n")
+    with open(folder / "status.jsonl", "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": i, "loss": loss, "samples_per_s": 2.0 + i,
+                                **({"val_loss": val} if val is not None else {})}) + "\n")
+
+
+def test_sweep_summary_rows_final_loss_and_plots(tmp_path):
+    sweep = tmp_path / "rank_lr"
+    _point(sweep / "0", 8, "1e-4", [9, 9, 1, 1, 1, 1, 1])  # the mean of the last 5 logged values: 1
+    _point(sweep / "1", 8, "2e-4", [2, 2, 2])
+    _point(sweep / "2", 16, "1e-4", [3], state="failed")
+    (sweep / "3" / ".hydra").mkdir(parents=True)  # a point that never started (a config error)
+    (sweep / "3" / ".hydra" / "overrides.yaml").write_text("- adapter.rank=16\n- optim.lr=2e-4\n")
+    written = write_summary(sweep)
+    rows = list(csv.DictReader(written["csv"].open()))
+    assert [(r["point"], r["adapter.rank"], r["optim.lr"], r["state"]) for r in rows] == [
+        ("0", "8", "1e-4", "finished"), ("1", "8", "2e-4", "finished"), ("2", "16", "1e-4", "failed"),
+        ("3", "16", "2e-4", "not started")]
+    assert [r["final_train_loss"] for r in rows] == ["1", "2", "3", ""]
+    assert rows[0]["val_loss"] == "" and float(rows[0]["samples_per_s"]) == 6.0  # median of the logged samples/s
+    assert "experiment" not in rows[0]  # only the swept keys get columns
+    md = written["md"].read_text()
+    assert "| **0** | **8** | **1e-4** | **finished**" in md  # the best point in bold
+    assert set(written) == {"csv", "md", "loss", "heatmap"}
+    assert all(written[k].read_bytes()[:4] == b"\x89PNG" for k in ("loss", "heatmap"))
+
+
+def test_sweep_summary_uses_the_validation_loss_when_runs_log_one(tmp_path):
+    sweep = tmp_path / "s"
+    _point(sweep / "0", 8, "1e-4", [1, 1], val=5.0)
+    _point(sweep / "1", 8, "2e-4", [2, 2], val=4.0)
+    rows = list(csv.DictReader(write_summary(sweep)["csv"].open()))
+    assert [float(r["val_loss"]) for r in rows] == [5.0, 4.0]
+    assert "| **1** |" in (sweep / "summary.md").read_text()  # lowest validation loss wins over train loss
+
+
+def test_job_list_follows_the_basic_sweeper():
+    # the sweep config's grid, narrowed by the command line; a single value takes a key out of the grid
+    assert grid_points({"adapter.rank": "8,16", "optim.lr": "1e-4,2e-4"}, ["optim.lr=5e-5", "seed=1"]) == [
+        ["adapter.rank=8"], ["adapter.rank=16"]]
+    assert grid_points({"adapter.rank": "8,16"}, ["optim.lr=1e-4,2e-4"]) == [
+        ["adapter.rank=8", "optim.lr=0.0001"], ["adapter.rank=8", "optim.lr=0.0002"],
+        ["adapter.rank=16", "optim.lr=0.0001"], ["adapter.rank=16", "optim.lr=0.0002"]]  # as Hydra writes them
+    assert grid_points({"optim.lr": "interval(1e-5, 1e-3)"}, []) is None  # not a grid: no list
+
+
+def _trainer(batches, accumulate=1, max_steps=-1, max_epochs=None):
+    return types.SimpleNamespace(num_training_batches=batches, accumulate_grad_batches=accumulate,
+                                 max_steps=max_steps, max_epochs=max_epochs)
+
+
+@pytest.mark.parametrize("trainer,total", [
+    (_trainer(5, 2, max_steps=-1, max_epochs=3), 9),  # ceil(5 / 2) = 3 steps per epoch (the last one short) x 3
+    (_trainer(5, 1, max_steps=7, max_epochs=-1), 7),
+    (_trainer(5, 1, max_steps=100, max_epochs=2), 10),  # the epochs end first
+    (_trainer(float("inf"), 1, max_steps=-1, max_epochs=-1), 0),  # unknown
+])
+def test_the_run_total_counts_optimizer_steps(trainer, total):
+    assert total_optimizer_steps(trainer) == total
+
+
+def test_wandb_logger_leaves_unset_values_to_the_environment(tmp_path, monkeypatch):
+    from wanexp.callbacks.wandb_logger import RunWandbLogger, artifact_name
+
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    lg = RunWandbLogger(save_dir=str(tmp_path), project=None, entity=None, group=None, name="r", tags=[], mode=None)
+    init = lg._wandb_init
+    assert init["project"] == "from-env" and "mode" not in init and "entity" not in init and "group" not in init
+    assert "tags" not in init and "anonymous" not in init and init["dir"] == str(tmp_path)
+    monkeypatch.delenv("WANDB_PROJECT")
+    lg = RunWandbLogger(save_dir=str(tmp_path), name="r", tags=["a"], mode="offline", group="g", project=None)
+    assert lg._wandb_init["project"] == "wanexp" and lg._wandb_init["mode"] == "offline"
+    assert lg._wandb_init["group"] == "g" and lg._wandb_init["tags"] == ["a"]
+    (tmp_path / "wandb" / "wanexp-run-id").write_text("abc123")
+    assert RunWandbLogger(save_dir=str(tmp_path), name="r", resume_from="last")._wandb_init["id"] == "abc123"
+    assert RunWandbLogger(save_dir=str(tmp_path), name="r", resume_from=None)._wandb_init["id"] is None
+    assert artifact_name("rank_lr/0_adapter.rank=8,optim.lr=1e-4") == "rank_lr-0_adapter.rank-8-optim.lr-1e-4-lora"
+
+
+class _FakeRun:
+    def __init__(self):
+        self.summary, self.preempting = {}, False
+
+    def mark_preempting(self):
+        self.preempting = True
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    mod = types.SimpleNamespace(run=_FakeRun(), finished=[])
+    mod.finish = lambda exit_code=None: mod.finished.append(exit_code)
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    return mod
+
+
+@pytest.mark.parametrize("error,code,state,preempting", [
+    (None, 0, "finished", False),
+    ("interrupted", 143, "interrupted", True),
+    ("user", 2, "failed", False),
+    ("crash", 1, "failed", False),
+])
+def test_wandb_run_is_finished_as_training_ended(fake_wandb, error, code, state, preempting):
+    from wanexp.errors import ConfigError, Interrupted
+    from wanexp.train import _finish_wandb
+
+    exc = {"interrupted": Interrupted(15, 3, "/c.ckpt"), "user": ConfigError("optim.lr=abc: must be a number"),
+           "crash": RuntimeError("boom")}.get(error)
+    if exc is None:
+        _finish_wandb(failed=False)
+    else:
+        try:
+            raise exc
+        except BaseException:
+            _finish_wandb(failed=True)
+    assert fake_wandb.finished == [code]
+    assert fake_wandb.run.summary["wanexp/state"] == state and fake_wandb.run.preempting is preempting
+    if error == "user":
+        assert fake_wandb.run.summary["wanexp/error"] == "optim.lr=abc: must be a number"
+
+
+def test_console_commands_and_packaged_configs():
+    import tomllib
+
+    from wanexp.config import CONF_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    scripts = project["project"]["scripts"]
+    assert set(scripts) == {"wanexp-train", "wanexp-cache", "wanexp-status", "wanexp-bench", "wanexp-sample"}
+    assert scripts["wanexp-train"] == "wanexp.train:main" and scripts["wanexp-status"] == "wanexp.cli.status:main"
+    # the configs are found through the package (wanexp/conf), as an installed copy finds them
+    assert (root / "wanexp" / "conf" / "train.yaml").is_file() and (CONF_DIR / "train.yaml").is_file()
+    assert os.path.samefile(CONF_DIR, root / "wanexp" / "conf")

@@ -1,0 +1,224 @@
+"""Sample videos with a trained LoRA through the diffusers pipeline, and compare with the teacher (the base model).
+
+    python -m wanexp.cli.sample --run outputs/demo --prompt "a red ball rolls" --seed 0 --teacher
+    python -m wanexp.cli.sample --model-path /models/Wan2.2-TI2V-5B-Diffusers --lora my_lora_diffusers.safetensors \
+        --prompt "..." --height 704 --width 1280 --frames 121 --steps 50 --guidance 5
+
+``--run DIR`` takes the model folder, the size and the LoRA files (``DIR/lora/final``) of a wanexp run. A LoRA made by
+``objective=dmd`` carries its student steps in its file header: it is sampled with exactly those steps (the shifted
+sigmas of training, each step predicting x0 and re-noising it to the next sigma) and no CFG. Otherwise the pipeline's
+own scheduler runs ``--steps`` steps with CFG ``--guidance``. ``--teacher`` also samples the base model (the LoRA
+off; ``--teacher-steps``/``--teacher-guidance``) with the same prompts and seeds, and reports the student-teacher gap
+(latent MSE, PSNR and SSIM of the decoded frames) in ``<out>/metrics.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from wanexp.errors import ConfigError, UserError
+
+
+def student_sigmas(timesteps: list[float], shift: float) -> list[float]:
+    """The shifted sigmas of a distilled LoRA's student steps (what training used)."""
+    return [shift * (t / 1000.0) / (1 + (shift - 1) * (t / 1000.0)) for t in timesteps]
+
+
+def student_scheduler(timesteps: list[float], shift: float):
+    """diffusers' flow-matching Euler scheduler with stochastic sampling on fixed student steps: at each step
+    x0 = x_t - sigma v, then x_next = (1 - sigma_next) x0 + sigma_next noise (the DMD rollout of training)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    class StudentScheduler(FlowMatchEulerDiscreteScheduler):
+        def set_timesteps(self, num_inference_steps=None, device=None, **kwargs):
+            super().set_timesteps(sigmas=[t / 1000.0 for t in timesteps], device=device)
+
+    return StudentScheduler(num_train_timesteps=1000, shift=shift, stochastic_sampling=True)
+
+
+def lora_header(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata() or {})
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio (dB) of two videos with values in [0, 1]."""
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 7) -> float:
+    """Mean SSIM over frames (F, H, W, C in [0, 1]), a uniform window, the usual constants (K1=0.01, K2=0.03)."""
+    x = a.float().permute(0, 3, 1, 2)
+    y = b.float().permute(0, 3, 1, 2)
+    window = min(window, x.shape[-1], x.shape[-2])
+    pool = torch.nn.functional.avg_pool2d
+    mx, my = pool(x, window, 1), pool(y, window, 1)
+    vx, vy = pool(x * x, window, 1) - mx**2, pool(y * y, window, 1) - my**2
+    cxy = pool(x * y, window, 1) - mx * my
+    c1, c2 = 0.01**2, 0.03**2
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m wanexp.cli.sample", description=__doc__.splitlines()[0])
+    ap.add_argument("--run", help="a wanexp run folder: model, size and LoRA files from it")
+    ap.add_argument("--model-path", help="local diffusers-format Wan2.2 folder (default: the run's model.path)")
+    ap.add_argument("--lora", action="append", default=[],
+                    help="a *_diffusers.safetensors LoRA file (repeat for an A14B pair; *_low_noise_* goes to the "
+                         "low-noise expert); default: the run's lora/final")
+    ap.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
+    ap.add_argument("--seed", type=int, action="append", default=[], help="repeat for several seeds (default 0)")
+    ap.add_argument("--negative-prompt", default="")
+    ap.add_argument("--height", type=int)
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--frames", type=int)
+    ap.add_argument("--fps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=50, help="steps for a LoRA that is not distilled")
+    ap.add_argument("--guidance", type=float, default=5.0, help="CFG for a LoRA that is not distilled")
+    ap.add_argument("--teacher", action="store_true", help="also sample the base model (LoRA off) and compare")
+    ap.add_argument("--teacher-steps", type=int, default=50)
+    ap.add_argument("--teacher-guidance", type=float, default=5.0)
+    ap.add_argument("--out", help="output folder (default: RUN/samples, else outputs/samples)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap.parse_args(argv)
+
+
+def _settings(args) -> dict:
+    """Model folder, size, text length and LoRA files from the arguments and the run folder."""
+    s = {"model_path": args.model_path, "height": args.height, "width": args.width, "frames": args.frames,
+         "loras": [Path(p) for p in args.lora], "text_len": 512, "out": args.out}
+    if args.run:
+        run = Path(args.run)
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"--run {run}: no config.yaml there; pass a wanexp run folder (paths.output_dir)")
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(run / "config.yaml")
+        s["model_path"] = s["model_path"] or cfg.model.path
+        s["height"], s["width"] = s["height"] or cfg.data.height, s["width"] or cfg.data.width
+        s["frames"] = s["frames"] or cfg.data.num_frames
+        s["text_len"] = int(cfg.model.text_len)
+        s["loras"] = s["loras"] or sorted((run / "lora" / "final").glob("*_diffusers.safetensors"))
+        s["out"] = s["out"] or str(run / "samples")
+    if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
+        raise ConfigError(f"--model-path {s['model_path']}: not a diffusers-format model folder; pass --model-path "
+                          "or --run with a run folder")
+    for p in s["loras"]:
+        if not p.is_file():
+            raise ConfigError(f"--lora {p}: file not found")
+    if not args.prompt:
+        raise ConfigError("no --prompt given; pass one or more --prompt \"...\"")
+    s["height"], s["width"], s["frames"] = s["height"] or 480, s["width"] or 832, s["frames"] or 81
+    s["out"] = Path(s["out"] or "outputs/samples")
+    return s
+
+
+def _generate(pipe, prompt, seed, s, steps, guidance, negative, device, record):
+    from wanexp.models.encode import decode_latents
+
+    record.clear()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    latents = pipe(prompt=prompt, negative_prompt=negative, height=s["height"], width=s["width"],
+                   num_frames=s["frames"], num_inference_steps=steps, guidance_scale=guidance, generator=g,
+                   output_type="latent", max_sequence_length=s["text_len"]).frames
+    vae = pipe.vae
+    with torch.no_grad():
+        pixels = decode_latents(vae, latents.to(device))  # (B, 3, F, H, W) in [-1, 1]
+    video = ((pixels[0].permute(1, 2, 3, 0).float() + 1) / 2).clamp(0, 1).cpu()  # (F, H, W, 3)
+    return latents.float().cpu(), video, list(record)
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    try:
+        return _main(args)
+    except UserError as e:
+        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _main(args) -> dict:
+    from diffusers import DiffusionPipeline
+
+    from wanexp.data.media import write_video
+
+    s = _settings(args)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pipe = DiffusionPipeline.from_pretrained(s["model_path"], torch_dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    distilled = None
+    for path in s["loras"]:
+        header = lora_header(path)
+        low = "_low_noise" in path.name
+        pipe.load_lora_weights(str(path), adapter_name="low" if low else "wanexp", load_into_transformer_2=low)
+        if "wanexp_student_timesteps" in header:
+            distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
+                         float(header["wanexp_student_shift"]))
+    if distilled:  # exactly the training's student steps, no CFG
+        default_scheduler = pipe.scheduler
+        pipe.scheduler = student_scheduler(*distilled)
+        steps, guidance = len(distilled[0]), 1.0
+    else:
+        steps, guidance = args.steps, args.guidance
+    record: list[float] = []  # the timesteps the transformer is called with (first sample of the batch)
+
+    def hook(module, a, kw):
+        t = kw.get("timestep")
+        record.append(float(t.flatten()[-1]))  # the last token's (a clean TI2V first frame has 0)
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+               for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+    out = s["out"]
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = args.seed or [0]
+    results = {"model_path": str(s["model_path"]), "loras": [str(p) for p in s["loras"]],
+               "distilled": bool(distilled), "steps": steps, "guidance": guidance, "samples": []}
+    for i, prompt in enumerate(args.prompt):
+        for seed in seeds:
+            lat, video, used = _generate(pipe, prompt, seed, s, steps, guidance, args.negative_prompt, device, record)
+            name = f"p{i}_s{seed}"
+            write_video(out / f"{name}.mp4", (video.numpy() * 255).round().astype("uint8"), fps=args.fps)
+            entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used}
+            if args.teacher:
+                if s["loras"]:
+                    pipe.disable_lora()
+                if distilled:
+                    pipe.scheduler = default_scheduler
+                t_lat, t_video, _ = _generate(pipe, prompt, seed, s, args.teacher_steps, args.teacher_guidance,
+                                              args.negative_prompt, device, record)
+                write_video(out / f"{name}_teacher.mp4", (t_video.numpy() * 255).round().astype("uint8"),
+                            fps=args.fps)
+                entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
+                             latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),
+                             ssim=ssim(video, t_video))
+                if s["loras"]:
+                    pipe.enable_lora()
+                if distilled:
+                    pipe.scheduler = student_scheduler(*distilled)
+            results["samples"].append(entry)
+            print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, PSNR "
+                                                     f"{entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
+                                                     if args.teacher else ""), flush=True)
+    for h in handles:
+        h.remove()
+    (out / "metrics.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def entry() -> None:
+    """The console command (wanexp-sample): main() returns its results for callers; a command returns nothing."""
+    main()
+
+
+if __name__ == "__main__":
+    main()

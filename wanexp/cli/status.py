@@ -1,0 +1,167 @@
+"""Print a run's status.json as a table, or one row per point of a sweep folder; ``--follow`` refreshes it.
+
+    python -m wanexp.cli.status outputs/demo                  # one run (per-rank rows included)
+    python -m wanexp.cli.status outputs/sweeps/rank_lr        # a sweep: one row per point
+    python -m wanexp.cli.status outputs/demo --follow         # redraw every 2 s until the run(s) end (Ctrl-C stops)
+
+Installed as ``wanexp-status``. Reads only the files a run writes (status.json is replaced atomically by rank 0 every
+few seconds), so it works on a live run, a finished one, or a copy of the folder. A run whose status says
+``running`` but whose process is gone (same host) is shown as ``dead``; one not updated for 10 minutes as ``stale``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from wanexp.errors import UserError
+
+STALE_S = 600
+
+
+def _hms(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def _num(v, spec: str = ".4g") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def read_status(run: Path) -> dict:
+    try:
+        return json.loads((run / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def live_state(s: dict, now: float | None = None) -> str:
+    """The state as recorded, or ``dead``/``stale`` for a ``running`` run that no longer updates."""
+    state = s.get("state") or "not started"
+    if state != "running":
+        return state
+    pid, host = s.get("pid"), s.get("host")
+    if pid and host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return "dead"
+        except PermissionError:
+            pass
+    if (now or time.time()) - float(s.get("updated") or 0) > STALE_S:
+        return "stale"
+    return state
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def run_view(run: Path, s: dict) -> str:
+    total = s.get("total_steps")
+    step = s.get("step")
+    pct = f" ({100 * step / total:.1f} %)" if step is not None and total else ""
+    ckpt = s.get("last_checkpoint") or s.get("checkpoint")
+    fields = [
+        ("run", f"{s.get('run_name', run.name)}  ({run})"),
+        ("state", live_state(s) + (f" ({s['signal']})" if s.get("signal") else "") +
+         (f": {s['error']}" if s.get("error") else "")),
+        ("step", f"{_num(step)} / {_num(total)}{pct}   epoch {_num(s.get('epoch'))}"),
+        ("eta", f"{_hms(s.get('eta_s'))}   elapsed {_hms(s.get('elapsed_s'))}   step {_num(s.get('step_time_s'), '.3g')} s"),
+        ("loss", f"{_num(s.get('loss'))}   lr {_num(s.get('lr'), '.3g')}"),
+        ("throughput", f"{_num(s.get('samples_per_s'), '.3g')} samples/s   {_num(s.get('tokens_per_s'), '.4g')} tokens/s"
+                       f"   {_num(s.get('tflops'), '.3g')} TFLOP/s per device" +
+                       (f" ({s['pct_of_peak']:.1f} % of peak)" if s.get("pct_of_peak") is not None else "")),
+        ("memory", "- (no GPU)" if s.get("mem_gib") is None else
+                   f"{s['mem_gib']:.1f} GiB   peak {_num(s.get('peak_mem_gib'), '.1f')} GiB" +
+                   (f"   GPU {s['gpu_util']:.0f} %" if s.get("gpu_util") is not None else "")),
+        ("checkpoint", str(ckpt or "-")),
+        ("rejects", f"{_num((s.get('data') or {}).get('rejected'))} before training, "
+                    f"{_num(s.get('rejected_online'))} during   skipped steps {_num(s.get('skipped_steps'))}"),
+        ("process", f"{s.get('host', '-')} pid {s.get('pid', '-')}, {s.get('world_size', '-')} rank(s); "
+                    f"updated {_hms(time.time() - s['updated']) if s.get('updated') else '-'} ago"),
+    ]
+    if s.get("lora_flagged"):
+        fields.append(("flagged", f"{len(s['lora_flagged'])} LoRA export(s) with runaway weights (lora_flagged)"))
+    out = "\n".join(f"{k:<11} {v}" for k, v in fields)
+    ranks = s.get("ranks") or []
+    if len(ranks) > 1 or any(r.get("mem_gib") is not None for r in ranks):
+        rows = [[r.get("rank"), _num(r.get("step")), _num(r.get("loss")), _num(r.get("samples_per_s"), ".3g"),
+                 _num(r.get("mem_gib"), ".1f"), _num(r.get("peak_mem_gib"), ".1f"), _num(r.get("gpu_util"), ".0f"),
+                 _num(r.get("rejected_online"))] for r in ranks]
+        out += "\n\nper rank (at the last logged step)\n" + table(
+            rows, ["rank", "step", "loss", "samples/s", "mem GiB", "peak GiB", "GPU %", "rejects"])
+    return out
+
+
+def sweep_points(folder: Path) -> list[Path]:
+    runs = [p for p in folder.iterdir() if p.is_dir() and (p / "status.json").exists()]
+    return sorted(runs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def sweep_view(folder: Path, runs: list[Path]) -> str:
+    rows = []
+    for run in runs:
+        s = read_status(run)
+        name = str(s.get("run_name", run.name)).rpartition("/")[2]
+        rows.append([run.name, name, live_state(s), f"{_num(s.get('step'))}/{_num(s.get('total_steps'))}",
+                     _num(s.get("loss")), _num(s.get("samples_per_s"), ".3g"), _hms(s.get("eta_s")),
+                     _hms(s.get("elapsed_s"))])
+    states = [r[2] for r in rows]
+    head = f"sweep {folder}: {len(rows)} points (" + ", ".join(f"{states.count(x)} {x}" for x in sorted(set(states))) + ")"
+    return head + "\n" + table(rows, ["point", "run", "state", "step", "loss", "samples/s", "eta", "elapsed"])
+
+
+def render(folder: Path) -> tuple[str, bool]:
+    """(the text, whether anything shown is still running)."""
+    if (folder / "status.json").exists():
+        s = read_status(folder)
+        return run_view(folder, s), live_state(s) == "running"
+    runs = sweep_points(folder)
+    if not runs:
+        raise UserError(f"{folder}: no status.json here or in its subfolders; give a run folder (outputs/<run_name>, "
+                        "written once training starts) or a sweep folder (outputs/sweeps/<name>)")
+    return sweep_view(folder, runs), any(live_state(read_status(r)) == "running" for r in runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="wanexp-status", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[2:5]))
+    ap.add_argument("folder", help="a run folder (holds status.json) or a sweep folder (one run folder per point)")
+    ap.add_argument("--follow", "-f", action="store_true", help="redraw until every run shown has ended")
+    ap.add_argument("--every", type=float, default=2.0, help="seconds between redraws with --follow (default 2)")
+    args = ap.parse_args(argv)
+    folder = Path(args.folder)
+    try:
+        if not folder.is_dir():
+            raise UserError(f"{folder}: no such folder; give a run folder (outputs/<run_name>) or a sweep folder "
+                            "(outputs/sweeps/<name>)")
+        while True:
+            text, running = render(folder)
+            if args.follow and sys.stdout.isatty():
+                print("\033[H\033[2J", end="")
+            print(text, flush=True)
+            if not (args.follow and running):
+                return 0
+            time.sleep(max(0.2, args.every))
+            if not sys.stdout.isatty():
+                print()
+    except UserError as e:
+        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

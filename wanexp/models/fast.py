@@ -1,0 +1,155 @@
+"""Faster forwards for a loaded diffusers ``WanTransformer3DModel`` that compute the same function.
+
+**Modulation per latent frame** (``model.fast_modulation``). With a per-token timestep (TI2V-5B: shape (B, tokens)),
+diffusers embeds the timestep of every token and each block builds its shift/scale/gate tensors per token: 6 x dim
+fp32 values per token per block, kept alive for the backward (about 12 GiB and a lot of elementwise traffic for 5B at
+4,400 tokens). But a TI2V timestep is constant over each latent frame (0 on a clean first frame, 1000*sigma
+elsewhere): the embedding and the modulation are computed here once per (sample, latent frame) and broadcast over the
+frame's tokens. Every element goes through the same operations as in diffusers' forward, only the tensors that repeat
+are not materialised. A timestep that is not constant per frame fails an on-device assert (no host sync).
+
+The forwards are set on the instance (``module.forward``); no module is replaced or renamed, so peft's LoRA layers,
+state-dict names, checkpoints and LoRA export are unchanged, and FSDP2's per-block sharding sees the same blocks.
+
+**Regional compilation** (``model.compile``): ``torch.compile`` of each ``WanTransformerBlock`` in place
+(``nn.Module.compile``: the names stay), the blocks sharing one compiled graph. It composes with diffusers' activation
+checkpointing (the checkpoint wraps the compiled block). Under FSDP2 the blocks are compiled before ``fully_shard``,
+the order torchtitan uses.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, L, D) -> (B, G, L/G, D): tokens are frame-major, so group g holds frame g's tokens."""
+    b, l, d = x.shape
+    return x.view(b, groups, l // groups, d)
+
+
+def block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                  rotary_emb) -> torch.Tensor:
+    """A WanTransformerBlock forward whose modulation ``temb`` is (B, G, 6, D): one row per group of L/G consecutive
+    tokens (G = latent frames, or 1 for a scalar timestep; diffusers' (B, 6, D) is taken as G = 1). With G = L this is
+    diffusers' per-token forward; the elementwise operations are the same in the same order."""
+    if temb.ndim == 3:
+        temb = temb.unsqueeze(1)
+    b, l, d = hidden_states.shape
+    g = temb.shape[1]
+    # (1, 1, 6, D) + (B, G, 6, D) -> six (B, G, 1, D) views
+    mod = (self.scale_shift_table.unsqueeze(0) + temb.float()).unsqueeze(2)
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mod.unbind(3)
+
+    def modulate(norm: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return (_grouped(norm, g) * (1 + scale) + shift).view(b, l, d)
+
+    def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (_grouped(x, g) + _grouped(y, g) * gate).view(b, l, d)
+
+    # 1. self-attention
+    norm_hidden_states = modulate(self.norm1(hidden_states.float()), scale_msa, shift_msa).type_as(hidden_states)
+    attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    hidden_states = gated_add(hidden_states.float(), attn_output, gate_msa).type_as(hidden_states)
+    # 2. cross-attention
+    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    hidden_states = hidden_states + attn_output
+    # 3. feed-forward
+    norm_hidden_states = modulate(self.norm3(hidden_states.float()), c_scale_msa, c_shift_msa).type_as(hidden_states)
+    ff_output = self.ffn(norm_hidden_states)
+    return gated_add(hidden_states.float(), ff_output.float(), c_gate_msa).type_as(hidden_states)
+
+
+def frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
+    """(B, L) per-token timesteps, constant over each of ``frames`` frame-major groups -> (B, frames).
+
+    Checked on the device (``torch._assert_async``: no host sync); a per-token timestep that varies inside a frame
+    is not what this path computes."""
+    b, l = timestep.shape
+    per_frame = timestep.view(b, frames, l // frames)
+    first = per_frame[:, :, 0]
+    torch._assert_async(torch.all(per_frame == first.unsqueeze(-1)),
+                        "fast_modulation: the per-token timestep varies inside a latent frame")
+    return first
+
+
+def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        encoder_hidden_states_image: torch.Tensor | None = None, return_dict: bool = True,
+                        attention_kwargs: dict | None = None):
+    """WanTransformer3DModel's forward with the time embedding computed per latent frame (see the module doc)."""
+    if attention_kwargs is not None:  # a LoRA scale through attention_kwargs: the stock path handles it
+        return type(self).forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
+                                  return_dict, attention_kwargs)
+    b, _, f, h, w = hidden_states.shape
+    pt, ph, pw = self.config.patch_size
+    frames, ph_, pw_ = f // pt, h // ph, w // pw
+    rotary_emb = self.rope(hidden_states)
+    hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+
+    if timestep.ndim == 2:  # per token (TI2V): one embedding per (sample, latent frame)
+        t = frame_timesteps(timestep, frames).flatten()
+        groups = frames
+    else:  # per sample
+        t, groups = timestep, None
+    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = self.condition_embedder(
+        t, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=groups)
+    if groups is None:
+        temb, timestep_proj = temb.unsqueeze(1), timestep_proj.unsqueeze(1)
+    timestep_proj = timestep_proj.unflatten(2, (6, -1))  # (B, G, 6, D)
+    if encoder_hidden_states_image is not None:
+        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+
+    if torch.is_grad_enabled() and self.gradient_checkpointing:
+        for block in self.blocks:
+            hidden_states = self._gradient_checkpointing_func(
+                block, hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+    else:
+        for block in self.blocks:
+            hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+
+    # output norm and projection: (1, 1, 2, D) + (B, G, 1, D) -> (B, G, 1, D) each
+    shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unsqueeze(2).unbind(3)
+    g = temb.shape[1]
+    bl, d = hidden_states.shape[:2], hidden_states.shape[2]
+    norm = _grouped(self.norm_out(hidden_states.float()), g)
+    hidden_states = (norm * (1 + scale) + shift).view(*bl, d).type_as(hidden_states)
+    hidden_states = self.proj_out(hidden_states)
+    hidden_states = hidden_states.reshape(b, frames, ph_, pw_, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    output = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    if not return_dict:
+        return (output,)
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=output)
+
+
+def use_frame_modulation(transformer: nn.Module) -> nn.Module:
+    """Set the per-frame modulation forwards on a loaded WanTransformer3DModel and its blocks (in place)."""
+    transformer.forward = types.MethodType(transformer_forward, transformer)
+    for block in transformer.blocks:
+        block.forward = types.MethodType(block_forward, block)
+    return transformer
+
+
+def compile_supported() -> tuple[bool, str]:
+    """Whether this machine compiles blocks: a GPU of compute capability >= 8.0 (Triton's), or no GPU at all."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        return False, f"{torch.cuda.get_device_name()} (compute capability {cap}) is below Triton's 8.0"
+    return True, ""
+
+
+def compile_blocks(transformer: nn.Module, **kwargs) -> nn.Module:
+    """``torch.compile`` each transformer block in place (regional compilation; parameter names unchanged).
+
+    Where blocks cannot be compiled (see :func:`compile_supported`) it says so once and leaves them eager."""
+    ok, why = compile_supported()
+    if not ok:
+        print(f"wanexp: model.compile=true skipped: {why}; the blocks run eagerly", flush=True)
+        return transformer
+    for block in transformer.blocks:
+        block.compile(**kwargs)
+    return transformer
