@@ -43,6 +43,7 @@ class WanModule(L.LightningModule):
         self._metric_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # metrics over the log window
         self._negative_text: torch.Tensor | None = None  # the negative prompt's embedding (objectives with CFG)
         self.transformers = nn.ModuleDict()
+        self.students = nn.ModuleDict()  # models an objective trains in full (objective.build_trainable)
         self.encoders = None
         self.denoiser = Denoiser(spec, self.transformers, self.sigma_range)
         self.trainable_names: list[str] = []
@@ -58,6 +59,8 @@ class WanModule(L.LightningModule):
             for name in self.objective.adapters:
                 self.adapter.apply(t, name)
             self.transformers[e] = t
+        for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
+            self.students[name] = m  # e.g. KD's student: trained in full
         if self.load_encoders:
             self.encoders = _readable(self.spec, "the VAE and text encoder", self.spec.load_encoders)
         self.trainable_names = [n for n, p in self.named_parameters() if p.requires_grad]

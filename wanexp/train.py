@@ -217,8 +217,9 @@ def cli(cfg: DictConfig) -> None:
     _finish_wandb(failed=False)  # the next point of a sweep starts its own W&B run
     if result["rank"] == 0:
         print(f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}")
+        label = "LoRA file" if result["module"].objective.export_checkpoint is None else "exported"
         for f in result["lora_files"]:
-            print(f"wanexp: LoRA file {f}")
+            print(f"wanexp: {label} {f}")
 
 
 USAGE = """usage: python train.py [group=option ...] [key=value ...]     (installed: wanexp-train ...)

@@ -31,6 +31,10 @@ class LoraExport(Callback):
             return
         meta = {"wanexp_model": pl_module.spec.name, "wanexp_step": trainer.global_step,
                 "wanexp_boundary": pl_module.boundary_name, **pl_module.objective.export_metadata()}
+        custom = pl_module.objective.export_checkpoint
+        if custom is not None:  # e.g. KD: the student as a pipeline folder
+            custom(pl_module, checkpoint["state_dict"], self.step_dir(trainer.global_step))
+            return
         for expert, transformer in pl_module.transformers.items():
             prefix = f"transformers.{expert}."
             files = pl_module.adapter.export(checkpoint["state_dict"], prefix, transformer,
@@ -59,7 +63,7 @@ class LoraExport(Callback):
         final = self.root / "final"
         tmp = self.root / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.step_dir(step), tmp)
+        shutil.copytree(self.step_dir(step), tmp, symlinks=True)  # a KD student links the teacher's VAE etc.
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         return sorted(final.iterdir())

@@ -56,6 +56,9 @@ def check_rules(cfg: DictConfig) -> None:
         if m.dtype == "bf16":
             raise ConfigError("trainer.precision=16-mixed with model.dtype=bf16: fp16 autocast over bf16 weights "
                               "mixes the two formats; set model.dtype=fp16 (V100: no fast bf16) or fp32")
+    if o.name == "kd" and b.name == "full" and m.boundary_ratio is not None:
+        raise ConfigError(f"objective=kd with model={m.name} boundary=full: KD distils one DiT into a student; use "
+                          "boundary=high or boundary=low to distil one expert")
     if o.name == "dmd":  # each step trains one adapter with its own optimizer (Lightning manual optimization)
         if t.accumulate_grad_batches != 1:
             raise ConfigError(f"objective=dmd with trainer.accumulate_grad_batches={t.accumulate_grad_batches}: DMD "

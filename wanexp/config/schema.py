@@ -62,6 +62,7 @@ class ModelConfig:
     build: Optional[Dict[str, Any]] = MISSING  # tiny models only: the architecture to build into `path`
     fast_modulation: bool = knob(MISSING, doc="time embedding + block modulation once per latent frame (same values)")
     compile: bool = knob(MISSING, doc="torch.compile each transformer block (regional compilation)")
+    memory_budget_gib: Optional[float] = knob(MISSING, gt=0.0, doc="checkpoint only the blocks this GPU budget needs")
 
 
 @dataclass
@@ -130,6 +131,14 @@ class DMDConfig(ObjectiveConfig):
     generator_every: int = knob(MISSING, ge=1, doc="a generator update after every N critic updates")
     generator: AdapterOptimConfig = MISSING
     critic: AdapterOptimConfig = MISSING
+
+
+@dataclass
+class KDConfig(ObjectiveConfig):
+    _target_: str = "wanexp.objectives.kd.KnowledgeDistillation"
+    name: str = "kd"
+    timestep: TimestepConfig = MISSING  # the noise levels the student learns the teacher's velocity at
+    student: Dict[str, Any] = knob(MISSING, doc="WanTransformer3DModel config overrides (num_layers null: half)")
 
 
 @dataclass
@@ -348,6 +357,7 @@ SCHEMAS: dict[str, type] = {
     "objective/base": ObjectiveConfig,
     "objective/flow_matching": FlowMatchingConfig,
     "objective/dmd": DMDConfig,
+    "objective/kd": KDConfig,
     "optim": OptimConfig,
     "data": DataConfig,
     "parallel": ParallelConfig,

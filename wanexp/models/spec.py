@@ -53,6 +53,7 @@ class WanSpec:
         build: dict | None,
         fast_modulation: bool,
         compile: bool,
+        memory_budget_gib: float | None,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -70,6 +71,10 @@ class WanSpec:
         self.build = build
         self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (models/fast.py)
         self.compile = compile  # torch.compile each transformer block (regional compilation)
+        self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs (models/fast.py)
+        if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
+            raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
+                              "needs model.gradient_checkpointing=true and model.fast_modulation=true")
         if attention_backend is not None:
             check_attention_backend(attention_backend)
         if first_frame_cond and not self.draws_first_frame:
@@ -129,6 +134,7 @@ class WanSpec:
             model.enable_gradient_checkpointing()
         if self.fast_modulation:
             fast.use_frame_modulation(model)
+            fast.set_memory_budget(model, self.memory_budget_gib)
         if self.compile:  # lazy: compiles at the first call, after the adapters are added (and FSDP2 has sharded)
             fast.compile_blocks(model)
         return model

@@ -35,6 +35,15 @@ class Objective:
         """The adapter trained at optimizer step ``step`` (0-based; a pure function, so a resume keeps the phase)."""
         return self.adapters[0]
 
+    # An objective that trains something other than adapters (KD's student) exports its own files with every
+    # checkpoint: ``export_checkpoint(module, state_dict, out_dir) -> [paths]``; None: the adapter's LoRA files.
+    export_checkpoint = None
+
+    def build_trainable(self, transformers: dict, spec) -> dict:
+        """Modules this objective trains besides the adapters (e.g. a student model), built once the base is loaded;
+        the LightningModule owns them (device, DDP/FSDP, checkpoints). Default: none."""
+        return {}
+
     def export_metadata(self) -> dict[str, str]:
         """Written into the exported LoRA files' headers (e.g. how a distilled LoRA must be sampled)."""
         return {"wanexp_objective": self.name}
