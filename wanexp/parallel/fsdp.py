@@ -39,7 +39,8 @@ class WanFSDPStrategy(ModelParallelStrategy):
                       mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32))
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for transformer in module.transformers.values():
+        # the loaded transformers, and models an objective trains in full (KD's student)
+        for transformer in [*module.transformers.values(), *getattr(module, "students", {}).values()]:
             for block in transformer.blocks:
                 if isinstance(block, WanTransformerBlock):
                     fully_shard(block, **kwargs)
