@@ -51,7 +51,10 @@ def test_ddp_two_processes_with_wandb_offline_progress_and_status(shared_dir, tm
     args = [*_common(shared_dir, tmp_path), "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
             f"paths.data_dir={tmp_path}/data", "data.generate.num_videos=16", "data.generate.num_images=0",
             "data.batch_size=2", "trainer.accumulate_grad_batches=2", "trainer.max_steps=-1", "trainer.max_epochs=3",
-            "callbacks.checkpoint.every_n_train_steps=2", f"paths.output_dir={out}", "logger=[csv,wandb]"]
+            "callbacks.checkpoint.every_n_train_steps=2", f"paths.output_dir={out}", "logger=[csv,wandb]",
+            # validation videos: rank 0 samples while rank 1 waits; one prompt, two steps
+            "callbacks.validation.every_n_steps=3", "callbacks.validation.prompts=[a red ball rolls]",
+            "callbacks.validation.seeds=[0]", "callbacks.validation.steps=2"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", **_wandb_env(tmp_path)))
@@ -98,6 +101,15 @@ def test_ddp_two_processes_with_wandb_offline_progress_and_status(shared_dir, tm
         [["latest", "step-2"], ["latest", "step-4"], ["latest", "step-6"]]
     assert all(a[2] == ["tiny_lora_comfyui.safetensors", "tiny_lora_diffusers.safetensors"] for a in loras)
     assert not any(a[0] == "model" for a in wb["artifacts"]) and wb["exit_code"] == 0  # no .ckpt uploads
+    # validation videos: the base model at step 0, the LoRA at step 3 and the end; they decode; W&B has them
+    import av
+
+    videos = sorted(p.relative_to(out / "validation").as_posix() for p in (out / "validation").rglob("*.mp4"))
+    assert videos == ["step_000000/p0_s0_base.mp4", "step_000003/p0_s0.mp4", "step_000006/p0_s0.mp4"]
+    for v in videos:
+        with av.open(str(out / "validation" / v)) as c:
+            assert sum(1 for _ in c.decode(video=0)) == 9  # data.num_frames of the demo
+    assert {"val/base/p0_s0/_type", "val/video/p0_s0/_type"} <= wb["metrics"]  # a logged media file (wandb.Video)
     # the status command reads it (the per-rank table included)
     from wanexp.cli.status import render
 

@@ -190,3 +190,22 @@ def test_the_generator_moves_toward_the_teacher_distribution():
         per_sample.mean().backward()
         opt.step()
     assert abs(float(offset) - 2.0) < 0.2, float(offset)  # from 0 to the teacher's mean
+
+
+def test_the_critic_loss_falls_on_a_fixed_batch(shared_dir):
+    """The critic learns the generator's samples: repeated critic steps on one batch (same draws) lower its loss."""
+    module = _module(shared_dir)
+    batch, modules = _batch(module), list(module.transformers.values())
+    step = next(s for s in range(10) if module.objective.phase(s) == "critic")
+    critic = [p for n, p in module.named_parameters() if p.requires_grad and ".critic." in n]
+    opt = torch.optim.AdamW(critic, lr=1e-2)
+    losses = []
+    for _ in range(30):
+        out = module.objective(batch, module.denoiser, torch.Generator().manual_seed(5), step=step)
+        opt.zero_grad()
+        with use_adapter(modules, out.adapter):
+            out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert out.adapter == "critic" and losses[-1] < 0.85 * losses[0], losses[::6]
+    assert all(a > b for a, b in zip(losses[::6], losses[6::6])), losses[::6]

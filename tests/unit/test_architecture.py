@@ -27,9 +27,10 @@ ALLOWED = {
     "data": {"errors", "config", "text"},
     "parallel": {"config"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora"},
-    "callbacks": {"errors"},
+    "sampling": {"errors", "models", "data", "lora", "objectives"},
+    "callbacks": {"errors", "sampling"},
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder"},
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train"},
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling"},
 }
 
 

@@ -276,6 +276,21 @@ class RunStatus(Callback):
         with open(self.history, "a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def validated(self, trainer, metrics: dict) -> None:
+        """Called by the Validation callback (rank 0) with its ``val/*`` numbers: one status.jsonl line for the step
+        (the sweep summary merges it with the step's training line) and ``val_loss``/``validation`` in status.json."""
+        if trainer.global_rank != 0:
+            return
+        vals = {k.split("/", 1)[1]: _number(v) for k, v in metrics.items()}
+        line = {"step": trainer.global_step, "time": time.time(), "val": vals}
+        if "loss" in vals:
+            line["val_loss"] = vals["loss"]
+        self.history.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.history, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        extra = {"val_loss": vals["loss"]} if "loss" in vals else {}
+        self._write(trainer, **extra, validation={"step": trainer.global_step, **vals})
+
     def _trim_history(self, step: int) -> None:
         """A fresh run starts an empty history; a resumed one drops the lines after its checkpoint's step."""
         if not self.history.exists():

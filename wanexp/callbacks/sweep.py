@@ -38,7 +38,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _history(run: Path) -> list[dict]:
-    """status.jsonl, one entry per logged step (the last entry wins for a step logged twice by a resumed run)."""
+    """status.jsonl, one entry per logged step (the training and validation lines of a step merged; the last value
+    wins for a key logged twice, e.g. by a resumed run)."""
     by_step: dict[int, dict] = {}
     try:
         lines = (run / "status.jsonl").read_text().splitlines()
@@ -47,7 +48,8 @@ def _history(run: Path) -> list[dict]:
     for line in lines:
         try:
             entry = json.loads(line)
-            by_step[int(entry["step"])] = entry
+            # a step's training line and its validation line are merged; a key logged twice: the last one wins
+            by_step.setdefault(int(entry["step"]), {}).update(entry)
         except (ValueError, KeyError, TypeError):
             continue
     return [by_step[s] for s in sorted(by_step)]

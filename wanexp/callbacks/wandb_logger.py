@@ -9,6 +9,7 @@
   never uploaded.
 - ``resume_from`` (the run's ``resume``): a resumed run continues the W&B run this folder started (its id is kept in
   ``DIR/wandb/wanexp-run-id``); a fresh run starts a new one.
+- ``log_videos``: the validation callback's mp4s as ``wandb.Video`` (``val/video/*``, the base model's ``val/base/*``).
 - A missing login is one line (exit 2) naming the fixes, before any weight loads.
 """
 from __future__ import annotations
@@ -89,6 +90,14 @@ class RunWandbLogger(WandbLogger):
                 art.add_file(str(f), name=f.name)
             self.experiment.log_artifact(art, aliases=["latest", f"step-{step}"])
             self._lora_logged.add(str(folder))
+
+    @rank_zero_only
+    def log_videos(self, videos: dict[str, tuple[str, str]], step: int, fps: int = 16) -> None:
+        """Validation videos: ``key -> (mp4 file, caption)``, logged as ``wandb.Video`` at ``step``."""
+        import wandb
+
+        self.experiment.log({**{k: wandb.Video(f, caption=c, fps=fps, format="mp4") for k, (f, c) in videos.items()},
+                             "trainer/global_step": step})
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

@@ -15,57 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 from wanexp.errors import ConfigError, UserError
-
-
-def student_sigmas(timesteps: list[float], shift: float) -> list[float]:
-    """The shifted sigmas of a distilled LoRA's student steps (what training used)."""
-    return [shift * (t / 1000.0) / (1 + (shift - 1) * (t / 1000.0)) for t in timesteps]
-
-
-def student_scheduler(timesteps: list[float], shift: float):
-    """diffusers' flow-matching Euler scheduler with stochastic sampling on fixed student steps: at each step
-    x0 = x_t - sigma v, then x_next = (1 - sigma_next) x0 + sigma_next noise (the DMD rollout of training)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    class StudentScheduler(FlowMatchEulerDiscreteScheduler):
-        def set_timesteps(self, num_inference_steps=None, device=None, **kwargs):
-            super().set_timesteps(sigmas=[t / 1000.0 for t in timesteps], device=device)
-
-    return StudentScheduler(num_train_timesteps=1000, shift=shift, stochastic_sampling=True)
-
-
-def lora_header(path: Path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        return dict(f.metadata() or {})
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Peak signal-to-noise ratio (dB) of two videos with values in [0, 1]."""
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
-def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 7) -> float:
-    """Mean SSIM over frames (F, H, W, C in [0, 1]), a uniform window, the usual constants (K1=0.01, K2=0.03)."""
-    x = a.float().permute(0, 3, 1, 2)
-    y = b.float().permute(0, 3, 1, 2)
-    window = min(window, x.shape[-1], x.shape[-2])
-    pool = torch.nn.functional.avg_pool2d
-    mx, my = pool(x, window, 1), pool(y, window, 1)
-    vx, vy = pool(x * x, window, 1) - mx**2, pool(y * y, window, 1) - my**2
-    cxy = pool(x * y, window, 1) - mx * my
-    c1, c2 = 0.01**2, 0.03**2
-    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
-    return float(s.mean())
+# The sampling functions live in wanexp.sampling (the validation callback uses them too); these names stay here.
+from wanexp.sampling import generate as _generate
+from wanexp.sampling import lora_header, psnr, ssim, student_scheduler, student_sigmas  # noqa: F401
 
 
 def _parse(argv):
@@ -120,21 +78,6 @@ def _settings(args) -> dict:
     s["height"], s["width"], s["frames"] = s["height"] or 480, s["width"] or 832, s["frames"] or 81
     s["out"] = Path(s["out"] or "outputs/samples")
     return s
-
-
-def _generate(pipe, prompt, seed, s, steps, guidance, negative, device, record):
-    from wanexp.models.encode import decode_latents
-
-    record.clear()
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    latents = pipe(prompt=prompt, negative_prompt=negative, height=s["height"], width=s["width"],
-                   num_frames=s["frames"], num_inference_steps=steps, guidance_scale=guidance, generator=g,
-                   output_type="latent", max_sequence_length=s["text_len"]).frames
-    vae = pipe.vae
-    with torch.no_grad():
-        pixels = decode_latents(vae, latents.to(device))  # (B, 3, F, H, W) in [-1, 1]
-    video = ((pixels[0].permute(1, 2, 3, 0).float() + 1) / 2).clamp(0, 1).cpu()  # (F, H, W, 3)
-    return latents.float().cpu(), video, list(record)
 
 
 def main(argv=None) -> dict:

@@ -179,6 +179,7 @@ class DataConfig:
     token_budget: Optional[int] = knob(MISSING, ge=1, doc="DiT tokens per device batch; sets each bucket's batch")
     num_workers: int = knob(MISSING, ge=0)
     max_samples: Optional[int] = knob(MISSING, ge=1)
+    val_fraction: float = knob(MISSING, ge=0.0, lt=1.0, doc="share of the media files held out for the validation loss")
     dataset_repeat: int = knob(MISSING, ge=1, doc="each sample this many times per epoch")
     buckets: Optional[List[List[int]]] = MISSING  # [[height, width], ...]: aspect-ratio buckets; null: height x width
     probe: bool = MISSING  # check every media file before training (rejects unusable ones)
@@ -312,6 +313,26 @@ class ProgressConfig:
 
 
 @dataclass
+class ValidationConfig:
+    _target_: str = "wanexp.callbacks.validation.Validation"
+    output_dir: str = MISSING
+    every_n_steps: int = knob(MISSING, ge=0, doc="validate every N optimizer steps and at the end; 0: never")
+    prompts: List[str] = knob(MISSING)  # sampled with every seed; empty: no videos
+    seeds: List[int] = knob(MISSING)
+    first_frame: bool = knob(MISSING, doc="TI2V: sample image-to-video from held-out clips' first frames (I2V always)")
+    height: int = knob(MISSING, ge=1)
+    width: int = knob(MISSING, ge=1)
+    num_frames: int = knob(MISSING, ge=1, doc="4k+1")
+    fps: int = knob(MISSING, ge=1)
+    steps: int = knob(MISSING, ge=1, doc="sampling steps of the base model and of a LoRA that is not distilled")
+    guidance: float = knob(MISSING, ge=1.0, doc="CFG of the base model and of a LoRA that is not distilled")
+    negative_prompt: str = MISSING
+    loss_sigmas: List[float] = knob(MISSING)  # the held-out loss's noise levels (shifted sigma in [0, 1])
+    loss_samples: int = knob(MISSING, ge=0, doc="held-out samples the validation loss averages (the first N)")
+    timeout_s: int = knob(MISSING, ge=1, doc="how long the other ranks wait while rank 0 samples")
+
+
+@dataclass
 class PathsConfig:
     root_dir: str = MISSING
     data_dir: str = MISSING
@@ -372,6 +393,7 @@ SCHEMAS: dict[str, type] = {
     "callbacks/status": RunStatusConfig,
     "callbacks/progress": ProgressConfig,
     "callbacks/preemption": PreemptionConfig,
+    "callbacks/validation": ValidationConfig,
     "paths": PathsConfig,
 }
 

@@ -217,6 +217,19 @@ class BucketBatchSampler(Sampler[list[int]]):
                    for k, idx in self._groups().items())
 
 
+def heldout_rows(paths: list[str], fraction: float) -> list[bool]:
+    """Which rows are held out of training: those whose media path hashes below ``fraction`` (every window of a clip
+    goes the same way), so the split depends on the file only, never on the row order, the seed or the world size.
+    A fraction > 0 holds out at least one file (the lowest hash)."""
+    import hashlib
+
+    if fraction <= 0 or not paths:
+        return [False] * len(paths)
+    h = {p: int(hashlib.sha1(os.fspath(p).encode()).hexdigest()[:12], 16) / 16**12 for p in set(paths)}
+    cut = fraction if any(v < fraction for v in h.values()) else min(h.values()) + 1e-12
+    return [h[p] < cut for p in paths]
+
+
 def collate(items: list[dict]) -> dict:
     batch = {k: torch.stack([it[k] for it in items]) for k in ("pixels", "latents", "text", "image_latent")
              if k in items[0]}
@@ -229,7 +242,7 @@ class WanDataModule(L.LightningDataModule):
                  frame_stride: int, window: str, windows_per_clip: int, batch_size: int, token_budget: int | None, num_workers: int, max_samples: int | None, dataset_repeat: int,
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
-                 generate: dict | None, seed: int,
+                 generate: dict | None, seed: int, val_fraction: float = 0.0,
                  encoders: dict | None = None):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, and ``encoders``: what
         identifies the model's VAE and text encoder for cache keys (``WanSpec.encoder_info()``; None: no cache)."""
@@ -251,6 +264,8 @@ class WanDataModule(L.LightningDataModule):
         self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
         self.dataset: ClipDataset | None = None
         self.steps_done = 0  # optimizer steps the restored checkpoint had done (0: a fresh run)
+        self.val_fraction = float(val_fraction)  # share of the media files held out of training (validation loss)
+        self.val_dataset: ClipDataset | CachedDataset | None = None  # the held-out samples (never trained on)
 
     def prepare(self) -> None:
         """Generate the synthetic clips if this data group asks for them (idempotent, safe across ranks)."""
@@ -337,6 +352,13 @@ class WanDataModule(L.LightningDataModule):
         if self.dataset is not None:
             return
         samples, shapes, starts, available = self.items()
+        base = Path(self.root) if self.root else self.metadata.parent  # the split is the same wherever the data is
+        held = heldout_rows([os.path.relpath(s.path, base) for s in samples], self.val_fraction)
+        val = [i for i in range(len(samples)) if held[i]]
+        train = [i for i in range(len(samples)) if not held[i]]
+        val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available)]
+        samples, shapes, starts, available = ([lst[i] for i in train] for lst in (samples, shapes, starts, available))
+        self.report["heldout"] = len(val)
         cacheable = self.encoders and self.cache_dir and self.window != "random"  # random windows change each epoch
         self.keys = self.cache_keys(samples, shapes, starts) if cacheable else []
         index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
@@ -349,6 +371,29 @@ class WanDataModule(L.LightningDataModule):
             self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders["text_len"])
         else:
             self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride, starts * r, available * r, self.seed)
+        if val:
+            vs, vsh, vst, vav = val_items
+            vkeys = self.cache_keys(vs, vsh, vst) if cacheable else []
+            if self.cached and all(k in index for pair in vkeys for k in pair):
+                self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders["text_len"])
+            else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
+                self.val_dataset = ClipDataset(vs, vsh, self.frame_stride, vst, vav, self.seed)
+
+    def val_batches(self, limit: int | None = None):
+        """The held-out samples as loader batches of one sample each, in a fixed order (the first ``limit``)."""
+        if self.val_dataset is None:
+            return
+        for i in range(len(self.val_dataset) if limit is None else min(limit, len(self.val_dataset))):
+            yield collate([self.val_dataset[i]])
+
+    def first_frames(self, n: int, height: int, width: int) -> list[torch.Tensor]:
+        """The first frames (3, height, width) in [-1, 1] of the first ``n`` held-out samples (else training
+        samples), for image-to-video validation; fewer when there are fewer samples."""
+        ds = self.val_dataset if self.val_dataset is not None else self.dataset
+        frames = []
+        for s in ds.samples[:n]:
+            frames.append(load_clip(s, 1, height, width)[:, 0])
+        return frames
 
     def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int]) -> list[tuple[str, str]]:
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""

@@ -1,0 +1,85 @@
+"""The validation callback: videos of the base model at step 0, of the LoRA every N steps and at the end; a
+deterministic held-out loss on rows never trained on; a distilled LoRA sampled on its student steps vs the teacher."""
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import av
+import pytest
+import torch
+
+from tests.integration.conftest import tiny_run
+from wanexp.callbacks.sweep import point_row
+from wanexp.callbacks.validation import Validation
+from wanexp.data.datamodule import heldout_rows
+
+# one prompt, a few sampling steps: seconds on CPU
+FAST = ["callbacks.validation.every_n_steps=2", "callbacks.validation.prompts=[a red ball rolls]",
+        "callbacks.validation.seeds=[0]", "callbacks.validation.steps=2", "callbacks.validation.loss_samples=2",
+        "data.val_fraction=0.2"]
+
+
+def _frames(path: Path) -> int:
+    with av.open(str(path)) as c:
+        return sum(1 for _ in c.decode(video=0))
+
+
+def _logged(out: Path, key: str) -> dict[int, float]:
+    (metrics,) = (out / "logs").glob("version_*/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+
+
+def _callback(result) -> Validation:
+    return next(c for c in result["trainer"].callbacks if isinstance(c, Validation))
+
+
+def test_videos_at_step_0_every_n_steps_and_the_end_and_a_deterministic_heldout_loss(shared_dir, tmp_path):
+    r = tiny_run(shared_dir, tmp_path / "run", [*FAST, "trainer.max_steps=5"])
+    out, cfg = Path(r["output_dir"]), r["cfg"]
+    v = out / "validation"
+    # the base model once at step 0 (a fresh LoRA is zero: no LoRA video there), the LoRA at 2, 4 and the end (5)
+    assert sorted(p.relative_to(v).as_posix() for p in v.rglob("*.mp4")) == [
+        "step_000000/p0_s0_base.mp4", "step_000002/p0_s0.mp4", "step_000004/p0_s0.mp4", "step_000005/p0_s0.mp4"]
+    assert all(_frames(p) == cfg.callbacks.validation.num_frames for p in v.rglob("*.mp4"))
+    # val/loss logged at each validation, in status.jsonl, and read by the sweep summary
+    logged = _logged(out, "val/loss")
+    assert sorted(logged) == [0, 2, 4, 5] and all(x > 0 for x in logged.values())
+    history = [json.loads(x) for x in (out / "status.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history if "val_loss" in h] == [0, 2, 4, 5]
+    assert point_row(out)["val_loss"] == pytest.approx(logged[5])
+    # the held-out rows: never in the training set; the split depends on the file only, not on the row order
+    dm = r["trainer"].datamodule
+    held = {s.path for s in dm.val_dataset.samples}
+    assert held and held.isdisjoint(s.path for s in dm.dataset.samples)
+    paths = [f"clip_{i}.mp4" for i in range(50)]
+    shuffled = random.Random(0).sample(paths, len(paths))
+    split = dict(zip(paths, heldout_rows(paths, 0.2)))
+    assert dict(zip(shuffled, heldout_rows(shuffled, 0.2))) == split and 0 < sum(split.values()) < 50
+    # deterministic: the final weights evaluated twice give the value logged at the end, exactly
+    cb = _callback(r)
+    cb.prompts = []
+    module, trainer = r["module"], r["trainer"]
+    with torch.no_grad():
+        again = [cb._run(trainer, module, 5, base=False)["metrics"]["val/loss"] for _ in range(2)]
+    assert again[0] == again[1] == cb.results[-1]["metrics"]["val/loss"]
+
+
+def test_a_distilled_lora_validates_on_its_student_steps_against_the_teacher(shared_dir, tmp_path):
+    r = tiny_run(shared_dir, tmp_path / "run", [*FAST, "objective=dmd", "objective.generator_every=1",
+                                                "trainer.max_steps=2"])
+    out = Path(r["output_dir"])
+    objective = r["module"].objective
+    results = _callback(r).results
+    assert [x["step"] for x in results] == [0, 2]
+    for x in results:  # the transformer saw exactly the training's student steps, one call each (no CFG pass)
+        assert x["timesteps"]["p0_s0"] == pytest.approx([1000 * s for s in objective.student_sigmas], rel=1e-5)
+    for key in ("val/teacher_latent_mse", "val/teacher_psnr", "val/teacher_ssim"):
+        assert sorted(_logged(out, key)) == [0, 2]
+    gap = results[-1]["metrics"]
+    assert gap["val/teacher_latent_mse"] > 0 and 0 < gap["val/teacher_ssim"] <= 1 and gap["val/teacher_psnr"] > 0
+    assert (out / "validation" / "step_000000" / "p0_s0_base.mp4").is_file()  # the teacher, logged once
+    assert (out / "validation" / "step_000002" / "p0_s0.mp4").is_file()
