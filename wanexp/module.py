@@ -79,7 +79,7 @@ class WanModule(L.LightningModule):
         if not self.automatic_optimization:
             return self._manual_step(encoded)
         out = self.objective(encoded, self.denoiser)
-        finite = torch.isfinite(out.loss.detach())  # checked (one sync) once per optimizer step, before it
+        finite = torch.isfinite(out.loss.detach())  # read before the optimizer step (on_before_optimizer_step)
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self.log("train/loss", out.loss, prog_bar=True, batch_size=out.batch_size)
         self._log_metrics(out.metrics)
