@@ -158,11 +158,13 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     if cfg.overwrite and ckpt is None and launch_rank() == 0:
         clear_run_folder(out)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    if objective.manual:  # several adapters, each step trains one: the objective clips per adapter
-        with open_dict(cfg):
+    with open_dict(cfg):
+        if objective.manual:  # several adapters, each step trains one: the objective clips per adapter
             cfg.trainer.gradient_clip_val = None
-            if cfg.parallel.name == "ddp":  # the other adapter's parameters get no gradient in a step
-                cfg.parallel.strategy.find_unused_parameters = True
+        # Parameters a step may leave without a gradient on some rank: the other adapter (DMD), or an expert that no
+        # sample of this rank's batch was routed to (two A14B experts): DDP must not wait for them.
+        if cfg.parallel.name == "ddp" and (objective.manual or len(spec.trained_experts(cfg.boundary.name)) > 1):
+            cfg.parallel.strategy.find_unused_parameters = True
 
     trainer = build_trainer(cfg, out)
     o = cfg.optim
