@@ -191,8 +191,8 @@ def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights
             deadline = time.time() + 120
             target = min(steps - 5, newest + rng.randint(1, 3))  # the kill comes before the run could end
             while time.time() < deadline and proc.poll() is None:
-                if during_save:  # a checkpoint is being written: its temporary file exists, its final name not yet
-                    if list((out / "checkpoints").glob(".step_*.tmp")):
+                if during_save:  # this process is writing a checkpoint: its temporary file exists, its final name not
+                    if list((out / "checkpoints").glob(f".step_*.{proc.pid}.tmp")):  # (not an earlier kill's leftover)
                         break
                 else:
                     try:
@@ -215,7 +215,7 @@ def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights
         saved = _complete_checkpoints(out)  # each final-named file is whole, whenever the kill came
         assert all(name == "last.ckpt" or name == f"step_{step:06d}.ckpt" for name, step in saved.items()), saved
         if during_save:
-            assert list((out / "checkpoints").glob(".step_*.tmp")), "the kill came during a save"
+            assert list((out / "checkpoints").glob(f".step_*.{proc.pid}.tmp")), "the kill came during a save"
 
     res = run_cli([*common, f"paths.output_dir={out}", "resume=auto"], env={"TMPDIR": str(tmpdir)})
     assert res.returncode == 0, res.stderr[-3000:]
