@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -145,8 +146,6 @@ def resume_path(resume: str | None, out: Path) -> str | None:
 
 def clear_run_folder(out: Path) -> None:
     """overwrite=true: remove what an earlier run of this folder wrote (rank 0 only, under the lock)."""
-    import shutil
-
     for sub in (CHECKPOINTS, "lora", "logs"):
         shutil.rmtree(Path(out) / sub, ignore_errors=True)
     (Path(out) / "status.json").unlink(missing_ok=True)
@@ -156,12 +155,10 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
     """Temporary files of writes a killed process never finished (a SIGKILL runs no cleanup). Called under the lock,
     so no live process of this run is writing them."""
     out = Path(out)
-    found = [p for p in (*out.glob(f"{CHECKPOINTS}/.*.tmp"), *out.glob("lora/**/.*.tmp"), *out.glob(".*.tmp"))]
-    found += [p for p in out.glob("lora/.final.tmp")]
+    # lora/**/ covers lora/.final.tmp (a folder) and the LoRA files' temporaries of each step folder
+    found = [*out.glob(f"{CHECKPOINTS}/.*.tmp"), *out.glob("lora/**/.*.tmp"), *out.glob(".*.tmp")]
     for p in found:
         if p.is_dir():
-            import shutil
-
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)

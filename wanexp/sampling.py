@@ -18,11 +18,6 @@ from pathlib import Path
 import torch
 
 
-def student_sigmas(timesteps: list[float], shift: float) -> list[float]:
-    """The shifted sigmas of a distilled LoRA's student steps (what training used)."""
-    return [shift * (t / 1000.0) / (1 + (shift - 1) * (t / 1000.0)) for t in timesteps]
-
-
 def student_scheduler(timesteps: list[float], shift: float):
     """diffusers' flow-matching Euler scheduler with stochastic sampling on fixed student steps: at each step
     x0 = x_t - sigma v, then x_next = (1 - sigma_next) x0 + sigma_next noise (the DMD rollout of training)."""

@@ -23,7 +23,7 @@ import torch
 from wanexp.errors import ConfigError, UserError
 # The sampling functions live in wanexp.sampling (the validation callback uses them too); these names stay here.
 from wanexp.sampling import generate as _generate
-from wanexp.sampling import lora_header, psnr, ssim, student_scheduler, student_sigmas  # noqa: F401
+from wanexp.sampling import lora_header, psnr, ssim, student_scheduler  # noqa: F401
 
 
 def _parse(argv):

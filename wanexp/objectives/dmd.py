@@ -25,8 +25,8 @@ import torch
 
 from wanexp.lora import use_adapter
 from wanexp.objectives.base import Objective, ObjectiveOutput
-from wanexp.objectives.flow_matching import add_noise, masked_mse
-from wanexp.objectives.timesteps import sample_sigmas, shift_sigma
+from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
+from wanexp.objectives.timesteps import shift_sigma
 
 
 def _per_sample(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ class DMD(Objective):
                  guidance_scale: float, negative_prompt: str, generator_every: int, generator: dict, critic: dict):
         """The arguments are the ``objective=dmd`` group (config.schema.DMDConfig)."""
         super().__init__(name)
-        self.timestep = dict(timestep)
+        self.noise_levels = FlowMatching(name=name, timestep=timestep)  # its sigma sampler, on the boundary's range
         self.student_timesteps = [int(t) for t in student_timesteps]
         self.student_shift = float(student_shift)
         self.guidance_scale = float(guidance_scale)
@@ -80,10 +80,7 @@ class DMD(Objective):
 
     # ---- the losses -----------------------------------------------------------------------------------------------
     def _sigmas(self, n: int, denoiser, device, generator=None) -> torch.Tensor:
-        t = self.timestep
-        return sample_sigmas(n, lo=denoiser.sigma_range[0], hi=denoiser.sigma_range[1], shift=float(t["shift"]),
-                             scheme=t["sampling"], logit_mean=float(t["logit_mean"]), logit_std=float(t["logit_std"]),
-                             generator=generator, device=device)
+        return self.noise_levels.sample_sigmas(n, *denoiser.sigma_range, generator=generator, device=device)
 
     def rollout(self, batch, denoiser, exit_k: int, grad: bool, generator=None):
         """The generator's sample x0 after ``exit_k + 1`` student steps from noise, and the loss mask."""

@@ -24,8 +24,7 @@ from torch import nn
 
 from wanexp.errors import ConfigError
 from wanexp.objectives.base import Objective, ObjectiveOutput
-from wanexp.objectives.flow_matching import add_noise, masked_mse
-from wanexp.objectives.timesteps import sample_sigmas
+from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 
 STUDENT = "student"
 
@@ -44,7 +43,7 @@ class KnowledgeDistillation(Objective):
     def __init__(self, *, name: str, timestep: dict, student: dict):
         """The arguments are the ``objective=kd`` group (config.schema.KDConfig)."""
         super().__init__(name)
-        self.timestep = dict(timestep)
+        self.noise_levels = FlowMatching(name=name, timestep=timestep)  # its sigma sampler, on the boundary's range
         self.student_overrides = dict(student)
         self.student: nn.Module | None = None
         self._student_denoiser = None
@@ -104,10 +103,7 @@ class KnowledgeDistillation(Objective):
         if self._student_denoiser is None:  # the teacher's denoiser, around the student (same conditioning)
             self._student_denoiser = type(denoiser)(denoiser.spec, {"dense": self.student}, denoiser.sigma_range)
         x0, b = batch.x0, batch.size
-        t = self.timestep
-        sigma = sample_sigmas(b, lo=denoiser.sigma_range[0], hi=denoiser.sigma_range[1], shift=float(t["shift"]),
-                              scheme=t["sampling"], logit_mean=float(t["logit_mean"]),
-                              logit_std=float(t["logit_std"]), generator=generator, device="cpu")
+        sigma = self.noise_levels.sample_sigmas(b, *denoiser.sigma_range, generator=generator, device="cpu")
         noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
         x_t = add_noise(x0, noise, sigma.to(x0.device))
         batch = replace(batch, cond=denoiser.spec.sample_condition(batch.cond, b, generator))
