@@ -138,3 +138,26 @@ class FaultyFlowMatching(FlowMatching):
         if self.calls in self.nan_grad_at:
             out.loss = _NaNGrad.apply(out.loss)
         return out
+
+
+class ExpertProbe(Callback):
+    """Records, per optimizer step, which expert transformers ran a forward on this rank (``{path}.rank<r>``, JSON
+    lines ``{"step", "experts"}``)."""
+
+    def __init__(self, path: str):
+        self.path, self.ran, self.handles = path, set(), []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name, t in pl_module.transformers.items():
+            self.handles.append(t.register_forward_pre_hook(lambda *_, n=name: self.ran.add(n)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import json
+
+        with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "experts": sorted(self.ran)}) + "\n")
+        self.ran = set()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for h in self.handles:
+            h.remove()

@@ -24,7 +24,7 @@ from wanexp.optim import build_optimizer, lr_lambda
 class WanModule(L.LightningModule):
     def __init__(self, spec: WanSpec, adapter, objective: Objective, boundary: dict, optimizer: Callable, lr: float,
                  schedule: dict, max_steps: int = -1, load_encoders: bool = True, allow_resume_changes: bool = False,
-                 max_bad_steps: int = 10):
+                 max_bad_steps: int = 10, seed: int = 0):
         super().__init__()
         self.spec, self.adapter, self.objective = spec, adapter, objective
         self.boundary_name = boundary["name"]
@@ -35,6 +35,7 @@ class WanModule(L.LightningModule):
         self.load_encoders = load_encoders  # False when every batch carries cached latents and text embeddings
         self.allow_resume_changes = allow_resume_changes
         self.max_bad_steps = max_bad_steps  # non-finite steps in a row that stop the run
+        self.seed = seed
         self._skipped = torch.zeros((), dtype=torch.long)  # steps skipped for a non-finite loss or gradient (device)
         self._bad_in_row = torch.zeros((), dtype=torch.long)
         self._loss_finite: torch.Tensor | None = None  # every loss of the current optimizer step was finite
@@ -61,21 +62,46 @@ class WanModule(L.LightningModule):
             self.transformers[e] = t
         for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
             self.students[name] = m  # e.g. KD's student: trained in full
+        sp_size = int(getattr(self._trainer.strategy, "sp_size", 1) or 1) if self._trainer else 1
+        if sp_size > 1:  # sequence parallel: each training forward keeps 1/sp of the tokens (models/sequence.py)
+            from wanexp.models import sequence
+
+            group = sequence.build_group(sp_size)
+            for t in [*self.transformers.values(), *self.students.values()]:
+                sequence.enable(t, group)
         if self.load_encoders:
             self.encoders = _readable(self.spec, "the VAE and text encoder", self.spec.load_encoders)
         self.trainable_names = [n for n, p in self.named_parameters() if p.requires_grad]
         parallelize = getattr(self._trainer.strategy, "parallelize_module", None) if self._trainer else None
         if parallelize is not None:  # FSDP: shard after the adapters are added, before optimizers exist
             parallelize(self)
+        # sharded experts: every rank must run the same expert in a step (models/denoiser.py:expert_for_step)
+        self._expert_per_step = parallelize is not None and len(self.expert_names) > 1 and \
+            self._trainer.world_size > 1 and not self.objective.manual  # (DMD + FSDP + two experts is refused)
         # Every rank loads the same frozen weights from disk: DDP need not broadcast or watch them.
         trainable = set(self.trainable_names)
         self._ddp_params_and_buffers_to_ignore = [n for n, _ in self.named_parameters() if n not in trainable] + [
             n for n, _ in self.named_buffers()
         ]
 
+    def setup(self, stage: str) -> None:
+        """Each data-parallel rank draws its own noise, timesteps and conditioning choices (seed + its data rank;
+        rank 0 keeps the run's seed); the ranks of one sequence-parallel group share one sample, so they share these
+        too. A resumed run puts every rank's saved streams back at its first step (wanexp/rng.py)."""
+        sp = int(getattr(self.trainer.strategy, "sp_size", 1) or 1)
+        dp_rank = self.trainer.global_rank // sp
+        if dp_rank:
+            torch.manual_seed(self.seed + 1_000_003 * dp_rank)
+
     # ---- the step -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int):
         encoded = cached_batch(batch) if "latents" in batch else self.encoders(batch)
+        if getattr(self, "_expert_per_step", False):
+            from wanexp.models.denoiser import expert_for_step
+
+            sampler = getattr(self.objective, "noise_levels", self.objective)
+            self.denoiser.step_expert, self.denoiser.sigma_range = expert_for_step(
+                sampler, self.sigma_range, self.spec.boundary_ratio, self.seed, self.global_step)
         if not self.automatic_optimization:
             return self._manual_step(encoded)
         out = self.objective(encoded, self.denoiser)

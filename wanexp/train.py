@@ -108,6 +108,8 @@ def run(cfg: DictConfig) -> dict:
     """Train one run described by a composed config. Returns paths of what it wrote."""
     # Checks and light components first: a bad run fails in seconds, before Lightning or any weight loads.
     check_config(cfg)
+    for key, value in (cfg.parallel.env or {}).items():  # before CUDA/NCCL start; children inherit it
+        os.environ.setdefault(str(key), str(value))
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
     prepare_model_folder(spec, cfg.boundary.name)
     check_paths(cfg)
@@ -168,20 +170,25 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
 
     trainer = build_trainer(cfg, out)
     o = cfg.optim
-    effective = int(cfg.data.batch_size) * trainer.world_size * int(cfg.trainer.accumulate_grad_batches)
+    sp = int(cfg.parallel.sp_size)
+    trainer.strategy.sp_size = sp  # read by the module, the datamodule and the status callback
+    dp_size = trainer.world_size // sp
+    effective = int(cfg.data.batch_size) * dp_size * int(cfg.trainer.accumulate_grad_batches)
     lr = scaled_lr(float(o.lr), o.lr_scaling, effective, int(o.reference_batch))
     if trainer.global_rank == 0:
         lrs = f"lr {lr:g} (optim.lr={o.lr:g}, lr_scaling={o.lr_scaling}, reference_batch={o.reference_batch})"
         if objective.manual:  # one optimizer per adapter, with the objective's own settings
             lrs = "lr " + ", ".join(f"{k} {v['lr']:g}" for k, v in objective.optimizer_settings().items()) + \
                 f" (objective={objective.name}; each step trains one adapter)"
-        print(f"wanexp: effective batch {effective} = {cfg.data.batch_size} per device x {trainer.world_size} "
-              f"device(s) x {cfg.trainer.accumulate_grad_batches} accumulation; {lrs}", flush=True)
+        ranks = f"{dp_size} data-parallel rank(s) of {sp} device(s) each (parallel.sp_size)" if sp > 1 else \
+            f"{trainer.world_size} device(s)"
+        print(f"wanexp: effective batch {effective} = {cfg.data.batch_size} per device x {ranks} x "
+              f"{cfg.trainer.accumulate_grad_batches} accumulation; {lrs}", flush=True)
     module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
                        allow_resume_changes=bool(cfg.allow_resume_changes),
-                       max_bad_steps=int(cfg.guard.max_bad_steps))
+                       max_bad_steps=int(cfg.guard.max_bad_steps), seed=int(cfg.seed))
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(redacted(OmegaConf.to_container(cfg, resolve=True))))

@@ -13,3 +13,22 @@ if _DELAY:
         _fsync(fd)
 
     os.fsync = _slow_fsync
+
+# ``WANEXP_TEST_FSDP_NO_RECOMPUTE_CAST=1``: FSDP2 as in torch <= 2.11, whose pre-forward hook returned early while a
+# checkpointed block was recomputed in the backward, skipping the mixed-precision cast of the block's inputs (torch
+# 2.13 casts them there too). tests/integration/test_fsdp_cpu.py runs FSDP + activation checkpointing under it.
+if os.environ.get("WANEXP_TEST_FSDP_NO_RECOMPUTE_CAST"):
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    _pre_forward = _fsdp_state.FSDPState._pre_forward
+
+    def _pre_forward_without_recompute_cast(self, module, args, kwargs):
+        if self._training_state == _fsdp_state.TrainingState.PRE_BACKWARD:
+            for group in self._fsdp_param_groups:  # unshard as torch does, but leave the inputs as they come
+                if not group.is_unsharded:
+                    group.unshard()
+                    group.wait_for_unshard()
+            return args, kwargs
+        return _pre_forward(self, module, args, kwargs)
+
+    _fsdp_state.FSDPState._pre_forward = _pre_forward_without_recompute_cast

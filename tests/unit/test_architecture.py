@@ -25,7 +25,7 @@ ALLOWED = {
     "models": {"errors", "config", "perf", "text"},
     "objectives": {"config", "errors", "lora"},
     "data": {"errors", "config", "text"},
-    "parallel": {"config"},
+    "parallel": {"config", "errors"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora"},
     "sampling": {"errors", "models", "data", "lora", "objectives"},
     "callbacks": {"errors", "sampling"},

@@ -99,3 +99,24 @@ def test_i2v_inputs_have_36_channels_and_mask_on_frame_zero():
     m = hidden[:, 16:20]
     assert torch.all(m[:, :, 0] == 1) and torch.all(m[:, :, 1:] == 0)
     assert torch.allclose(timestep, torch.tensor([950.0, 200.0]))
+
+
+def test_one_expert_per_step_keeps_each_samples_noise_distribution():
+    """Sharded experts train one expert per step (models/denoiser.py:expert_for_step); a sample's noise level must
+    still follow the objective's distribution over the whole range: the step's expert is high as often as a free
+    draw lands above the boundary, and the draws inside each expert's range follow the truncated distribution."""
+    from wanexp.models.denoiser import expert_for_step
+    from wanexp.objectives.flow_matching import FlowMatching
+
+    fm = FlowMatching(name="fm", timestep={"sampling": "logit_normal", "shift": 12.0, "logit_mean": 0.0,
+                                           "logit_std": 1.0})
+    boundary, n = 0.875, 4000
+    free = fm.sample_sigmas(20000, 0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    picks = [expert_for_step(fm, (0.0, 1.0), boundary, seed=3, step=s) for s in range(n)]
+    p_high, got = float((free >= boundary).double().mean()), sum(e == "high" for e, _ in picks) / n
+    assert abs(got - p_high) < 4 * (p_high * (1 - p_high) / n) ** 0.5
+    assert expert_for_step(fm, (0.0, 1.0), boundary, 3, 17) == picks[17]  # the same on every rank, and after a resume
+    g = torch.Generator().manual_seed(2)
+    mixed = torch.cat([fm.sample_sigmas(1, *rng, generator=g) for _, rng in picks])
+    qs = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9], dtype=torch.float64)
+    assert torch.allclose(mixed.double().quantile(qs), free.double().quantile(qs), atol=0.03)

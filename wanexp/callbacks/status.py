@@ -206,13 +206,14 @@ class RunStatus(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
-        self.samples += bs * trainer.world_size
-        self.tokens += batch_tokens(batch, getattr(pl_module, "spec", None)) * trainer.world_size
+        sp = int(getattr(trainer.strategy, "sp_size", 1) or 1)  # a sequence group of sp ranks shares each sample
+        self.samples += bs * trainer.world_size // sp
+        self.tokens += batch_tokens(batch, getattr(pl_module, "spec", None)) * trainer.world_size // sp
         self.seen += bs
         if batch.get("rejected"):
             self._reject_online(trainer, batch["rejected"])
-        if isinstance(outputs, dict):
-            self.flops = self.flops + outputs.get("flops", 0.0)
+        if isinstance(outputs, dict):  # a sample's FLOPs; under sequence parallel each rank computes 1/sp of them
+            self.flops = self.flops + outputs.get("flops", 0.0) / sp
         if trainer.global_step == self._step:
             return  # accumulating: no optimizer step yet
         self._step = trainer.global_step

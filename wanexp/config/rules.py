@@ -43,12 +43,29 @@ def check_rules(cfg: DictConfig) -> None:
     if d.window != "first" and not d.probe:
         raise ConfigError(f"data.window={d.window} with data.probe=false: windows need each clip's frame count; "
                           "set data.probe=true or data.window=first")
-    if p.name in ("fsdp", "deepspeed") and cfg.trainer.accelerator == "cpu":
+    if p.name in ("deepspeed",) and cfg.trainer.accelerator == "cpu":
         raise ConfigError(f"parallel={p.name} with trainer.accelerator=cpu: {p.name} needs GPUs; use parallel=ddp on CPU")
-    if p.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("parallel=deepspeed: the deepspeed package is not installed; pip install deepspeed "
-                          "on the GPU node, or use parallel=ddp|fsdp")
+    if p.name == "deepspeed":
+        check_deepspeed(cfg)
     o, t = cfg.objective, cfg.trainer
+    if o.name == "dmd" and p.name == "fsdp" and b.name == "full" and m.boundary_ratio is not None:
+        raise ConfigError(f"objective=dmd with parallel=fsdp and model={m.name} boundary=full: the ranks' critic and "
+                          "generator losses would run different sharded experts in one step; distil one expert per run "
+                          "(boundary=high|low) or use parallel=ddp")
+    if p.sp_size > 1:  # sequence parallel (wanexp/models/sequence.py)
+        if p.name not in ("ddp", "fsdp"):
+            raise ConfigError(f"parallel.sp_size={p.sp_size} with parallel={p.name}: sequence parallel runs under "
+                              "parallel=ddp or parallel=fsdp")
+        if not m.fast_modulation:
+            raise ConfigError(f"parallel.sp_size={p.sp_size} needs wanexp's transformer forward: set "
+                              "model.fast_modulation=true")
+        if o.name == "dmd":
+            raise ConfigError(f"parallel.sp_size={p.sp_size} with objective=dmd: DMD's gradient-free teacher and "
+                              "critic forwards are not sequence-split; use parallel.sp_size=1")
+        devices = t.devices if isinstance(t.devices, int) else None
+        if devices is not None and (devices * t.num_nodes) % p.sp_size:
+            raise ConfigError(f"parallel.sp_size={p.sp_size} with {devices * t.num_nodes} device(s): the device count "
+                              f"must be a multiple of sp_size; set trainer.devices to a multiple of {p.sp_size}")
     if str(t.precision) == "16-mixed":  # fp16 autocast with a grad scaler: the path for GPUs without fast bf16
         if t.accelerator == "cpu":
             raise ConfigError("trainer.precision=16-mixed with trainer.accelerator=cpu: fp16 mixed precision needs a "
@@ -71,6 +88,30 @@ def check_rules(cfg: DictConfig) -> None:
         for name, node in (cfg[group] or {}).items():
             if node is not None:
                 _check_target(f"{group}.{name}", node)
+
+
+def check_deepspeed(cfg: DictConfig) -> None:
+    """parallel=deepspeed: what DeepSpeed through Lightning can train (one optimizer; every rank runs the same
+    modules), and that the package is there."""
+    m, b, o, s = cfg.model, cfg.boundary, cfg.objective, cfg.parallel.strategy
+    if o.name == "dmd":
+        raise ConfigError("objective=dmd with parallel=deepspeed: DMD steps two adapters with two optimizers, and "
+                          "DeepSpeed under Lightning takes one; use parallel=ddp or parallel=fsdp")
+    if b.name == "full" and m.boundary_ratio is not None:
+        raise ConfigError(f"parallel=deepspeed with model={m.name} boundary=full: each sample goes to one of two "
+                          "experts, so ranks run different modules, which ZeRO's collectives cannot follow; use "
+                          "parallel=ddp, or train one expert with boundary=high|low")
+    if s.stage == 3 and m.compile:
+        raise ConfigError(f"parallel.strategy.stage=3 with model.compile=true: ZeRO-3 gathers each weight inside the "
+                          "compiled blocks, which recompile on every call and break activation checkpointing; set "
+                          "model.compile=false, or use parallel.strategy.stage=2 or parallel=fsdp (its blocks compile)")
+    if s.offload_parameters and s.stage != 3:
+        raise ConfigError(f"parallel.strategy.offload_parameters=true with parallel.strategy.stage={s.stage}: "
+                          "DeepSpeed offloads weights only under ZeRO stage 3; set parallel.strategy.stage=3 or "
+                          "parallel.strategy.offload_parameters=false")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("parallel=deepspeed: the deepspeed package is not installed; pip install 'wanexp[deepspeed]' "
+                          "(or deepspeed) on the GPU node, or use parallel=ddp|fsdp")
 
 
 def _check_target(key: str, node: DictConfig) -> None:

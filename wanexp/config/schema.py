@@ -214,9 +214,9 @@ class FSDPConfig:
 @dataclass
 class DeepSpeedConfig:
     _target_: str = "wanexp.parallel.deepspeed"
-    stage: int = knob(MISSING, ge=1, le=3, doc="ZeRO stage")
-    offload_optimizer: bool = MISSING
-    offload_parameters: bool = MISSING
+    stage: int = knob(MISSING, choices=(1, 2, 3), doc="ZeRO stage")
+    offload_optimizer: bool = MISSING  # optimizer state in CPU memory (the torch AdamW steps there)
+    offload_parameters: bool = MISSING  # stage 3 only: the weights in CPU memory
     timeout_s: int = knob(MISSING, ge=1)
 
 
@@ -224,6 +224,10 @@ class DeepSpeedConfig:
 class ParallelConfig:
     name: str = knob(MISSING, choices=PARALLEL)
     strategy: Any = MISSING  # "auto" or a node with _target_ (a Lightning Strategy)
+    sp_size: int = knob(1, ge=1, doc="sequence parallel: ranks that split each sample's tokens (Ulysses; ddp|fsdp)")
+    # Environment set before any CUDA or NCCL use, in every process (a variable already set in the shell wins):
+    # the allocator setting by default; on PCIe-only nodes e.g. NCCL_P2P_DISABLE / NCCL_IB_DISABLE (README).
+    env: Dict[str, str] = field(default_factory=lambda: {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
 
 # ---- trainer: lightning.Trainer arguments ----------------------------------------------------------------------

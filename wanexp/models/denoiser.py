@@ -30,6 +30,7 @@ class Denoiser:
         self.spec = spec
         self.transformers = transformers
         self.sigma_range = sigma_range  # the shifted-sigma range these experts are trained on (the boundary)
+        self.step_expert: str | None = None  # set for a step: every sample goes to this expert (see expert_for_step)
 
     @property
     def experts(self) -> list[str]:
@@ -50,7 +51,10 @@ class Denoiser:
         if len(self.experts) == 1:
             routes = route(sigma_dev, self.experts, self.spec.boundary_ratio)
             return Prediction(self._forward(self.experts[0], hidden, timestep, batch.text), mask, routes)
-        routes_host = route(sigma.cpu(), self.experts, self.spec.boundary_ratio)  # no-op (no sync) for a host sigma
+        if self.step_expert is not None:  # one expert for the whole step (sharded experts): no per-sample routing
+            routes_host = torch.full((hidden.shape[0],), self.experts.index(self.step_expert), dtype=torch.long)
+        else:
+            routes_host = route(sigma.cpu(), self.experts, self.spec.boundary_ratio)  # no sync for a host sigma
         velocity = None
         for k, expert in enumerate(self.experts):
             idx_host = (routes_host == k).nonzero().squeeze(1)
@@ -70,3 +74,22 @@ class Denoiser:
         """Model FLOPs of one forward + backward (LoRA: no base-weight gradients) over latents of this shape."""
         config = next(iter(self.transformers.values())).config
         return transformer_step_flops(config, latent_shape, text_len, checkpointing=self.spec.gradient_checkpointing)
+
+
+def expert_for_step(sampler, sigma_range: tuple[float, float], boundary_ratio: float, seed: int,
+                    step: int) -> tuple[str, tuple[float, float]]:
+    """The expert every rank trains at ``step`` when the experts are sharded (FSDP: a rank that ran one expert while
+    another ran the other would pair their weight all-gathers -- both experts have the same shapes -- and mix them
+    silently), and the sigma range its samples are then drawn from.
+
+    One noise level is drawn from the objective's own distribution with a generator seeded by (seed, step) -- the
+    same on every rank, and again after a resume -- and its expert is the step's. Each rank then draws its samples'
+    noise levels from that distribution truncated to the expert's part of the range, so every sample's noise level
+    keeps exactly the distribution of per-sample routing; only the samples of one step share an expert.
+    ``sampler``: an object with ``sample_sigmas(n, lo, hi, generator=...)`` (objectives.FlowMatching)."""
+    lo, hi = sigma_range
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+    s = float(sampler.sample_sigmas(1, lo, hi, generator=g)[0])
+    if s >= boundary_ratio:
+        return "high", (max(lo, boundary_ratio), hi)
+    return "low", (lo, min(hi, boundary_ratio))

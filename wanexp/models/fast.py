@@ -88,6 +88,17 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     frames, ph_, pw_ = f // pt, h // ph, w // pw
     rotary_emb = self.rope(hidden_states)
     hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+    # sequence parallel (models/sequence.py): training forwards keep this rank's share of the tokens
+    sp = getattr(self, "_wanexp_sp", None) if torch.is_grad_enabled() else None
+    if getattr(self, "_wanexp_sp", None) is not None:
+        from wanexp.models import sequence
+
+        sequence.set_active(self, sp is not None)
+    tokens = hidden_states.shape[1]
+    if sp is not None:
+        sequence.check_divisible(tokens, self.config.num_attention_heads, sp.size)
+        hidden_states = sequence.shard(hidden_states, sp)
+        rotary_emb = tuple(sequence.shard(r, sp) for r in rotary_emb)
 
     if timestep.ndim == 2:  # per token (TI2V): one embedding per (sample, latent frame)
         t = frame_timesteps(timestep, frames).flatten()
@@ -99,6 +110,8 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     if groups is None:
         temb, timestep_proj = temb.unsqueeze(1), timestep_proj.unsqueeze(1)
     timestep_proj = timestep_proj.unflatten(2, (6, -1))  # (B, G, 6, D)
+    if sp is not None:  # the modulation rows of this rank's tokens
+        temb, timestep_proj = (sequence.shard_modulation(x, tokens, sp) for x in (temb, timestep_proj))
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
 
@@ -121,6 +134,8 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     norm = _grouped(self.norm_out(hidden_states.float()), g)
     hidden_states = (norm * (1 + scale) + shift).view(*bl, d).type_as(hidden_states)
     hidden_states = self.proj_out(hidden_states)
+    if sp is not None:
+        hidden_states = sequence.gather(hidden_states, sp)
     hidden_states = hidden_states.reshape(b, frames, ph_, pw_, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
     output = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
     if not return_dict:

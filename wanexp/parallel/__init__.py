@@ -3,7 +3,7 @@
     parallel=single    "auto" (Lightning picks the one device)
     parallel=ddp       ddp(...)                       -> lightning DDPStrategy
     parallel=fsdp      fsdp.WanFSDPStrategy(...)      -> FSDP2 per WanTransformerBlock
-    parallel=deepspeed deepspeed(...)                 -> lightning DeepSpeedStrategy
+    parallel=deepspeed deepspeed(...)                 -> zero.WanDeepSpeedStrategy (Lightning's DeepSpeedStrategy)
 """
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ def ddp(*, timeout_s: int, **kwargs):
     return DDPStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def deepspeed(*, timeout_s: int, **kwargs):
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+def deepspeed(*, stage: int, offload_optimizer: bool = False, offload_parameters: bool = False, timeout_s: int,
+              **kwargs):
+    """ZeRO ``stage`` 1-3 with optional CPU offload of the optimizer state and (stage 3) of the parameters; the
+    config and what differs from Lightning's defaults are in wanexp/parallel/zero.py."""
+    from wanexp.parallel.zero import WanDeepSpeedStrategy
 
-    return DeepSpeedStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)
+    return WanDeepSpeedStrategy(stage=stage, offload_optimizer=offload_optimizer,
+                                offload_parameters=offload_parameters, timeout_s=timeout_s, **kwargs)

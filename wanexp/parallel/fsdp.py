@@ -35,16 +35,22 @@ class WanFSDPStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
-                      mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32))
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        root_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        # Blocks do not cast their inputs: a checkpointed block recomputed in the backward must see the inputs its
+        # forward saw, and FSDP2 up to torch 2.11 skipped that cast in the recompute (the rotary tables then came
+        # back fp32 where the forward had bf16: CheckpointError). The root casts the model inputs once; what the
+        # root computes in fp32 (rotary tables) reaches every block as fp32 in both passes, as under DDP.
+        block_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32,
+                                            cast_forward_inputs=False)
         # the loaded transformers, and models an objective trains in full (KD's student)
         for transformer in [*module.transformers.values(), *getattr(module, "students", {}).values()]:
             for block in transformer.blocks:
                 if isinstance(block, WanTransformerBlock):
-                    fully_shard(block, **kwargs)
-            fully_shard(transformer, **kwargs)
+                    fully_shard(block, mp_policy=block_policy, **kwargs)
+            fully_shard(transformer, mp_policy=root_policy, **kwargs)
 
     def lightning_module_state_dict(self) -> dict:
         """Full tensors of the trainable parameters only (a collective: every rank calls it; rank 0 keeps them)."""

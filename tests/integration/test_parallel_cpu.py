@@ -1,0 +1,100 @@
+"""Multi-process strategies on CPU (gloo) through ``python train.py``, as a user runs them:
+
+- FSDP2 with activation checkpointing and bf16-mixed trains and resumes, also under FSDP2 as torch <= 2.11 had it
+  (no input cast while a checkpointed block is recomputed: the CheckpointError a 4-GPU A14B run hit);
+- sequence parallel (fsdp, sp=2, checkpointing) trains the same LoRA as one process with sp=1;
+- the data-parallel split under sequence parallel (4 processes, dp=2 x sp=2): both ranks of a sequence group get
+  the same samples, the two groups disjoint ones.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli
+
+FAULTS = str(Path(__file__).resolve().parents[1] / "faults")
+
+
+def _base(shared_dir, out, steps=4):
+    return ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+            f"paths.output_dir={out}", "data.use_cache=false", f"trainer.max_steps={steps}",
+            "callbacks.progress=null", "trainer.log_every_n_steps=1", "optim.warmup_steps=0"]
+
+
+def _status(out: Path) -> dict:
+    return json.loads((out / "status.json").read_text())
+
+
+def test_fsdp_with_checkpointing_and_bf16_trains_and_resumes(shared_dir, tmp_path):
+    out = tmp_path / "run"
+    args = _base(shared_dir, out) + [
+        "parallel=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "parallel.strategy.timeout_s=120",
+        "model.gradient_checkpointing=true", "trainer.precision=bf16-mixed", "model.dtype=bf16",
+        "callbacks.checkpoint.every_n_train_steps=2"]
+    env = {"PYTHONPATH": FAULTS, "WANEXP_TEST_FSDP_NO_RECOMPUTE_CAST": "1"}
+    res = run_cli(args, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _status(out)["step"] == 4 and _status(out)["world_size"] == 2
+    res = run_cli([a.replace("trainer.max_steps=4", "trainer.max_steps=6") for a in args] + ["resume=last", "allow_resume_changes=true"],
+                  timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    status = _status(out)
+    assert status["state"] == "finished" and status["step"] == 6
+    lora = load_file(str(out / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
+    assert all(torch.isfinite(v).all() for v in lora.values())
+    assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)
+
+
+def test_sequence_parallel_trains_the_one_process_lora(shared_dir, tmp_path):
+    common = ["model.gradient_checkpointing=true", "optim.lr=1e-2", "trainer.max_steps=3"]
+    one, two = tmp_path / "one", tmp_path / "sp2"
+    res = run_cli(_base(shared_dir, one) + common, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli(_base(shared_dir, two) + common + [
+        "parallel=fsdp", "parallel.strategy.param_dtype=fp32", "parallel.sp_size=2", "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "parallel.strategy.timeout_s=120"], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "1 data-parallel rank(s) of 2 device(s) each" in res.stdout
+    a = load_file(str(one / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
+    b = load_file(str(two / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
+    assert a.keys() == b.keys()
+    moved = [k for k in a if "lora_B" in k and a[k].abs().max() > 0]
+    assert moved
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5, msg=k)  # Adam amplifies fp32 reduction-order noise
+
+
+def test_sequence_groups_share_samples_and_data_groups_split_them(shared_dir, tmp_path):
+    out, rec = tmp_path / "run", tmp_path / "batches"
+    res = run_cli(_base(shared_dir, out, steps=2) + [
+        "parallel=ddp", "parallel.sp_size=2", "trainer.accelerator=cpu", "trainer.devices=4",
+        "parallel.strategy.timeout_s=120", "data.batch_size=1",
+        "+callbacks.recorder._target_=tests.helpers.BatchRecorder", f"+callbacks.recorder.path={rec}"], timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = {r: [json.loads(line)["index"] for line in Path(f"{rec}.rank{r}").read_text().splitlines()]
+            for r in range(4)}
+    assert all(len(seen[r]) == 2 for r in range(4))
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # one sequence group: the same samples
+    assert not {i for b in seen[0] for i in b} & {i for b in seen[2] for i in b}  # two data-parallel ranks: disjoint
+
+
+def test_fsdp_runs_the_same_expert_on_every_rank_each_step(shared_dir, tmp_path):
+    """Two A14B experts sharded by FSDP: a rank running one expert while another ran the other would pair their
+    (same-shaped) weight all-gathers and mix the experts silently. Each step all ranks must run the same experts,
+    and over the run both experts train."""
+    out, rec = tmp_path / "run", tmp_path / "experts"
+    res = run_cli(_base(shared_dir, out, steps=8) + [
+        "model=tiny_t2v14b", "boundary=full", "parallel=fsdp", "parallel.strategy.param_dtype=fp32",
+        "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=1", "parallel.strategy.timeout_s=120",
+        "+callbacks.probe._target_=tests.helpers.ExpertProbe", f"+callbacks.probe.path={rec}"], timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = {r: [json.loads(line)["experts"] for line in Path(f"{rec}.rank{r}").read_text().splitlines()]
+            for r in range(2)}
+    assert len(runs[0]) == 8 and runs[0] == runs[1]
+    assert all(len(e) == 1 for e in runs[0]) and {e[0] for e in runs[0]} == {"high", "low"}
+    assert len(list((out / "lora" / "final").glob("*.safetensors"))) == 4

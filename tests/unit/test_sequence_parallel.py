@@ -1,0 +1,132 @@
+"""Sequence parallel (wanexp/models/sequence.py) computes the one-process function: 2 gloo processes with sp=2 give
+the output, the loss and (after the data-parallel average DDP/FSDP apply) the LoRA gradients of one process with sp=1.
+
+Tiny random Wan DiTs in fp32 with peft LoRA (B randomised so every LoRA tensor gets a gradient). The TI2V case has a
+per-token timestep (a clean first frame) and 3 latent frames of 24 tokens split 36/36 between the ranks, so a rank's
+share starts and ends inside a frame; one case runs with activation checkpointing (the recompute repeats the
+all-to-alls).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.unit.test_perf_fast import tiny_transformer
+from wanexp.models import fast, sequence
+
+CASES = {  # name: (per-token timestep, activation checkpointing, heads)
+    "t2v": (False, False, 2),
+    "ti2v_frames_split_mid_frame": (True, False, 2),
+    "ti2v_checkpointed_4_heads": (True, True, 4),
+}
+
+
+def _inputs(per_token: bool):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 48, 3, 8, 12, generator=g)  # 3 frames x (4 x 6) tokens = 72 tokens
+    text = torch.randn(1, 7, 32, generator=g)
+    if per_token:
+        timestep = torch.full((1, 72), 700.0)
+        timestep[:, :24] = 0.0  # the clean first frame
+    else:
+        timestep = torch.tensor([700.0])
+    return hidden, timestep, text
+
+
+def _model(ckpt: bool, heads: int):
+    from tests.unit import test_perf_fast
+
+    saved = dict(test_perf_fast.TINY)
+    test_perf_fast.TINY.update(num_attention_heads=heads, attention_head_dim=32 // heads)
+    try:
+        t = tiny_transformer()
+    finally:
+        test_perf_fast.TINY.clear()
+        test_perf_fast.TINY.update(saved)
+    fast.use_frame_modulation(t)
+    if ckpt:
+        t.enable_gradient_checkpointing()
+    return t
+
+
+def _loss_and_grads(t, hidden, timestep, text):
+    out = t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    loss = (out.float() ** 2).mean()
+    loss.backward()
+    return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in t.named_parameters() if p.requires_grad}
+
+
+def _worker(rank: int, port: int, case: str, result_path: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    per_token, ckpt, heads = CASES[case]
+    t = _model(ckpt, heads)
+    sequence.enable(t, sequence.build_group(2))
+    out, loss, grads = _loss_and_grads(t, *_inputs(per_token))
+    for g in grads.values():  # what DDP / FSDP do with the gradients: the average over all ranks
+        dist.all_reduce(g)
+        g /= 2
+    if rank == 0:
+        torch.save({"out": out, "loss": loss, "grads": grads}, result_path)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sp2_matches_one_process(case, tmp_path):
+    per_token, ckpt, heads = CASES[case]
+    ref_out, ref_loss, ref_grads = _loss_and_grads(_model(ckpt, heads), *_inputs(per_token))
+    path = str(tmp_path / "sp.pt")
+    mp.start_processes(_worker, args=(_free_port(), case, path), nprocs=2, start_method="spawn")
+    got = torch.load(path, weights_only=True)
+    torch.testing.assert_close(got["out"], ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["loss"], ref_loss, rtol=1e-5, atol=1e-7)
+    assert set(got["grads"]) == set(ref_grads) and any("lora_A" in n for n in ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_modulation_rows_follow_the_split_inside_frames():
+    """3 frames of 24 tokens over 2 ranks: rank 0 holds frame 0 and half of frame 1, rank 1 the rest."""
+    temb = torch.arange(3.0).view(1, 3, 1)  # one row per frame
+    rows = {}
+    for r in range(2):
+        sp = sequence.SequenceGroup(None, 2, r, 0, 1)
+        rows[r] = sequence.shard_modulation(temb, 72, sp)
+    per_token = {r: rows[r].repeat_interleave(36 // rows[r].shape[1], dim=1).flatten().tolist() for r in rows}
+    assert per_token[0] == [0.0] * 24 + [1.0] * 12 and per_token[1] == [1.0] * 12 + [2.0] * 24
+
+
+def test_indivisible_shapes_fail_with_one_line():
+    from wanexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="attention heads do not divide"):
+        sequence.check_divisible(72, 3, 2)
+    with pytest.raises(ConfigError, match="does not split into 2 equal parts"):
+        sequence.check_divisible(71, 2, 2)
+
+
+def test_each_data_parallel_rank_draws_its_own_noise_and_a_sequence_group_shares_it():
+    from types import SimpleNamespace
+
+    from wanexp.module import WanModule
+
+    def seed_after_setup(rank: int, sp: int) -> int:
+        torch.manual_seed(7)  # what seed_everything(7) left on every rank
+        fake = SimpleNamespace(seed=7, trainer=SimpleNamespace(global_rank=rank, strategy=SimpleNamespace(sp_size=sp)))
+        WanModule.setup(fake, "fit")
+        return torch.initial_seed()
+
+    assert seed_after_setup(0, 1) == 7  # rank 0 keeps the run's seed (one-process runs unchanged)
+    assert len({seed_after_setup(r, 1) for r in range(4)}) == 4  # data parallel: one stream per rank
+    assert seed_after_setup(1, 2) == seed_after_setup(0, 2) != seed_after_setup(2, 2) == seed_after_setup(3, 2)

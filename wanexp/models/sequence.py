@@ -1,0 +1,175 @@
+"""Sequence parallelism (Ulysses) for Wan DiTs: ``parallel.sp_size=N`` splits every sample's tokens over N ranks.
+
+The ranks form a 2-D grid (data x sequence): ranks ``[k*N, (k+1)*N)`` are sequence group k (neighbours, so the
+all-to-alls stay inside a node) and see the same samples, noise and timesteps; data sharding, the effective batch,
+samples/s and FLOP accounting use the data-parallel size ``world / N``.
+
+Inside the transformer (wanexp/models/fast.py's forward) each rank keeps ``tokens / N`` consecutive tokens after the
+patch embedding: modulation, feed-forward, cross-attention (queries local, the text keys whole) and the LoRA layers
+run on the local tokens only. Self-attention swaps the split: an all-to-all turns (local tokens, all heads) into (all
+tokens, heads / N), attention runs per head over the whole sequence, and a second all-to-all turns it back. The
+output projection's tokens are all-gathered before the unpatchify, so every rank of a group computes the same loss.
+
+Gradients: the all-gather's backward is a reduce-scatter (sum), so each rank's parameter gradient is N x its tokens'
+share; the data-parallel average over all ``world`` ranks (DDP all-reduce or FSDP reduce-scatter) then gives exactly
+the mean over the ``world / N`` samples of their full gradients: the same as data parallel over ``world / N`` ranks.
+The frozen base is sharded (FSDP) over the whole world, not per group.
+
+Limits (checked with a one-line error): the heads and each sample's token count must divide by N.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from wanexp.errors import ConfigError
+
+_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+@dataclass
+class SequenceGroup:
+    """This rank's place in the (data x sequence) grid."""
+    group: object  # the process group of the N ranks that share one sample
+    size: int
+    rank: int  # within the group
+    dp_rank: int
+    dp_size: int
+
+
+def build_group(sp_size: int) -> SequenceGroup:
+    """Create the sequence groups (a collective: every rank calls it, in the same order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % sp_size:
+        raise ConfigError(f"parallel.sp_size={sp_size} with {world} processes: the world size must be a multiple of "
+                          f"sp_size; use {sp_size}*k devices or another sp_size")
+    mine = None
+    for k in range(world // sp_size):  # new_group is collective over the whole world: every rank makes every group
+        ranks = list(range(k * sp_size, (k + 1) * sp_size))
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return SequenceGroup(mine, sp_size, rank % sp_size, rank // sp_size, world // sp_size)
+
+
+def data_parallel(strategy) -> tuple[int, int]:
+    """(rank, size) of data parallelism under a Lightning strategy: the global ones divided by its ``sp_size``."""
+    sp = int(getattr(strategy, "sp_size", 1) or 1)
+    return strategy.global_rank // sp, strategy.world_size // sp
+
+
+def check_divisible(tokens: int, heads: int, sp: int) -> None:
+    if heads % sp:
+        raise ConfigError(f"parallel.sp_size={sp}: the model's {heads} attention heads do not divide by {sp}; "
+                          "use an sp_size that divides the head count")
+    if tokens % sp:
+        raise ConfigError(f"parallel.sp_size={sp}: a sample of {tokens} DiT tokens does not split into {sp} equal "
+                          "parts; pick data.height/width/num_frames whose token count divides by sp_size")
+
+
+def shard(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous 1/N of ``x`` along ``dim`` (slicing: its backward fills the other parts with zeros)."""
+    n = x.shape[dim] // sp.size
+    return x.narrow(dim, sp.rank * n, n)
+
+
+def gather(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
+    """All N parts along ``dim``, in rank order; the backward reduce-scatters (sums) the gradient."""
+    x = x.movedim(dim, 0).contiguous()
+    out = funcol.wait_tensor(_gather(x, 0, sp.group))
+    return out.movedim(0, dim)
+
+
+def _all_to_all(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """Send x[i] (leading dim N) to rank i of the group; returns what rank i sent here at position i."""
+    shape = x.shape
+    out = funcol.all_to_all_single_autograd(x.contiguous().flatten(), None, None, sp.group)
+    return funcol.wait_tensor(out).view(shape)
+
+
+def tokens_to_heads(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """(B, S/N, H, d) local tokens, all heads -> (B, S, H/N, d) all tokens, this rank's heads."""
+    b, s, h, d = x.shape
+    x = x.view(b, s, sp.size, h // sp.size, d).permute(2, 0, 1, 3, 4)  # (N, B, S/N, H/N, d): part i goes to rank i
+    x = _all_to_all(x, sp)  # (N, B, S/N, H/N, d): part i holds rank i's tokens of this rank's heads
+    return x.permute(1, 0, 2, 3, 4).reshape(b, sp.size * s, h // sp.size, d)
+
+
+def heads_to_tokens(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """The inverse of :func:`tokens_to_heads`: (B, S, H/N, d) -> (B, S/N, H, d)."""
+    b, s, h, d = x.shape
+    x = x.view(b, sp.size, s // sp.size, h, d).permute(1, 0, 2, 3, 4)  # part i: rank i's tokens
+    x = _all_to_all(x, sp)  # part i: this rank's tokens of rank i's heads
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // sp.size, sp.size * h, d)
+
+
+def shard_modulation(temb: torch.Tensor, tokens: int, sp: SequenceGroup) -> torch.Tensor:
+    """Per-group modulation (B, G, ...) for ``tokens`` tokens in G equal consecutive groups -> the rows of this rank's
+    tokens: (B, G', ...) for its tokens / G' equal groups. A rank's share may start or end inside a group (a latent
+    frame), so groups are refined to units of gcd(tokens/G, tokens/N) tokens, each inside one group and one share."""
+    g = temb.shape[1]
+    if g == 1:
+        return temb
+    per_group, per_rank = tokens // g, tokens // sp.size
+    unit = gcd(per_group, per_rank)
+    units = temb.repeat_interleave(per_group // unit, dim=1)  # (B, tokens/unit, ...): a handful of rows
+    return units.narrow(1, sp.rank * (per_rank // unit), per_rank // unit)
+
+
+class UlyssesAttnProcessor:
+    """Self-attention of a ``WanAttention`` over sequence-split tokens (see the module doc); the projections, norms,
+    rotary embedding and output layers are the module's own (peft's LoRA layers included). ``active`` is set by the
+    transformer's forward: off (gradient-free forwards: validation, a teacher) it is diffusers' processor."""
+
+    def __init__(self, base, sp: SequenceGroup):
+        self.base, self.sp, self.active = base, sp, False
+        self._attention_backend = getattr(base, "_attention_backend", None)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if not self.active or encoder_hidden_states is not None:
+            return self.base(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)  # over all heads of a token: local
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        if rotary_emb is not None:  # this rank's tokens' rows of the tables
+            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
+        query, key, value = (tokens_to_heads(x, self.sp) for x in (query, key, value))
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend)
+        out = heads_to_tokens(out, self.sp).flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on (B, S, H, d) (the same operations as diffusers' WanAttnProcessor)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def enable(transformer, sp: SequenceGroup) -> None:
+    """Set Ulysses self-attention on every block of a loaded transformer (with wanexp's forward: models/fast.py)."""
+    cfg = transformer.config
+    if cfg.num_attention_heads % sp.size:
+        check_divisible(sp.size, cfg.num_attention_heads, sp.size)
+    transformer._wanexp_sp = sp
+    for block in transformer.blocks:
+        block.attn1.set_processor(UlyssesAttnProcessor(block.attn1.processor, sp))
+
+
+def set_active(transformer, active: bool) -> None:
+    for block in transformer.blocks:
+        proc = block.attn1.processor
+        if isinstance(proc, UlyssesAttnProcessor):
+            proc.active = active
