@@ -139,7 +139,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     from wanexp.module import WanModule
     from wanexp.optim import scaled_lr
 
-    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
+    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info(), sp_size=int(cfg.parallel.sp_size))
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
     if launch_rank() == 0:

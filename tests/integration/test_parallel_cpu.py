@@ -98,3 +98,13 @@ def test_fsdp_runs_the_same_expert_on_every_rank_each_step(shared_dir, tmp_path)
     assert len(runs[0]) == 8 and runs[0] == runs[1]
     assert all(len(e) == 1 for e in runs[0]) and {e[0] for e in runs[0]} == {"high", "low"}
     assert len(list((out / "lora" / "final").glob("*.safetensors"))) == 4
+
+
+def test_a_bucket_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path):
+    res = run_cli(_base(shared_dir, tmp_path / "run", steps=2) + [
+        "parallel=ddp", "parallel.sp_size=2", "trainer.accelerator=cpu", "trainer.devices=2", "data.height=96",
+        "data.width=96"], timeout=120)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "do not split into 2 equal parts" in lines[0], res.stderr[-2000:]
+    assert "Loading" not in res.stdout + res.stderr and "Traceback" not in res.stderr

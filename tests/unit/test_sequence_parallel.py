@@ -130,3 +130,13 @@ def test_each_data_parallel_rank_draws_its_own_noise_and_a_sequence_group_shares
     assert seed_after_setup(0, 1) == 7  # rank 0 keeps the run's seed (one-process runs unchanged)
     assert len({seed_after_setup(r, 1) for r in range(4)}) == 4  # data parallel: one stream per rank
     assert seed_after_setup(1, 2) == seed_after_setup(0, 2) != seed_after_setup(2, 2) == seed_after_setup(3, 2)
+
+
+def test_a_bucket_whose_tokens_do_not_split_fails_at_data_setup_with_one_line():
+    from wanexp.data.datamodule import check_sequence_split
+    from wanexp.errors import MetadataError
+
+    stride, patch = (4, 16, 16), (1, 2, 2)  # TI2V-5B
+    check_sequence_split([(17, 704, 1280), (1, 704, 1280)], stride, patch, 8)  # 4,400 and 880 tokens
+    with pytest.raises(MetadataError, match=r"bucket 17x480x544 .* 1275 DiT tokens, which do not split into 4"):
+        check_sequence_split([(17, 704, 1280), (17, 480, 544)], stride, patch, 4)

@@ -43,6 +43,18 @@ def dit_tokens(shape: Shape, vae_stride: tuple[int, int, int], patch: tuple[int,
     return (latent_frames // patch[0]) * (height // vae_stride[1] // patch[1]) * (width // vae_stride[2] // patch[2])
 
 
+def check_sequence_split(shapes, vae_stride: tuple[int, int, int], patch: tuple[int, int, int], sp: int) -> None:
+    """Under sequence parallel (``parallel.sp_size``) every bucket's token count must split into ``sp`` equal parts:
+    checked when the data is set up, before any weight loads, rather than at the first batch of that bucket."""
+    for shape in sorted(set(shapes)):
+        n = dit_tokens(shape, vae_stride, patch)
+        if n % sp:
+            f, h, w = shape
+            raise MetadataError(f"parallel.sp_size={sp}: the bucket {f}x{h}x{w} (frames x height x width) gives {n} DiT "
+                                f"tokens, which do not split into {sp} equal parts; use another data.height/width/"
+                                "num_frames (or data.buckets) or another sp_size")
+
+
 def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
     """The (height, width) in ``resolutions`` whose aspect ratio is closest to ``width / height`` (log distance)."""
     aspect = math.log(width / height)
@@ -243,9 +255,10 @@ class WanDataModule(L.LightningDataModule):
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
                  generate: dict | None, seed: int, val_fraction: float = 0.0,
-                 encoders: dict | None = None):
-        """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, and ``encoders``: what
-        identifies the model's VAE and text encoder for cache keys (``WanSpec.encoder_info()``; None: no cache)."""
+                 encoders: dict | None = None, sp_size: int = 1):
+        """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
+        identifies the model's VAE and text encoder for cache keys (``WanSpec.encoder_info()``; None: no cache), and
+        ``sp_size`` (``parallel.sp_size``: every bucket's tokens must split into that many parts)."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
@@ -256,7 +269,7 @@ class WanDataModule(L.LightningDataModule):
         self.resolutions = [tuple(r) for r in buckets] if buckets else None
         self.probe, self.max_reject_fraction = probe, max_reject_fraction
         self.rejects_path = Path(rejects) if rejects else None
-        self.generate, self.seed = generate, seed
+        self.generate, self.seed, self.sp_size = generate, seed, int(sp_size)
         self.cache_dir, self.use_cache, self.encoders = (Path(cache_dir) if cache_dir else None), use_cache, encoders
         self.cache_shard_size, self.cache_dtype = cache_shard_size, cache_dtype
         self.cached = False  # every sample's latents and text are in the cache: training never runs the encoders
@@ -378,6 +391,8 @@ class WanDataModule(L.LightningDataModule):
                 self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders["text_len"])
             else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
                 self.val_dataset = ClipDataset(vs, vsh, self.frame_stride, vst, vav, self.seed)
+        if self.sp_size > 1 and self.encoders:
+            check_sequence_split(self.dataset.shapes, self.encoders["vae_stride"], self.encoders["patch"], self.sp_size)
 
     def val_batches(self, limit: int | None = None):
         """The held-out samples as loader batches of one sample each, in a fixed order (the first ``limit``)."""
