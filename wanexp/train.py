@@ -113,6 +113,11 @@ def run(cfg: DictConfig) -> dict:
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
     prepare_model_folder(spec, cfg.boundary.name)
     check_paths(cfg)
+    if int(cfg.parallel.sp_size) > 1:  # sequence parallel splits the heads: checked before any weight loads
+        from wanexp.models.sequence import check_heads
+
+        for e in spec.trained_experts(cfg.boundary.name):
+            check_heads(int(spec.transformer_config(e)["num_attention_heads"]), int(cfg.parallel.sp_size))
 
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):

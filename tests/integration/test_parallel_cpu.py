@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -100,11 +101,16 @@ def test_fsdp_runs_the_same_expert_on_every_rank_each_step(shared_dir, tmp_path)
     assert len(list((out / "lora" / "final").glob("*.safetensors"))) == 4
 
 
-def test_a_bucket_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path):
+@pytest.mark.parametrize("sp,extra,message", [
+    (2, ["data.height=96", "data.width=96"], "do not split into 2 equal parts"),  # a 3x3-token frame
+    (3, [], "2 attention heads do not divide by 3"),
+])
+def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path, sp, extra,
+                                                                                    message):
     res = run_cli(_base(shared_dir, tmp_path / "run", steps=2) + [
-        "parallel=ddp", "parallel.sp_size=2", "trainer.accelerator=cpu", "trainer.devices=2", "data.height=96",
-        "data.width=96"], timeout=120)
+        "parallel=ddp", f"parallel.sp_size={sp}", "trainer.accelerator=cpu", f"trainer.devices={sp}", *extra],
+        timeout=120)
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "do not split into 2 equal parts" in lines[0], res.stderr[-2000:]
+    assert len(lines) == 1 and message in lines[0], res.stderr[-2000:]
     assert "Loading" not in res.stdout + res.stderr and "Traceback" not in res.stderr

@@ -62,10 +62,15 @@ def data_parallel(strategy) -> tuple[int, int]:
     return strategy.global_rank // sp, strategy.world_size // sp
 
 
-def check_divisible(tokens: int, heads: int, sp: int) -> None:
+def check_heads(heads: int, sp: int) -> None:
     if heads % sp:
+        divisors = [d for d in range(2, heads + 1) if heads % d == 0][:6]
         raise ConfigError(f"parallel.sp_size={sp}: the model's {heads} attention heads do not divide by {sp}; "
-                          "use an sp_size that divides the head count")
+                          f"use an sp_size that divides the head count (e.g. {', '.join(map(str, divisors))})")
+
+
+def check_divisible(tokens: int, heads: int, sp: int) -> None:
+    check_heads(heads, sp)
     if tokens % sp:
         raise ConfigError(f"parallel.sp_size={sp}: a sample of {tokens} DiT tokens does not split into {sp} equal "
                           "parts; pick data.height/width/num_frames whose token count divides by sp_size")
@@ -160,9 +165,7 @@ def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) ->
 
 def enable(transformer, sp: SequenceGroup) -> None:
     """Set Ulysses self-attention on every block of a loaded transformer (with wanexp's forward: models/fast.py)."""
-    cfg = transformer.config
-    if cfg.num_attention_heads % sp.size:
-        check_divisible(sp.size, cfg.num_attention_heads, sp.size)
+    check_heads(transformer.config.num_attention_heads, sp.size)
     transformer._wanexp_sp = sp
     for block in transformer.blocks:
         block.attn1.set_processor(UlyssesAttnProcessor(block.attn1.processor, sp))

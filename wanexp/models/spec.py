@@ -122,6 +122,10 @@ class WanSpec:
                     f"expects {self.in_channels}; pick the model group that matches this folder"
                 )
 
+    def transformer_config(self, expert: str) -> dict:
+        """The diffusers config.json of an expert's transformer (read from the folder; nothing loads)."""
+        return json.loads((self.path / EXPERT_FOLDERS[expert] / "config.json").read_text())
+
     # ---- loading --------------------------------------------------------------------------------------------
     def load_transformer(self, expert: str):
         from diffusers import WanTransformer3DModel
