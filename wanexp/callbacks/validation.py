@@ -97,6 +97,10 @@ class Validation(Callback):
                       "parallel=fsdp or ddp for validation", flush=True)
             return
         result: dict = {}
+        if base and trainer.global_rank == 0:  # minutes on A14B before the first step: say what it is doing
+            print(f"wanexp: validation at step 0: sampling the base model first ({len(self.prompts)} prompt(s) x "
+                  f"{len(self.seeds)} seed(s), {self.steps} steps; callbacks.validation.every_n_steps=0 skips "
+                  "validation)", flush=True)
         if sharded or trainer.global_rank == 0:
             was_training = pl_module.training
             devices = [pl_module.device] if pl_module.device.type == "cuda" else []
