@@ -80,3 +80,45 @@ def test_kd_run_exports_a_student_pipeline_that_reloads_with_the_same_output(sha
     assert torch.equal(a, b)
     teacher = r["module"].transformers["dense"]
     assert not torch.equal(trained.blocks[0].ffn.net[2].weight, teacher.blocks[0].ffn.net[2].weight)  # it trained
+
+
+def _kd_module(shared_dir, extra):
+    from wanexp.module import WanModule
+
+    cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd", *extra])
+    spec = build(cfg.model)
+    ensure_tiny_model(spec)
+    o = cfg.optim
+    module = WanModule(spec, build(cfg.adapter), build(cfg.objective), cfg.boundary, optimizer=build(o.optimizer),
+                       lr=o.lr, schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
+                       load_encoders=False)
+    module.configure_model()
+    return module, spec
+
+
+def test_feature_matching_adds_the_block_output_gap_to_the_loss(shared_dir):
+    import pytest
+
+    from wanexp.errors import ConfigError
+
+    g = torch.Generator().manual_seed(0)
+
+    def loss_of(module, spec):
+        batch = EncodedBatch(torch.randn(2, 48, 3, 4, 4, generator=g), torch.randn(2, spec.text_len, 32, generator=g))
+        return module.objective(batch, module.denoiser, torch.Generator().manual_seed(1))
+
+    # a student that copies the whole teacher: no velocity gap, no feature gap
+    full, spec = _kd_module(shared_dir, ["objective.student.num_layers=2", "objective.feature_weight=1.0"])
+    out = loss_of(full, spec)
+    assert out.loss.item() < 1e-10 and out.metrics["train/loss_kd_features"][0].item() < 1e-10  # fp32 rounding
+    # half the layers: student block 0 copies teacher block 0, and its output is compared with that block's
+    half, spec = _kd_module(shared_dir, ["objective.feature_weight=0.5"])
+    with torch.no_grad():  # move the student away from its teacher block
+        half.students["student"].blocks[0].ffn.net[2].weight.add_(0.05)
+    out = loss_of(half, spec)
+    kd, feat = out.metrics["train/loss_kd"][0].item(), out.metrics["train/loss_kd_features"][0].item()
+    assert feat > 0 and abs(out.loss.item() - (kd + 0.5 * feat)) < 1e-6 * max(1.0, out.loss.item())
+    out.loss.backward()
+    assert half.students["student"].blocks[0].ffn.net[2].weight.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="needs the teacher's width"):
+        _kd_module(shared_dir, ["objective.feature_weight=0.5", "+objective.student.num_attention_heads=1"])

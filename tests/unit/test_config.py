@@ -85,6 +85,8 @@ BAD = [
     (["parallel=ddp", "parallel.sp_size=2", "objective=dmd"], "parallel.sp_size=2 with objective=dmd",
      "parallel.sp_size=1"),
     (["parallel.sp_size=0"], "parallel.sp_size=0", ">= 1"),
+    (["parallel=ddp", "parallel.sp_size=2", "objective=kd", "objective.feature_weight=0.5"],
+     "parallel.sp_size=2 with objective.feature_weight=0.5", "objective.feature_weight=0"),
     (["objective=dmd", "parallel=fsdp", "model=t2v14b", "boundary=full", "trainer.accelerator=gpu"],
      "objective=dmd with parallel=fsdp and model=t2v14b boundary=full", "boundary=high|low"),
     (["parallel=fsdp", "parallel.strategy.sharding_strategy=NO_SHARD", "trainer.accelerator=gpu"],

@@ -62,6 +62,10 @@ def check_rules(cfg: DictConfig) -> None:
         if o.name == "dmd":
             raise ConfigError(f"parallel.sp_size={p.sp_size} with objective=dmd: DMD's gradient-free teacher and "
                               "critic forwards are not sequence-split; use parallel.sp_size=1")
+        if o.name == "kd" and o.get("feature_weight", 0) > 0:
+            raise ConfigError(f"parallel.sp_size={p.sp_size} with objective.feature_weight={o.feature_weight:g}: the "
+                              "student's blocks see 1/sp of the tokens, the teacher's all; set "
+                              "objective.feature_weight=0 or parallel.sp_size=1")
         devices = t.devices if isinstance(t.devices, int) else None
         if devices is not None and (devices * t.num_nodes) % p.sp_size:
             raise ConfigError(f"parallel.sp_size={p.sp_size} with {devices * t.num_nodes} device(s): the device count "

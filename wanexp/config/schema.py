@@ -139,6 +139,7 @@ class KDConfig(ObjectiveConfig):
     name: str = "kd"
     timestep: TimestepConfig = MISSING  # the noise levels the student learns the teacher's velocity at
     student: Dict[str, Any] = knob(MISSING, doc="WanTransformer3DModel config overrides (num_layers null: half)")
+    feature_weight: float = knob(MISSING, ge=0.0, doc="weight of the block-output MSE (student block vs its teacher block)")
 
 
 @dataclass

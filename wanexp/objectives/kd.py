@@ -8,7 +8,9 @@ initialisation (the count is printed).
 
 Loss: on noised real latents at a sampled sigma (the boundary's range, the flow-matching sampler), the MSE between
 the student's and the teacher's velocity, with the layout's conditioning and loss mask (TI2V: a clean first frame is
-left out). The student is exported with every checkpoint as a diffusers pipeline folder (its ``transformer/`` plus
+left out). With ``objective.feature_weight`` > 0 it adds that weight times the MSE between each student block's output
+and the output of the teacher block it started from (intermediate feature matching; the student must keep the
+teacher's width), averaged over the student's blocks. The student is exported with every checkpoint as a diffusers pipeline folder (its ``transformer/`` plus
 the teacher's VAE, text encoder, tokenizer and scheduler, linked) that ``WanPipeline.from_pretrained`` loads.
 """
 from __future__ import annotations
@@ -40,13 +42,16 @@ class KnowledgeDistillation(Objective):
     adapters: tuple[str, ...] = ()  # the teacher stays as loaded; the student is a separate, fully trained model
     export = STUDENT
 
-    def __init__(self, *, name: str, timestep: dict, student: dict):
+    def __init__(self, *, name: str, timestep: dict, student: dict, feature_weight: float = 0.0):
         """The arguments are the ``objective=kd`` group (config.schema.KDConfig)."""
         super().__init__(name)
         self.noise_levels = FlowMatching(name=name, timestep=timestep)  # its sigma sampler, on the boundary's range
         self.student_overrides = dict(student)
+        self.feature_weight = float(feature_weight)
         self.student: nn.Module | None = None
         self._student_denoiser = None
+        self._pairs: list[tuple[int, int]] = []  # (student block, teacher block) whose outputs are matched
+        self._features: dict[tuple[str, int], torch.Tensor] | None = None  # captured during one loss evaluation
 
     # ---- the student ---------------------------------------------------------------------------------------------
     def build_trainable(self, transformers: dict, spec) -> dict[str, nn.Module]:
@@ -78,7 +83,30 @@ class KnowledgeDistillation(Objective):
         if spec.attention_backend:
             student.set_attention_backend(spec.attention_backend)
         self.student = student
+        if self.feature_weight > 0:
+            self._hook_features(student, teacher)
         return {STUDENT: student}
+
+    def _hook_features(self, student: nn.Module, teacher: nn.Module) -> None:
+        """Forward hooks that keep each student block's output and its teacher block's, while a loss is evaluated."""
+        s_dim = student.config.num_attention_heads * student.config.attention_head_dim
+        t_dim = teacher.config.num_attention_heads * teacher.config.attention_head_dim
+        if s_dim != t_dim:
+            raise ConfigError(f"objective.feature_weight={self.feature_weight:g} matches block outputs, so the student "
+                              f"needs the teacher's width ({t_dim}; it has {s_dim}): keep num_attention_heads x "
+                              "attention_head_dim, or set objective.feature_weight=0")
+        s_layers, t_layers = student.config.num_layers, teacher.config.num_layers
+        self._pairs = [(i, teacher_block_for(i, s_layers, t_layers)) for i in range(s_layers)]
+
+        def keep(key):
+            def hook(module, args, output):
+                if self._features is not None and key not in self._features:  # not a checkpoint's recompute
+                    self._features[key] = output
+            return hook
+
+        for i, j in self._pairs:
+            student.blocks[i].register_forward_hook(keep(("student", i)))
+            teacher.blocks[j].register_forward_hook(keep(("teacher", j)))
 
     @staticmethod
     def _init_from_teacher(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
@@ -107,13 +135,25 @@ class KnowledgeDistillation(Objective):
         noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
         x_t = add_noise(x0, noise, sigma.to(x0.device))
         batch = replace(batch, cond=denoiser.spec.sample_condition(batch.cond, b, generator))
-        with torch.no_grad():
-            target = denoiser(x_t, sigma, batch).velocity.float()
-        pred = self._student_denoiser(x_t, sigma, batch)
+        self._features = {} if self._pairs else None
+        try:
+            with torch.no_grad():
+                target = denoiser(x_t, sigma, batch).velocity.float()
+            pred = self._student_denoiser(x_t, sigma, batch)
+            features = self._features
+        finally:
+            self._features = None
         per_sample = masked_mse(pred.velocity, target, pred.loss_mask)
+        loss = per_sample.mean()
+        metrics = {"train/loss_kd": (loss.detach(), b)}
+        if features is not None:
+            feature_loss = torch.stack([
+                ((features[("student", i)].float() - features[("teacher", j)].float()) ** 2).mean()
+                for i, j in self._pairs]).mean()
+            loss = loss + self.feature_weight * feature_loss
+            metrics["train/loss_kd_features"] = (feature_loss.detach(), b)
         flops = self._student_denoiser.step_flops(x0.shape, batch.text.shape[1]) * 1.5  # + the teacher's forward
-        return ObjectiveOutput(loss=per_sample.mean(), batch_size=b,
-                               metrics={"train/loss_kd": (per_sample.mean().detach(), b)}, flops=flops)
+        return ObjectiveOutput(loss=loss, batch_size=b, metrics=metrics, flops=flops)
 
     # ---- export ----------------------------------------------------------------------------------------------------
     def export_checkpoint(self, module, state_dict: dict, out_dir: Path) -> list[Path]:
