@@ -109,7 +109,7 @@ def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loadin
                                                                                     message):
     res = run_cli(_base(shared_dir, tmp_path / "run", steps=2) + [
         "parallel=ddp", f"parallel.sp_size={sp}", "trainer.accelerator=cpu", f"trainer.devices={sp}", *extra],
-        timeout=120)
+        timeout=120)  # both checks run in the launching process, before Lightning starts the others
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr[-2000:]

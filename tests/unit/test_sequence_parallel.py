@@ -73,6 +73,7 @@ def _worker(rank: int, port: int, case: str, result_path: str):
         g /= 2
     if rank == 0:
         torch.save({"out": out, "loss": loss, "grads": grads}, result_path)
+    dist.barrier()  # leave together: a gloo peer that exits while the other still works can abort it
     dist.destroy_process_group()
 
 
@@ -112,6 +113,8 @@ def test_indivisible_shapes_fail_with_one_line():
 
     with pytest.raises(ConfigError, match="attention heads do not divide"):
         sequence.check_divisible(72, 3, 2)
+    with pytest.raises(ConfigError, match=r"40 attention heads do not divide by 3; .* \(e.g. 2, 4, 5, 8, 10, 20\)"):
+        sequence.check_heads(40, 3)
     with pytest.raises(ConfigError, match="does not split into 2 equal parts"):
         sequence.check_divisible(71, 2, 2)
 
