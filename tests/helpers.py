@@ -141,8 +141,8 @@ class FaultyFlowMatching(FlowMatching):
 
 
 class ExpertProbe(Callback):
-    """Records, per optimizer step, which expert transformers ran a forward on this rank (``{path}.rank<r>``, JSON
-    lines ``{"step", "experts"}``)."""
+    """Records, per optimizer step, which expert transformers ran a forward on this rank and the denoiser's forced
+    expert after the step (``{path}.rank<r>``, JSON lines ``{"step", "experts", "routing_after_step"}``)."""
 
     def __init__(self, path: str):
         self.path, self.ran, self.handles = path, set(), []
@@ -155,7 +155,8 @@ class ExpertProbe(Callback):
         import json
 
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
-            f.write(json.dumps({"step": trainer.global_step, "experts": sorted(self.ran)}) + "\n")
+            f.write(json.dumps({"step": trainer.global_step, "experts": sorted(self.ran),
+                                "routing_after_step": pl_module.denoiser.step_expert}) + "\n")
         self.ran = set()
 
     def on_train_end(self, trainer, pl_module) -> None:

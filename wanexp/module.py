@@ -96,15 +96,18 @@ class WanModule(L.LightningModule):
     # ---- the step -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int):
         encoded = cached_batch(batch) if "latents" in batch else self.encoders(batch)
+        if not self.automatic_optimization:
+            return self._manual_step(encoded)
         if getattr(self, "_expert_per_step", False):
             from wanexp.models.denoiser import expert_for_step
 
             sampler = getattr(self.objective, "noise_levels", self.objective)
             self.denoiser.step_expert, self.denoiser.sigma_range = expert_for_step(
                 sampler, self.sigma_range, self.spec.boundary_ratio, self.seed, self.global_step)
-        if not self.automatic_optimization:
-            return self._manual_step(encoded)
-        out = self.objective(encoded, self.denoiser)
+        try:
+            out = self.objective(encoded, self.denoiser)
+        finally:  # only this step's forward is routed so (validation's held-out loss routes per sample)
+            self.denoiser.step_expert, self.denoiser.sigma_range = None, self.sigma_range
         finite = torch.isfinite(out.loss.detach())  # read before the optimizer step (on_before_optimizer_step)
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self.log("train/loss", out.loss, prog_bar=True, batch_size=out.batch_size)

@@ -94,9 +94,11 @@ def test_fsdp_runs_the_same_expert_on_every_rank_each_step(shared_dir, tmp_path)
         "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=1", "parallel.strategy.timeout_s=120",
         "+callbacks.probe._target_=tests.helpers.ExpertProbe", f"+callbacks.probe.path={rec}"], timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
-    runs = {r: [json.loads(line)["experts"] for line in Path(f"{rec}.rank{r}").read_text().splitlines()]
-            for r in range(2)}
+    rows = {r: [json.loads(line) for line in Path(f"{rec}.rank{r}").read_text().splitlines()] for r in range(2)}
+    runs = {r: [row["experts"] for row in rows[r]] for r in range(2)}
     assert len(runs[0]) == 8 and runs[0] == runs[1]
+    # the forced expert is the step's only: validation's held-out loss after a step routes per sample again
+    assert all(row["routing_after_step"] is None for r in range(2) for row in rows[r])
     assert all(len(e) == 1 for e in runs[0]) and {e[0] for e in runs[0]} == {"high", "low"}
     assert len(list((out / "lora" / "final").glob("*.safetensors"))) == 4
 
