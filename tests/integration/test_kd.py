@@ -18,10 +18,11 @@ def test_student_blocks_are_spread_over_the_teacher():
     assert [teacher_block_for(i, 15, 30) for i in (0, 14)] == [0, 29] and teacher_block_for(0, 1, 30) == 0
 
 
-def test_the_student_loss_falls_on_a_fixed_batch_and_only_the_student_trains(shared_dir):
+def _kd_module(shared_dir, extra=()):
+    """A WanModule with objective=kd on the tiny model (configured: teacher loaded, student built), and its spec."""
     from wanexp.module import WanModule
 
-    cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd"])
+    cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd", *extra])
     spec = build(cfg.model)
     ensure_tiny_model(spec)
     o = cfg.optim
@@ -29,6 +30,11 @@ def test_the_student_loss_falls_on_a_fixed_batch_and_only_the_student_trains(sha
                        lr=o.lr, schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        load_encoders=False)
     module.configure_model()
+    return module, spec
+
+
+def test_the_student_loss_falls_on_a_fixed_batch_and_only_the_student_trains(shared_dir):
+    module, spec = _kd_module(shared_dir)
     student = module.students["student"]
     teacher = module.transformers["dense"]
     assert student.config.num_layers == 1 and teacher.config.num_layers == 2
@@ -80,20 +86,6 @@ def test_kd_run_exports_a_student_pipeline_that_reloads_with_the_same_output(sha
     assert torch.equal(a, b)
     teacher = r["module"].transformers["dense"]
     assert not torch.equal(trained.blocks[0].ffn.net[2].weight, teacher.blocks[0].ffn.net[2].weight)  # it trained
-
-
-def _kd_module(shared_dir, extra):
-    from wanexp.module import WanModule
-
-    cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd", *extra])
-    spec = build(cfg.model)
-    ensure_tiny_model(spec)
-    o = cfg.optim
-    module = WanModule(spec, build(cfg.adapter), build(cfg.objective), cfg.boundary, optimizer=build(o.optimizer),
-                       lr=o.lr, schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
-                       load_encoders=False)
-    module.configure_model()
-    return module, spec
 
 
 def test_feature_matching_adds_the_block_output_gap_to_the_loss(shared_dir):
