@@ -439,8 +439,7 @@ class WanDataModule(L.LightningDataModule):
         rank, world = 0, 1
         if self.trainer is not None:
             # data-parallel rank and size: the ranks of one sequence-parallel group (parallel.sp_size) share batches
-            sp = int(getattr(self.trainer.strategy, "sp_size", 1) or 1)
-            rank, world = self.trainer.global_rank // sp, self.trainer.world_size // sp
+            rank, world = self.trainer.global_rank // self.sp_size, self.trainer.world_size // self.sp_size
         sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed,
                                      batch_sizes=self.bucket_batch_sizes())
         if len(sampler) == 0:
