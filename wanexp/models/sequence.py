@@ -56,12 +56,6 @@ def build_group(sp_size: int) -> SequenceGroup:
     return SequenceGroup(mine, sp_size, rank % sp_size, rank // sp_size, world // sp_size)
 
 
-def data_parallel(strategy) -> tuple[int, int]:
-    """(rank, size) of data parallelism under a Lightning strategy: the global ones divided by its ``sp_size``."""
-    sp = int(getattr(strategy, "sp_size", 1) or 1)
-    return strategy.global_rank // sp, strategy.world_size // sp
-
-
 def check_heads(heads: int, sp: int) -> None:
     if heads % sp:
         divisors = [d for d in range(2, heads + 1) if heads % d == 0][:6]
