@@ -2,7 +2,11 @@
 set -euo pipefail
 OUT=${OUT:-/tmp/wanexp_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# once per machine (a later call on the same warm machine finds the same wheels installed)
+if ! ls .whl | cmp -s - /tmp/site/.wanexp_wheels 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  mkdir -p /tmp/site && ls .whl > /tmp/site/.wanexp_wheels
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"

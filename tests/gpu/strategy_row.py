@@ -17,6 +17,7 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--rc", type=int, default=0)
+    ap.add_argument("--paired-with", default=None, help="the run that shared the machine at the same time (other GPUs)")
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median (compile, first loads)")
     args, overrides = ap.parse_known_args()
     out = Path(args.run)
@@ -43,7 +44,7 @@ def main() -> None:
         "tflops_per_gpu": statistics.median(tflops[args.skip:]) if len(tflops) > args.skip else None,
         "step_times": [round(t, 3) for t in times],
         "lora_files": len(list((out / "lora").rglob("*.safetensors"))) if (out / "lora").is_dir() else 0,
-        "state": status.get("state"), "replicas_in_sync": status.get("replicas_in_sync"),
+        "state": status.get("state"), "replicas_in_sync": status.get("replicas_in_sync"), "paired_with": args.paired_with,
     }
     print(json.dumps(row))
 

@@ -220,6 +220,11 @@ def compile_blocks(transformer: nn.Module, **kwargs) -> nn.Module:
     if not ok:
         print(f"wanexp: model.compile=true skipped: {why}; the blocks run eagerly", flush=True)
         return transformer
+    # No DDPOptimizer: it splits a graph compiled inside DDP's forward at gradient-bucket boundaries, and with
+    # activation checkpointing (torch 2.11, CUDA) the recompute outside DDP's forward then saved other tensors than
+    # the forward: `CheckpointError: Recomputed values ... have different metadata` in the first backward of every
+    # DDP run, one GPU included. Each block is its own graph already, so there is nothing for it to split.
+    torch._dynamo.config.optimize_ddp = False
     for block in transformer.blocks:
         block.compile(**kwargs)
     return transformer
