@@ -76,6 +76,23 @@ def test_a_signal_saves_marks_interrupted_and_resumes(shared_dir, tmp_path, sig,
     assert json.loads((out / "status.json").read_text())["step"] == step + 2
 
 
+def test_a_signal_late_in_a_step_is_saved_at_the_next_step_end(shared_dir, tmp_path):
+    """SIGTERM arriving after the preemption callback's step-end check (here from a callback that runs after it):
+    Lightning's own handler used to see it first and stop the run at the end of that step with exit code 0, no
+    checkpoint and the status not interrupted."""
+    out = tmp_path / "run"
+    res = run_cli(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+                   "data.use_cache=false", "trainer.max_steps=8", "callbacks.progress=null", f"paths.output_dir={out}",
+                   "callbacks.checkpoint.every_n_train_steps=1000", "callbacks.validation.every_n_steps=0",
+                   "+callbacks.zz_signal._target_=tests.helpers.SignalAtStep", "+callbacks.zz_signal.step=2"],
+                  timeout=300)
+    assert res.returncode == 143, res.stderr[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["signal"] == "SIGTERM" and status["step"] == 3
+    last = out / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
+
+
 def test_checkpoints_are_written_atomically(tmp_path, monkeypatch):
     io = AtomicCheckpointIO()
     path = tmp_path / "ckpts" / "last.ckpt"

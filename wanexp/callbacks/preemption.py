@@ -25,14 +25,21 @@ class Preemption(Callback):
         self.requeue = requeue
         self.received = 0
         self._previous: dict[int, object] = {}
+        self._launcher = None
 
     def _handler(self, signum, frame) -> None:
+        first = not self.received
         self.received = self.received or signum
-        previous = self._previous.get(signum)
-        if callable(previous) and signum == signal.SIGTERM:  # Lightning's: it also stops a launcher's children
-            previous(signum, frame)
+        # Lightning's own SIGTERM handler is not called: it sets trainer.received_sigterm, which makes Lightning's
+        # loop exit at the end of the same step (SIGTERMException: exit code 0, no checkpoint, status not
+        # interrupted) when the signal lands after this callback's step-end check. Its other job is done here: the
+        # processes a launcher started (trainer.devices=N without torchrun) get the signal too.
+        launcher = self._launcher
+        if first and signum == signal.SIGTERM and launcher is not None and hasattr(launcher, "kill"):
+            launcher.kill(signum)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._launcher = trainer.strategy.launcher if trainer.global_rank == 0 else None
         for sig in SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handler)
