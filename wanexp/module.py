@@ -53,8 +53,19 @@ class WanModule(L.LightningModule):
 
     # ---- building -------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
+        """Load the experts, add the adapters, shard (FSDP) or place them. The ranks of a node take turns when the
+        free host memory cannot hold every rank's full copy of the base at once (``parallel.concurrent_loads``): a
+        rank's turn ends once its copy is sharded or on its GPU, so a node holds at most that many copies."""
         if len(self.transformers):
             return
+        turns, mine = load_turns(self)
+        for turn in range(turns):
+            if turn == mine:
+                self._build_and_place()
+            if turns > 1:
+                self._trainer.strategy.barrier("wanexp-load-turn")
+
+    def _build_and_place(self) -> None:
         for e in self.expert_names:
             t = _readable(self.spec, f"the {e} transformer", self.spec.load_transformer, e)
             for name in self.objective.adapters:
@@ -75,6 +86,12 @@ class WanModule(L.LightningModule):
         parallelize = getattr(self._trainer.strategy, "parallelize_module", None) if self._trainer else None
         if parallelize is not None:  # FSDP: shard after the adapters are added, before optimizers exist
             parallelize(self)
+        root = self._trainer.strategy.root_device if self._trainer else None
+        if root is not None and root.type == "cuda" and getattr(self._trainer.strategy, "concurrent_loads_active", 0):
+            # the host copy goes now, inside this rank's turn (Lightning would move the module after every turn)
+            for m in ([self.encoders] if parallelize is not None else [self]):
+                if m is not None:
+                    m.to(root)
         # sharded experts: every rank must run the same expert in a step (models/denoiser.py:expert_for_step)
         self._expert_per_step = parallelize is not None and len(self.expert_names) > 1 and \
             self._trainer.world_size > 1 and not self.objective.manual  # (DMD + FSDP + two experts is refused)
@@ -349,3 +366,38 @@ def _readable(spec: WanSpec, what: str, load, *args):
         reason = " ".join(str(e).split())[:300]
         raise ConfigError(f"model.path={spec.path}: cannot read {what} ({reason}); a weight file there is corrupt or "
                           "incomplete: download (or convert) it again") from None
+
+
+def load_turns(module: WanModule) -> tuple[int, int]:
+    """(turns, this rank's turn) for loading the base into host memory; (1, 0) when every rank of a node can hold
+    its full copy at once. ``parallel.concurrent_loads`` (on the strategy) sets the ranks per node per turn; null
+    derives it from the free host memory (the smallest over all ranks, so every rank counts the same turns)."""
+    trainer = module._trainer
+    if trainer is None or trainer.world_size == 1:
+        return 1, 0
+    strategy = trainer.strategy
+    if not hasattr(strategy, "parallelize_module") and type(strategy).__name__ != "DDPStrategy":
+        return 1, 0  # DeepSpeed places the model itself
+    per_node = max(1, trainer.num_devices)
+    k = getattr(strategy, "concurrent_loads", None)
+    if k is None:
+        import psutil
+        import torch.distributed as dist
+
+        need = module.spec.load_bytes(module.expert_names, module.load_encoders)
+        free = torch.tensor([float(psutil.virtual_memory().available)], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            free = free.to(strategy.root_device)
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)  # before any rank loads: the same answer everywhere
+        k = max(1, int(0.8 * float(free) // max(1, need)))
+        why = (f"{per_node} ranks x {need / 2**30:.1f} GiB of weights would not fit the {float(free) / 2**30:.0f} GiB "
+               f"of free host memory; parallel.concurrent_loads sets it")
+    else:
+        why = f"parallel.concurrent_loads={k}"
+    if k >= per_node:
+        return 1, 0
+    turns = -(-per_node // k)
+    strategy.concurrent_loads_active = k
+    if trainer.global_rank == 0:
+        print(f"wanexp: loading the base in {turns} turns of {k} rank(s) per node ({why})", flush=True)
+    return turns, (trainer.local_rank % per_node) // k

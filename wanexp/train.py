@@ -177,6 +177,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     o = cfg.optim
     sp = int(cfg.parallel.sp_size)
     trainer.strategy.sp_size = sp  # read by the module, the datamodule and the status callback
+    trainer.strategy.concurrent_loads = cfg.parallel.concurrent_loads  # read by the module's configure_model
     dp_size = trainer.world_size // sp
     effective = int(cfg.data.batch_size) * dp_size * int(cfg.trainer.accumulate_grad_batches)
     lr = scaled_lr(float(o.lr), o.lr_scaling, effective, int(o.reference_batch))

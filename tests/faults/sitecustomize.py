@@ -32,3 +32,28 @@ if os.environ.get("WANEXP_TEST_FSDP_NO_RECOMPUTE_CAST"):
         return _pre_forward(self, module, args, kwargs)
 
     _fsdp_state.FSDPState._pre_forward = _pre_forward_without_recompute_cast
+
+# ``WANEXP_TEST_FREE_HOST_BYTES=<n>``: psutil reports this much free host memory (the load turns' auto mode).
+# ``WANEXP_TEST_LOAD_LOG=<file>``: each rank appends "rank start end" for its load-and-shard turn (time.monotonic).
+if os.environ.get("WANEXP_TEST_FREE_HOST_BYTES"):
+    import psutil
+
+    _vm = psutil.virtual_memory
+
+    def _virtual_memory():
+        return _vm()._replace(available=int(os.environ["WANEXP_TEST_FREE_HOST_BYTES"]))
+
+    psutil.virtual_memory = _virtual_memory
+if os.environ.get("WANEXP_TEST_LOAD_LOG"):
+    import wanexp.module as _module
+
+    _build = _module.WanModule._build_and_place
+
+    def _logged_build(self):
+        t0 = time.monotonic()
+        _build(self)
+        time.sleep(0.5)  # a turn long enough that a concurrent one would overlap it
+        with open(os.environ["WANEXP_TEST_LOAD_LOG"], "a") as f:
+            f.write(f"{self.global_rank} {t0} {time.monotonic()}\n")
+
+    _module.WanModule._build_and_place = _logged_build

@@ -50,6 +50,21 @@ def test_fsdp_with_checkpointing_and_bf16_trains_and_resumes(shared_dir, tmp_pat
     assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)
 
 
+def test_ranks_take_turns_loading_the_base_when_host_memory_is_short(shared_dir, tmp_path):
+    """Free host memory (reported: 1 byte) cannot hold two copies of the base: the two ranks load and shard one
+    after the other, and the run trains."""
+    out, log = tmp_path / "run", tmp_path / "loads.txt"
+    args = _base(shared_dir, out, steps=2) + ["parallel=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+                                               "parallel.strategy.timeout_s=120"]
+    res = run_cli(args, timeout=300, env={"PYTHONPATH": FAULTS, "WANEXP_TEST_FREE_HOST_BYTES": "1",
+                                          "WANEXP_TEST_LOAD_LOG": str(log)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loading the base in 2 turns of 1 rank(s) per node" in res.stdout + res.stderr
+    turns = sorted(tuple(map(float, line.split()[1:])) for line in log.read_text().splitlines())
+    assert len(turns) == 2 and turns[0][1] <= turns[1][0]  # the second rank began after the first had finished
+    assert _status(out)["step"] == 2
+
+
 def test_sequence_parallel_trains_the_one_process_lora(shared_dir, tmp_path):
     common = ["model.gradient_checkpointing=true", "optim.lr=1e-2", "trainer.max_steps=3"]
     one, two = tmp_path / "one", tmp_path / "sp2"

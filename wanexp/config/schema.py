@@ -226,6 +226,8 @@ class ParallelConfig:
     name: str = knob(MISSING, choices=PARALLEL)
     strategy: Any = MISSING  # "auto" or a node with _target_ (a Lightning Strategy)
     sp_size: int = knob(1, ge=1, doc="sequence parallel: ranks that split each sample's tokens (Ulysses; ddp|fsdp)")
+    concurrent_loads: Optional[int] = knob(None, ge=1, doc="ranks per node that read the base weights into host "
+                                           "memory at once (null: as many as the free host memory allows)")
     # Environment set before any CUDA or NCCL use, in every process (a variable already set in the shell wins):
     # the allocator setting by default; on PCIe-only nodes e.g. NCCL_P2P_DISABLE / NCCL_IB_DISABLE (README).
     env: Dict[str, str] = field(default_factory=lambda: {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

@@ -91,6 +91,12 @@ class WanSpec:
     def required_folders(self, experts: list[str]) -> list[str]:
         return [EXPERT_FOLDERS[e] for e in experts] + ["vae", "text_encoder", "tokenizer"]
 
+    def load_bytes(self, experts: list[str], encoders: bool) -> int:
+        """Bytes of the weight files one rank reads for these experts (and the VAE and text encoder)."""
+        folders = [EXPERT_FOLDERS[e] for e in experts] + (["vae", "text_encoder"] if encoders else [])
+        return sum(f.stat().st_size for sub in folders for f in (self.path / sub).glob("*")
+                   if f.suffix in (".safetensors", ".bin", ".pth") and f.is_file())
+
     def check_folder(self, experts: list[str]) -> None:
         """Raise ConfigError naming the first missing piece of the local diffusers-format folder."""
         p = self.path
