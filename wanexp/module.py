@@ -66,10 +66,21 @@ class WanModule(L.LightningModule):
                 self._trainer.strategy.barrier("wanexp-load-turn")
 
     def _build_and_place(self) -> None:
+        if self.spec.fp8:
+            from wanexp.errors import ConfigError
+            from wanexp.models import fp8
+
+            ok, why = fp8.fp8_supported()
+            if not ok:
+                raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
         for e in self.expert_names:
             t = _readable(self.spec, f"the {e} transformer", self.spec.load_transformer, e)
             for name in self.objective.adapters:
                 self.adapter.apply(t, name)
+            if self.spec.fp8:  # after the adapters: their base layers are what becomes FP8
+                n = fp8.convert_blocks(t)
+                if self.global_rank == 0:
+                    print(f"wanexp: model.fp8: {n} frozen linears of the {e} transformer in FP8", flush=True)
             self.transformers[e] = t
         for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
             self.students[name] = m  # e.g. KD's student: trained in full

@@ -91,6 +91,9 @@ BAD = [
      "objective=dmd with parallel=fsdp and model=t2v14b boundary=full", "boundary=high|low"),
     (["parallel=fsdp", "parallel.strategy.sharding_strategy=NO_SHARD", "trainer.accelerator=gpu"],
      "parallel.strategy.sharding_strategy=NO_SHARD", "FULL_SHARD, SHARD_GRAD_OP"),
+    (["model.fp8=true", "parallel=fsdp", "trainer.precision=bf16-mixed"], "model.fp8=true with parallel=fsdp",
+     "parallel=ddp"),
+    (["model.fp8=true", "trainer.precision=32"], "model.fp8=true with trainer.precision=32", "bf16-mixed"),
     (["+callbacks.extra._target_=nowhere_pkg.Callback"], "callbacks.extra._target_=nowhere_pkg.Callback",
      "not installed"),
 ]

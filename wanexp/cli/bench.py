@@ -343,6 +343,9 @@ def measure(name, make, args, device, data, flops) -> dict:
             "warmup_and_steps_s": total_s, **info}
 
 
+CHANGES_NUMERICS = ("model.fp8=true",)  # variants measured for their error, not checked against the tolerance
+
+
 def main(argv=None) -> list[dict]:
     """Run the benchmark; returns the results (one dict per path); exits 1 when the numerics check fails."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -437,10 +440,12 @@ def main(argv=None) -> list[dict]:
         ref_name = "plain_tokens" if per_token else "plain"
         print(f"\nnumerics vs the plain loop ({ref_name} function), bf16, tolerance {args.tol:g}:")
         for c in checks:
-            ok &= c["ok"]
+            changes = any(k in c["path"] for k in CHANGES_NUMERICS)  # reported, not held to the tolerance
+            ok &= c["ok"] or changes
+            verdict = "ok" if c["ok"] else ("differs (this knob changes the numerics)" if changes else "FAILED")
             print(f"  {c['path'][:40]:40} first_frame={str(c['first_frame']):5} out rel err {c['out_rel_err']:.2e}  "
                   f"LoRA grad rel err {c['grad_rel_err_all']:.2e} (worst tensor {c['grad_rel_err_worst']:.2e})  "
-                  f"input diff {c['input_max_abs_diff']:.1e}  {'ok' if c['ok'] else 'FAILED'}")
+                  f"input diff {c['input_max_abs_diff']:.1e}  {verdict}")
     if args.json:
         path = Path(args.json)
         old = json.loads(path.read_text()) if path.exists() else []

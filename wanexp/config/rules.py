@@ -77,6 +77,13 @@ def check_rules(cfg: DictConfig) -> None:
         if m.dtype == "bf16":
             raise ConfigError("trainer.precision=16-mixed with model.dtype=bf16: fp16 autocast over bf16 weights "
                               "mixes the two formats; set model.dtype=fp16 (V100: no fast bf16) or fp32")
+    if m.fp8:  # models/fp8.py: FP8 buffers, a bf16 GEMM output
+        if p.name in ("fsdp", "deepspeed"):
+            raise ConfigError(f"model.fp8=true with parallel={p.name}: the FP8 weights are not sharded (FSDP would "
+                              "cast them to its param_dtype); use parallel=ddp, or model.fp8=false to shard")
+        if str(t.precision) not in ("bf16-mixed", "bf16-true"):
+            raise ConfigError(f"model.fp8=true with trainer.precision={t.precision}: the FP8 GEMMs return bf16; set "
+                              "trainer.precision=bf16-mixed")
     if o.name == "kd" and b.name == "full" and m.boundary_ratio is not None:
         raise ConfigError(f"objective=kd with model={m.name} boundary=full: KD distils one DiT into a student; use "
                           "boundary=high or boundary=low to distil one expert")

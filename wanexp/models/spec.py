@@ -54,6 +54,7 @@ class WanSpec:
         fast_modulation: bool,
         compile: bool,
         memory_budget_gib: float | None,
+        fp8: bool = False,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -72,6 +73,7 @@ class WanSpec:
         self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (models/fast.py)
         self.compile = compile  # torch.compile each transformer block (regional compilation)
         self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs (models/fast.py)
+        self.fp8 = fp8  # frozen block linears in FP8 after the adapters are added (models/fp8.py)
         if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
                               "needs model.gradient_checkpointing=true and model.fast_modulation=true")

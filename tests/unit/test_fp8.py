@@ -1,0 +1,77 @@
+"""The opt-in FP8 base (wanexp/models/fp8.py): frozen block linears quantized per row to float8_e4m3fn, LoRA
+untouched; the CPU runs torch._scaled_mm too."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tests.conftest import run_cli
+from tests.unit.test_perf_fast import output_and_grads, ti2v_batch, tiny_transformer
+from wanexp.models import fp8
+
+
+def _rel(a, b):
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_fp8_linear_quantizes_and_its_backward_is_the_dequantized_weights():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).requires_grad_(False)
+    q = fp8.FrozenFP8Linear(lin)
+    assert q.weight_fp8.dtype == torch.float8_e4m3fn and q.weight_scale.shape == (48, 1)
+    assert dict(q.state_dict()) == {}  # nothing of it reaches a checkpoint or a LoRA file
+    x = torch.randn(2, 10, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = q(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 10, 48)
+    err = _rel(out, lin(x))
+    assert 5e-3 < err < 6e-2, err  # really FP8 (bf16 alone is ~4e-3 here), and still the same linear
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected = (grad.reshape(-1, 48) @ q.weight.to(torch.bfloat16)).reshape(2, 10, 64)  # the same bf16 product
+    assert torch.equal(x.grad, expected.float())
+    assert q(x.detach()).dtype == torch.float32  # fp32 in, no autocast: fp32 out, as nn.Linear
+
+
+def test_convert_blocks_keeps_the_lora_and_trains_it():
+    ref = tiny_transformer()
+    t = copy.deepcopy(ref)
+    n = fp8.convert_blocks(t)
+    linears = [m for m in ref.blocks.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    assert n == len(linears) > 0
+    assert not [m for m in t.blocks.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    trainable = {k: v for k, v in ref.named_parameters() if v.requires_grad}
+    assert {k: v for k, v in t.named_parameters() if v.requires_grad}.keys() == trainable.keys()
+    assert set(t.state_dict()) == set(ref.state_dict()) - {k for k in ref.state_dict() if k.startswith("blocks.") and
+                                                          "lora_" not in k and _is_block_linear(ref, k)}
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref, grads_ref = output_and_grads(ref, hidden, timestep, text)
+        out, grads = output_and_grads(t, hidden, timestep, text)
+    assert 1e-3 < _rel(out, out_ref) < 0.2
+    for k, g in grads.items():
+        assert torch.isfinite(g).all() and g.abs().sum() > 0, k
+    cos = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in grads.values()]),
+                                                torch.cat([grads_ref[k].flatten() for k in grads]), dim=0)
+    assert cos > 0.9, float(cos)
+
+
+def _is_block_linear(model, key: str) -> bool:
+    module = model.get_submodule(key.rsplit(".", 1)[0])
+    return type(module) is nn.Linear and not module.weight.requires_grad
+
+
+def test_train_py_with_fp8_base_trains_and_exports(shared_dir, tmp_path):
+    out = tmp_path / "run"
+    res = run_cli(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+                   "data.use_cache=false", "trainer.max_steps=2", "callbacks.progress=null", f"paths.output_dir={out}",
+                   "model.fp8=true", "trainer.precision=bf16-mixed", "callbacks.validation.every_n_steps=0"],
+                  timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "frozen linears of the dense transformer in FP8" in res.stdout
+    from safetensors.torch import load_file
+
+    lora = load_file(str(out / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
+    assert lora and all(torch.isfinite(v).all() for v in lora.values())

@@ -1,0 +1,100 @@
+"""Opt-in FP8 base (``model.fp8=true``): the frozen linears of the transformer blocks stored and multiplied in FP8.
+
+Each frozen ``nn.Linear`` of a block (the base layer under a LoRA, or a linear no adapter targets) becomes a
+:class:`FrozenFP8Linear`: its weight is quantized once, at load, to ``float8_e4m3fn`` with one fp32 scale per output
+row (half the memory of bf16); the forward quantizes its input per row the same way and runs one scaled FP8 GEMM
+(``torch._scaled_mm``, bf16 out); the backward returns only the input's gradient (the weight is frozen), from the
+dequantized weight in bf16, and saves no activation for it. LoRA A/B, the embeddings, the norms and ``proj_out`` are
+untouched. The LoRA files and checkpoints do not change (the FP8 tensors are non-persistent buffers).
+
+Off by default: FP8 (3 mantissa bits) changes what is computed. On random weights a single GEMM's relative error is
+~3.5e-2 against fp32, where bf16's is ~4e-3; the whole model's is measured by ``tests/gpu/fp8_check.sh``.
+Needs a GPU of compute capability >= 8.9 (Ada, Hopper) for the FP8 GEMM; the CPU runs it too (tests).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / scale) in float8_e4m3fn and the fp32 scale per row (amax / 448; all-zero rows get scale 1)."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight_fp8, weight_scale, bias, out_dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x_fp8, x_scale = quantize_rows(x2)
+        out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=out_dtype)
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+        ctx.save_for_backward(weight_fp8, weight_scale)
+        ctx.in_dtype = x.dtype
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight_fp8, weight_scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        weight = (weight_fp8.float() * weight_scale).to(grad_out.dtype)  # dequantized (out, in)
+        grad_x = (grad_out.reshape(-1, grad_out.shape[-1]) @ weight).reshape(*grad_out.shape[:-1], weight.shape[1])
+        return grad_x.to(ctx.in_dtype), None, None, None, None
+
+
+class FrozenFP8Linear(nn.Module):
+    """A frozen ``nn.Linear`` in FP8 (see the module docstring). ``out_dtype``: bf16 unless the input is fp32 and no
+    autocast is active (then fp32, as the linear it replaces would return)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight_fp8, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("weight_fp8", weight_fp8, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        if linear.bias is not None:
+            self.register_buffer("bias", linear.bias.detach().clone(), persistent=False)
+        else:
+            self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (bf16), for code that reads ``.weight`` (dtype and shape checks); not used to compute."""
+        return (self.weight_fp8.float() * self.weight_scale).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        autocast = torch.is_autocast_enabled(x.device.type)
+        out_dtype = torch.float32 if x.dtype == torch.float32 and not autocast else torch.bfloat16
+        return _FP8Linear.apply(x, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 rowwise"
+
+
+def convert_blocks(transformer: nn.Module) -> int:
+    """Replace every frozen ``nn.Linear`` inside ``transformer.blocks`` (a LoRA layer's base layer included) by a
+    :class:`FrozenFP8Linear`, in place; trainable linears (LoRA A/B) stay. Returns how many were replaced."""
+    count = 0
+    for block in transformer.blocks:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and not child.weight.requires_grad and \
+                        child.in_features % 16 == 0 and child.out_features % 16 == 0:
+                    setattr(parent, name, FrozenFP8Linear(child))
+                    count += 1
+    return count
+
+
+def fp8_supported() -> tuple[bool, str]:
+    """Whether this machine runs the FP8 GEMM: a GPU of compute capability >= 8.9, or no GPU (the CPU kernel)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        return False, f"{torch.cuda.get_device_name()} (compute capability {cap}) has no FP8 GEMM (8.9+: Ada, Hopper)"
+    return True, ""
