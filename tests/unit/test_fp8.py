@@ -75,3 +75,16 @@ def test_train_py_with_fp8_base_trains_and_exports(shared_dir, tmp_path):
 
     lora = load_file(str(out / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
+
+
+def test_a_v100_skips_compile_and_refuses_fp8(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100S-PCIE-32GB")
+    from wanexp.models import fast
+
+    assert fast.compile_supported() == (False, "Tesla V100S-PCIE-32GB (compute capability 7.0) is below Triton's 8.0")
+    ok, why = fp8.fp8_supported()
+    assert not ok and why.startswith("Tesla V100S-PCIE-32GB (compute capability 7.0) has no FP8 GEMM")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert fp8.fp8_supported() == (True, "") and fast.compile_supported() == (True, "")

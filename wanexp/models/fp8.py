@@ -94,7 +94,7 @@ def convert_blocks(transformer: nn.Module) -> int:
 
 def fp8_supported() -> tuple[bool, str]:
     """Whether this machine runs the FP8 GEMM: a GPU of compute capability >= 8.9, or no GPU (the CPU kernel)."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        cap = ".".join(map(str, torch.cuda.get_device_capability()))
-        return False, f"{torch.cuda.get_device_name()} (compute capability {cap}) has no FP8 GEMM (8.9+: Ada, Hopper)"
-    return True, ""
+    from wanexp.models.fast import gpu_capability_below
+
+    gpu = gpu_capability_below((8, 9))
+    return (False, f"{gpu} has no FP8 GEMM (8.9+: Ada, Hopper)") if gpu else (True, "")
