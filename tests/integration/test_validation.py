@@ -83,3 +83,20 @@ def test_a_distilled_lora_validates_on_its_student_steps_against_the_teacher(sha
     assert gap["val/teacher_latent_mse"] > 0 and 0 < gap["val/teacher_ssim"] <= 1 and gap["val/teacher_psnr"] > 0
     assert (out / "validation" / "step_000000" / "p0_s0_base.mp4").is_file()  # the teacher, logged once
     assert (out / "validation" / "step_000002" / "p0_s0.mp4").is_file()
+
+
+def test_at_start_false_skips_the_step_0_validation(monkeypatch):
+    """callbacks.validation.at_start=false: a fresh run starts training at once (the base model's videos take
+    minutes on A14B); the first validation comes at every_n_steps."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(Validation, "_validate", lambda self, trainer, module, base=False: calls.append(base))
+    kwargs = dict(output_dir="unused", every_n_steps=2, prompts=["p"], seeds=[0], first_frame=False, height=32,
+                  width=32, num_frames=5, fps=8, steps=2, guidance=1.0, negative_prompt="", loss_sigmas=[0.5],
+                  loss_samples=0, timeout_s=60)
+    fresh = SimpleNamespace(global_step=0)
+    Validation(**kwargs).on_train_start(fresh, None)
+    assert calls == [True]
+    Validation(**kwargs, at_start=False).on_train_start(fresh, None)
+    assert calls == [True]

@@ -39,7 +39,8 @@ from wanexp.errors import ConfigError
 class Validation(Callback):
     def __init__(self, output_dir: str, every_n_steps: int, prompts: list[str], seeds: list[int], first_frame: bool,
                  height: int, width: int, num_frames: int, fps: int, steps: int, guidance: float,
-                 negative_prompt: str, loss_sigmas: list[float], loss_samples: int, timeout_s: int):
+                 negative_prompt: str, loss_sigmas: list[float], loss_samples: int, timeout_s: int,
+                 at_start: bool = True):
         """The arguments are ``callbacks.validation`` (config.schema.ValidationConfig)."""
         bad = [s for s in loss_sigmas if not 0.0 <= float(s) <= 1.0]
         if bad:
@@ -56,6 +57,7 @@ class Validation(Callback):
         self.loss_sigmas = [float(s) for s in loss_sigmas]
         self.loss_samples = int(loss_samples)
         self.timeout_s = int(timeout_s)
+        self.at_start = bool(at_start)  # step 0 of a fresh run: the base model's videos and the step-0 numbers
         self._done: int | None = None  # the step last validated
         self._teacher: dict | None = None  # (prompt index, seed) -> (latents, video) of the base model
         self._group = None  # a gloo group with a long timeout, for the ranks that wait
@@ -70,7 +72,7 @@ class Validation(Callback):
             self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.every and trainer.global_step == 0:  # a fresh run: the base model once, and the step-0 numbers
+        if self.every and self.at_start and trainer.global_step == 0:  # fresh run: base model once, step-0 numbers
             self._validate(trainer, pl_module, base=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -99,8 +101,8 @@ class Validation(Callback):
         result: dict = {}
         if base and trainer.global_rank == 0:  # minutes on A14B before the first step: say what it is doing
             print(f"wanexp: validation at step 0: sampling the base model first ({len(self.prompts)} prompt(s) x "
-                  f"{len(self.seeds)} seed(s), {self.steps} steps; callbacks.validation.every_n_steps=0 skips "
-                  "validation)", flush=True)
+                  f"{len(self.seeds)} seed(s), {self.steps} steps; callbacks.validation.at_start=false skips this, "
+                  "callbacks.validation.every_n_steps=0 all validation)", flush=True)
         if sharded or trainer.global_rank == 0:
             was_training = pl_module.training
             devices = [pl_module.device] if pl_module.device.type == "cuda" else []
