@@ -66,7 +66,7 @@ class FrozenFP8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (bf16), for code that reads ``.weight`` (dtype and shape checks); not used to compute."""
+        """The dequantized weight (bf16), for code that reads ``.weight``; the GEMMs never use it."""
         return (self.weight_fp8.float() * self.weight_scale).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
