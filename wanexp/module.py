@@ -386,9 +386,11 @@ def load_turns(module: WanModule) -> tuple[int, int]:
     trainer = module._trainer
     if trainer is None or trainer.world_size == 1:
         return 1, 0
+    from lightning.pytorch.strategies import DDPStrategy
+
     strategy = trainer.strategy
-    if not hasattr(strategy, "parallelize_module") and type(strategy).__name__ != "DDPStrategy":
-        return 1, 0  # DeepSpeed places the model itself
+    if not hasattr(strategy, "parallelize_module") and type(strategy) is not DDPStrategy:
+        return 1, 0  # DeepSpeed (a DDPStrategy subclass) places the model itself
     per_node = max(1, trainer.num_devices)
     k = getattr(strategy, "concurrent_loads", None)
     if k is None:

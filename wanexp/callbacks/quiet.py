@@ -1,9 +1,9 @@
 """A quiet log: Lightning's adverts and the notes a user cannot act on are dropped (on import, once).
 
 Dropped: the "💡 Tip: ... litlogger/litmodels" adverts, "`Trainer.fit` stopped: `max_steps=N` reached" (wanexp prints
-how the run finished), "Checkpoint directory ... exists and is not empty" (a resumed run's own folder), "Using ModelCheckpoint with manual
-optimization ..." (DMD: wanexp saves at the step's end, after the update, which is what a resume continues from) and torch's
-``weights_only`` FutureWarning (wanexp loads every checkpoint with ``weights_only=True``). Lightning's other lines
+how the run finished), "Checkpoint directory ... exists and is not empty" (a resumed run's own folder), "Using
+ModelCheckpoint with manual optimization ..." (DMD: wanexp saves at the step's end, after the update, which is what a
+resume continues from) and torch's ``weights_only`` FutureWarning (wanexp loads every checkpoint with ``weights_only=True``). Lightning's other lines
 (devices, restored checkpoints) and every warning about the user's own settings stay.
 """
 from __future__ import annotations
