@@ -338,7 +338,7 @@ class ValidationConfig:
     loss_sigmas: List[float] = knob(MISSING)  # the held-out loss's noise levels (shifted sigma in [0, 1])
     loss_samples: int = knob(MISSING, ge=0, doc="held-out samples the validation loss averages (the first N)")
     timeout_s: int = knob(MISSING, ge=1, doc="how long the other ranks wait while rank 0 samples")
-    at_start: bool = knob(True, doc="validate at step 0 of a fresh run (base-model videos: minutes on A14B)")
+    at_start: bool = knob(MISSING, doc="validate at step 0 of a fresh run (base-model videos: minutes on A14B)")
 
 
 @dataclass
