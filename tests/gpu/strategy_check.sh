@@ -9,6 +9,7 @@
 #     a14b4   the high-noise expert 480x832x81 with fsdp on 4 GPUs
 #     a14b720 the high-noise expert at 720x1280x81 (75,600 tokens): fsdp+sp2 on 2 GPUs, fsdp+sp2 on 4 (dp 2)
 #     a14bfull both I2V-A14B experts in one fsdp run on 2 GPUs;  dmd14  objective=dmd on the high expert, fsdp 2 GPUs
+#   LOG_EVERY (default 1: a step time per step) sets trainer.log_every_n_steps; ROW_SKIP the logged rows left out.
 #   STRAT_GPUS="1 2 4" limits the GPU counts (those above the machine's are skipped). A14B rows run eager
 #   (A14B_COMPILE=true compiles their blocks; the compile costs a minute per run); STRAT_ONE_GPU_ALL=1 adds fsdp and
 #   deepspeed on one GPU. STRAT_ONLY=REGEX runs only the runs (and sp_numerics) whose names match.
@@ -33,11 +34,12 @@ run() {
   local vis; vis=$(seq -s, $BASE $((BASE + n - 1)))
   say "run $name on GPU(s) $vis${PAIRED:+ (paired with $PAIRED)}"
   MASTER_PORT=$((29500 + 7 * BASE)) CUDA_VISIBLE_DEVICES=$vis timeout ${RUN_TIMEOUT:-420} python3 train.py "$@" trainer.devices=$n trainer.max_steps=$steps \
-    trainer.log_every_n_steps=1 callbacks.progress=null callbacks.checkpoint.every_n_train_steps=1000 \
+    trainer.log_every_n_steps=${LOG_EVERY:-1} callbacks.progress=null callbacks.checkpoint.every_n_train_steps=1000 \
     callbacks.validation.every_n_steps=0 paths.output_dir="$W/runs/$name" run_name=$name > "$OUT/$name.log" 2>&1
   local rc=$?
   [ $rc -ne 0 ] && { echo "--- $name failed (rc $rc)"; grep -v -e Warning -e warn "$OUT/$name.log" | tail -25; }
   python3 tests/gpu/strategy_row.py "$W/runs/$name" --name "$name" --gpus "$n" --rc $rc ${PAIRED:+--paired-with $PAIRED} \
+    --skip "${ROW_SKIP:-3}" \
     "$@" | tee -a "$OUT/strategy.jsonl"
 }
 
@@ -79,6 +81,8 @@ if [[ " $CASES " == *" 5b "* ]]; then
   run 5b_ddp_1 1 $S "${D5[@]}" parallel=ddp
   run 5b_ddp_2 2 $S "${D5[@]}" parallel=ddp
   run 5b_ddp_4 4 $S "${D5[@]}" parallel=ddp
+  # the user's logging cadence (the default 10): the gap to the bench's step without a host read every step
+  LOG_EVERY=10 ROW_SKIP=1 run 5b_ddp_1_log10 1 44 "${D5[@]}" parallel=ddp
   run 5b_fsdp_4 4 $S "${D5[@]}" parallel=fsdp
   pair "5b_fsdp_2 2 $S ${D5[*]} parallel=fsdp" "5b_fsdp_sp2_2 2 $S ${D5[*]} parallel=fsdp parallel.sp_size=2"
   pair "5b_ds2_2 2 $S ${D5[*]} parallel=deepspeed parallel.strategy.stage=2" \

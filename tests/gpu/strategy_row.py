@@ -45,6 +45,10 @@ def main() -> None:
         "step_times": [round(t, 3) for t in times],
         "lora_files": len(list((out / "lora").rglob("*.safetensors"))) if (out / "lora").is_dir() else 0,
         "state": status.get("state"), "replicas_in_sync": status.get("replicas_in_sync"), "paired_with": args.paired_with,
+        # objective=dmd: each step trains one adapter; train/lr_gen is logged on the generator's steps only
+        "phase_step_s": {ph: [round(float(r["perf/step_time_s"]), 3) for r in rows if r.get("perf/step_time_s")
+                              and r.get("train/lr_critic") and bool(r.get("train/lr_gen")) == (ph == "gen")]
+                         for ph in ("critic", "gen")},
     }
     print(json.dumps(row))
 
