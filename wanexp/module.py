@@ -58,14 +58,21 @@ class WanModule(L.LightningModule):
         rank's turn ends once its copy is sharded or on its GPU, so a node holds at most that many copies."""
         if len(self.transformers):
             return
+        sp_size = int(getattr(self._trainer.strategy, "sp_size", 1) or 1) if self._trainer else 1
+        group = None
+        if sp_size > 1:  # a collective: every rank makes the groups, before (not inside) its loading turn
+            from wanexp.models import sequence
+
+            group = sequence.build_group(sp_size)
         turns, mine = load_turns(self)
         for turn in range(turns):
             if turn == mine:
-                self._build_and_place()
+                self._build_and_place(group, place_now=turns > 1)
             if turns > 1:
                 self._trainer.strategy.barrier("wanexp-load-turn")
 
-    def _build_and_place(self) -> None:
+    def _build_and_place(self, group, place_now: bool) -> None:
+        """``group``: the sequence-parallel group (None without); ``place_now``: move to the GPU inside this turn."""
         if self.spec.fp8:
             from wanexp.errors import ConfigError
             from wanexp.models import fp8
@@ -84,11 +91,9 @@ class WanModule(L.LightningModule):
             self.transformers[e] = t
         for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
             self.students[name] = m  # e.g. KD's student: trained in full
-        sp_size = int(getattr(self._trainer.strategy, "sp_size", 1) or 1) if self._trainer else 1
-        if sp_size > 1:  # sequence parallel: each training forward keeps 1/sp of the tokens (models/sequence.py)
+        if group is not None:  # sequence parallel: each training forward keeps 1/sp of the tokens (models/sequence.py)
             from wanexp.models import sequence
 
-            group = sequence.build_group(sp_size)
             for t in [*self.transformers.values(), *self.students.values()]:
                 sequence.enable(t, group)
         if self.load_encoders:
@@ -98,7 +103,7 @@ class WanModule(L.LightningModule):
         if parallelize is not None:  # FSDP: shard after the adapters are added, before optimizers exist
             parallelize(self)
         root = self._trainer.strategy.root_device if self._trainer else None
-        if root is not None and root.type == "cuda" and getattr(self._trainer.strategy, "concurrent_loads_active", 0):
+        if place_now and root is not None and root.type == "cuda":
             # the host copy goes now, inside this rank's turn (Lightning would move the module after every turn)
             for m in ([self.encoders] if parallelize is not None else [self]):
                 if m is not None:
@@ -410,7 +415,6 @@ def load_turns(module: WanModule) -> tuple[int, int]:
     if k >= per_node:
         return 1, 0
     turns = -(-per_node // k)
-    strategy.concurrent_loads_active = k
     if trainer.global_rank == 0:
         print(f"wanexp: loading the base in {turns} turns of {k} rank(s) per node ({why})", flush=True)
     return turns, (trainer.local_rank % per_node) // k

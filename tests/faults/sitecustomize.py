@@ -49,9 +49,9 @@ if os.environ.get("WANEXP_TEST_LOAD_LOG"):
 
     _build = _module.WanModule._build_and_place
 
-    def _logged_build(self):
+    def _logged_build(self, *args, **kwargs):
         t0 = time.monotonic()
-        _build(self)
+        _build(self, *args, **kwargs)
         time.sleep(0.5)  # a turn long enough that a concurrent one would overlap it
         with open(os.environ["WANEXP_TEST_LOAD_LOG"], "a") as f:
             f.write(f"{self.global_rank} {t0} {time.monotonic()}\n")
