@@ -58,6 +58,13 @@ class WanModule(L.LightningModule):
         rank's turn ends once its copy is sharded or on its GPU, so a node holds at most that many copies."""
         if len(self.transformers):
             return
+        if self.spec.fp8:  # every rank, before any loads (not inside one rank's turn)
+            from wanexp.errors import ConfigError
+            from wanexp.models import fp8
+
+            ok, why = fp8.fp8_supported()
+            if not ok:
+                raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
         sp_size = int(getattr(self._trainer.strategy, "sp_size", 1) or 1) if self._trainer else 1
         group = None
         if sp_size > 1:  # a collective: every rank makes the groups, before (not inside) its loading turn
@@ -73,13 +80,8 @@ class WanModule(L.LightningModule):
 
     def _build_and_place(self, group, place_now: bool) -> None:
         """``group``: the sequence-parallel group (None without); ``place_now``: move to the GPU inside this turn."""
-        if self.spec.fp8:
-            from wanexp.errors import ConfigError
-            from wanexp.models import fp8
+        from wanexp.models import fp8
 
-            ok, why = fp8.fp8_supported()
-            if not ok:
-                raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
         for e in self.expert_names:
             t = _readable(self.spec, f"the {e} transformer", self.spec.load_transformer, e)
             for name in self.objective.adapters:
