@@ -165,14 +165,14 @@ class ExpertProbe(Callback):
 
 
 class SignalAtStep(Callback):
-    """Sends ``signum`` to its own process at the end of optimizer step ``step``, after the callbacks before it have
-    run their step-end hooks (a signal landing late in a step)."""
+    """Sends ``signum`` to its own process (of rank ``rank`` only, when given) at the end of optimizer step ``step``,
+    after the callbacks before it have run their step-end hooks (a signal landing late in a step)."""
 
-    def __init__(self, step: int, signum: int = 15):
-        self.step, self.signum = step, signum
+    def __init__(self, step: int, signum: int = 15, rank: int | None = None):
+        self.step, self.signum, self.rank = step, signum, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import os
 
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), self.signum)

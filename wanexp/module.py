@@ -145,9 +145,7 @@ class WanModule(L.LightningModule):
             self.denoiser.step_expert, self.denoiser.sigma_range = None, self.sigma_range
         finite = torch.isfinite(out.loss.detach())  # read before the optimizer step (on_before_optimizer_step)
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        self.log("train/loss", out.loss, prog_bar=True, batch_size=out.batch_size)
-        self._log_metrics(out.metrics)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], batch_size=out.batch_size)
+        self._log_step(out.loss, out.metrics, {"train/lr": self.lr_schedulers().get_last_lr()[0]}, out.batch_size)
         return {"loss": out.loss, "flops": out.flops}
 
     def _manual_step(self, encoded):
@@ -168,10 +166,18 @@ class WanModule(L.LightningModule):
         self._loss_finite = torch.isfinite(out.loss.detach())
         opt.step()  # on_before_optimizer_step skips it if the loss or a gradient is not finite
         sched.step()
-        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=out.batch_size)
-        self._log_metrics(out.metrics)
-        self.log(f"train/lr_{phase}", sched.get_last_lr()[0], batch_size=out.batch_size)
+        self._log_step(out.loss, out.metrics, {f"train/lr_{phase}": sched.get_last_lr()[0]}, out.batch_size)
         return {"loss": out.loss.detach(), "flops": out.flops}
+
+    def _log_step(self, loss: torch.Tensor, metrics: dict, host_values: dict, batch_size: int) -> None:
+        """The step's logging without a host sync on a GPU. The loss is logged as a device tensor every step (no
+        ``prog_bar``: Lightning reads progress-bar metrics to the host at every step); numbers from the host (the lr)
+        only at log steps, since ``self.log`` turns a number into a device tensor with a blocking copy."""
+        self.log("train/loss", loss.detach(), batch_size=batch_size)
+        self._log_metrics(metrics)
+        if self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+            for name, value in host_values.items():
+                self.log(name, value, batch_size=batch_size)
 
     def _log_metrics(self, metrics: dict) -> None:
         """An objective's metrics, ``name -> (mean, samples)`` (tensors or numbers), summed on the device over the
@@ -179,14 +185,22 @@ class WanModule(L.LightningModule):
         one per step and metric; a group with no sample in the window (e.g. a sigma quarter) is left out."""
         acc = self._metric_sums
         for name, (value, n) in metrics.items():
-            n = torch.as_tensor(n, dtype=torch.float32, device=value.device)
-            total = torch.where(n > 0, value.detach().float() * n, torch.zeros_like(n))
+            if isinstance(n, torch.Tensor):  # counted on the device (e.g. samples per sigma quarter)
+                n = n.to(dtype=torch.float32)
+                total = torch.where(n > 0, value.detach().float() * n, torch.zeros_like(n))
+            else:  # a count the host knows: no host-to-device copy (a blocking one on a GPU)
+                n = float(n)
+                total = value.detach().float() * n if n > 0 else torch.zeros((), device=value.device)
             if name in acc:
                 total, n = acc[name][0] + total, acc[name][1] + n
             acc[name] = (total, n)
         if acc and self._trainer is not None and self.trainer._logger_connector.should_update_logs:
             names = list(acc)
-            counts = torch.stack([acc[k][1].to(self.device) for k in names]).tolist()
+            on_device = [k for k in names if isinstance(acc[k][1], torch.Tensor)]
+            read = torch.stack([acc[k][1].to(self.device) for k in on_device]).tolist() if on_device else []
+            counts = [acc[k][1] for k in names]  # the device counts in one host read per log step
+            for k, c in zip(on_device, read):
+                counts[names.index(k)] = c
             for k, c in zip(names, counts):
                 if c > 0:
                     self.log(k, acc[k][0] / c, batch_size=int(c))
@@ -237,7 +251,9 @@ class WanModule(L.LightningModule):
             if grads:
                 bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()).to(self.device)
         if self.trainer.world_size > 1:  # sharded gradients: every rank must take the same decision
-            bad = self.trainer.strategy.reduce(bad.float(), reduce_op="max") > 0
+            bad = bad.float()  # an all-reduce without the barrier Lightning's strategy.reduce puts first (a host sync)
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            bad = bad > 0
         self._skipped = self._skipped.to(self.device) + bad
         self._bad_in_row = (self._bad_in_row.to(self.device) + 1) * bad
         on_device = scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False) and \

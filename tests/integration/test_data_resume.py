@@ -36,17 +36,23 @@ def test_resume_mid_epoch_under_ddp_gives_each_rank_its_unseen_batches(shared_di
               "trainer.devices=2", "callbacks.progress=null", "callbacks.checkpoint.every_n_train_steps=1",
               "+callbacks.recorder._target_=tests.helpers.BatchRecorder"]
 
-    def run(out, log, steps, *extra):
+    def run(out, log, steps, *extra, code=0):
         res = run_cli([*common, f"paths.output_dir={out}", f"+callbacks.recorder.path={log}",
                        f"trainer.max_steps={steps}", *extra], timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.returncode == code, res.stderr[-3000:]
 
     def read(log, rank):
         return [json.loads(line)["index"] for line in open(f"{log}.rank{rank}")]
 
     run(tmp_path / "full", tmp_path / "full.jsonl", 6)  # 16 clips / (2 ranks x 2) = 4 batches per epoch
-    run(tmp_path / "cut", tmp_path / "cut.jsonl", 2)
-    run(tmp_path / "cut", tmp_path / "cut.jsonl", 6, "resume=last", "allow_resume_changes=true")
+    # cut by a SIGUSR1 that only rank 1 receives, late in step 2 (after the step-end check): rank 1 sees it at step
+    # 3's end, where the flag is all-reduced; the ranks read the result at step 4's end, both save step 4 and stop
+    run(tmp_path / "cut", tmp_path / "cut.jsonl", 6, "+callbacks.zz_signal._target_=tests.helpers.SignalAtStep",
+        "+callbacks.zz_signal.step=2", "+callbacks.zz_signal.signum=10", "+callbacks.zz_signal.rank=1", code=138)
+    status = json.loads((tmp_path / "cut" / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["signal"] == "SIGUSR1" and status["step"] == 4
+    assert len(read(tmp_path / "cut.jsonl", 0)) == len(read(tmp_path / "cut.jsonl", 1)) == 4
+    run(tmp_path / "cut", tmp_path / "cut.jsonl", 6, "resume=last")
     for rank in (0, 1):
         assert read(tmp_path / "cut.jsonl", rank) == read(tmp_path / "full.jsonl", rank)
     seen = [i for rank in (0, 1) for b in read(tmp_path / "full.jsonl", rank)[:4] for i in b]

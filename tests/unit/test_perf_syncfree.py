@@ -60,3 +60,19 @@ def test_routing_from_a_host_sigma_matches_per_sample_experts():
         expect = torch.where(high.view(-1, 1, 1, 1, 1), x * 2.0, x * -3.0) + 1000 * sigma.view(-1, 1, 1, 1, 1)
         torch.testing.assert_close(pred.velocity, expect, rtol=0, atol=0)
         assert pred.route.tolist() == [0 if h else 1 for h in high.tolist()]
+
+
+def test_the_signal_flag_is_agreed_one_call_late(tmp_path):
+    """LaggedMax: each call all-reduces (max) this call's value and returns the previous call's result, so a step
+    never waits for its own reduce. One gloo process here; the 2-rank case is in test_data_resume (a signal that only
+    rank 1 receives stops both ranks at the same step)."""
+    import torch.distributed as dist
+
+    from wanexp.callbacks.preemption import LaggedMax
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        agreed = LaggedMax(torch.device("cpu"))
+        assert [agreed(v) for v in (0, 10, 0, 15, 2, 0)] == [0, 0, 10, 0, 15, 2]
+    finally:
+        dist.destroy_process_group()

@@ -1,8 +1,11 @@
 """Preemption and interruption: SIGTERM, SIGUSR1 (SLURM's warning, ``--signal=USR1@120``) and SIGINT save a checkpoint
 at the end of the current optimizer step, mark the run ``interrupted`` and exit 128 + the signal (143, 138, 130).
 
-The handlers only set a flag; the save happens at a step boundary, so the checkpoint is consistent, and with several
-ranks the flag is combined over all of them each step, so every rank saves and stops at the same step.
+The handlers only set a flag; the save happens at a step boundary, so the checkpoint is consistent. With several
+ranks the flag is combined over all of them at every step's end (a max all-reduce) and read at the next step's end,
+after the GPU has finished it: no host sync in the step, and every rank saves and stops at the same step, one optimizer
+step after the signal's. Lightning's own per-step SIGTERM broadcast (a blocking read every step) is turned off while
+this callback runs; its handler's job is done here.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class Preemption(Callback):
         self.received = 0
         self._previous: dict[int, object] = {}
         self._launcher = None
+        self._agreed: LaggedMax | None = None
 
     def _handler(self, signum, frame) -> None:
         first = not self.received
@@ -40,6 +44,11 @@ class Preemption(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._launcher = trainer.strategy.launcher if trainer.global_rank == 0 else None
+        self._agreed = None
+        # Lightning broadcasts trainer.received_sigterm from rank 0 before every batch under several ranks, with a
+        # blocking read; its handler is not called here (above) and the step-end check below covers a SIGTERM it saw
+        # before training started, so that broadcast only costs a host sync per step.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
         for sig in SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handler)
@@ -60,8 +69,9 @@ class Preemption(Callback):
             return  # only at an optimizer step
         signum = self.received or (signal.SIGTERM if trainer.received_sigterm else 0)
         if trainer.world_size > 1:
-            flag = torch.tensor([signum], device=trainer.strategy.root_device)
-            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+            if self._agreed is None:
+                self._agreed = LaggedMax(trainer.strategy.root_device)
+            signum = self._agreed(signum)
         if not signum:
             return
         checkpoint = None
@@ -78,6 +88,36 @@ class Preemption(Callback):
         if signum == signal.SIGUSR1 and self.requeue and trainer.global_rank == 0:
             requeue_slurm_job()
         raise Interrupted(signum, trainer.global_step, checkpoint)
+
+
+class LaggedMax:
+    """``agreed = LaggedMax(device)(local)``: the max over all ranks of each rank's ``local`` value as it was at the
+    previous call (0 at the first). Each call starts an all-reduce of this call's value and, on a GPU, copies the
+    result to pinned host memory without waiting; the next call reads it once the GPU has passed that point (an
+    event recorded a step earlier), so the step never waits for the GPU. Every rank gets the same answer from the
+    same call. On the CPU (gloo) the all-reduce is already done when it returns."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        cuda = device.type == "cuda"
+        self._in = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+        self._out = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+        self._event = None
+
+    def __call__(self, local: int) -> int:
+        import torch.distributed as dist
+
+        if self._event is not None:
+            self._event.synchronize()  # the previous call's all-reduce and copies are done
+        agreed = int(self._out[0])
+        self._in[0] = local  # safe to overwrite: the copy that read it is done
+        flag = self._in.to(self.device, non_blocking=True)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # no barrier first (Lightning's reduce has one)
+        self._out.copy_(flag, non_blocking=True)
+        if self.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return agreed
 
 
 def requeue_slurm_job() -> None:

@@ -69,7 +69,9 @@ class StepProgressBar(TQDMProgressBar):
         self._bar_step = step
         if step % self.refresh_rate == 0 or step == bar.total:
             bar.n = step
-            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            if trainer._logger_connector.should_update_logs or step == bar.total:
+                # loss and samples/s as logged: read from the device at log steps only (a read is a host sync)
+                bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

@@ -110,7 +110,8 @@ def _gpu() -> dict:
 class RunStatus(Callback):
     """status.json: state (running/finished/failed/interrupted), step of total, ETA, loss, lr, throughput, memory,
     the last checkpoint, rejects and per-rank fields; also logs perf/* (samples/s, tokens/s, TFLOP/s, % of peak,
-    memory, loader wait) every step and ``train/grad_norm`` (before clipping) at logged steps.
+    memory, loader wait; the averages since the last logged step) and ``train/grad_norm`` (before clipping) at logged
+    steps; between them it reads nothing from the device (no host sync in the step).
 
     ``every_s``: status.json is rewritten at most this often (rank 0). ``peak_tflops``: the accelerator's peak for
     ``perf/pct_of_peak`` (null: not logged; never on CPU).
@@ -131,6 +132,10 @@ class RunStatus(Callback):
         self._recent: deque = deque(maxlen=50)  # (seconds, samples, tokens) of the last optimizer steps
         self._t_written = 0.0
         self._perf: dict = {}
+        self._window = [0.0, 0, 0, 0.0]  # seconds, samples, tokens, FLOPs since the last log step
+        self._window_start = 0  # global step at the last log step
+        self._loss_read: float | None = None  # the loss and skipped steps as last read from the device
+        self._skipped_read = 0
         self.state: dict = {}
 
     # ---- writing ---------------------------------------------------------------------------------------------
@@ -142,12 +147,15 @@ class RunStatus(Callback):
         self._t_written = time.monotonic()
         write_json_atomic(self.path, self.state)
 
-    def _progress(self, trainer) -> dict:
-        """Step of total, ETA (from the last steps' pace), throughput, loss, lr, memory, checkpoint, rejects."""
+    def _progress(self, trainer, read_device: bool = True) -> dict:
+        """Step of total, ETA (from the last steps' pace), throughput, loss, lr, memory, checkpoint, rejects; the
+        loss is read from the device only when ``read_device`` (logged steps, the end), else the last value read."""
         total = total_optimizer_steps(trainer)
         seconds = sum(r[0] for r in self._recent)
         per_step = seconds / len(self._recent) if self._recent else None
-        loss = trainer.callback_metrics.get("train/loss")
+        if read_device:
+            self._loss_read = _number(trainer.callback_metrics.get("train/loss"))
+        loss = self._loss_read
         opt = trainer.optimizers[0] if trainer.optimizers else None
         ckpt = trainer.checkpoint_callback
         last = getattr(ckpt, "_last_checkpoint_saved", "") or getattr(ckpt, "last_model_path", "") or None
@@ -168,7 +176,7 @@ class RunStatus(Callback):
     # ---- hooks -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         self.t_last = time.perf_counter()
-        self._step = trainer.global_step
+        self._step = self._window_start = trainer.global_step
         opt = trainer.optimizers[0] if trainer.optimizers else None
         import socket
 
@@ -220,20 +228,16 @@ class RunStatus(Callback):
         now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
         self._recent.append((dt, self.samples, self.tokens))
-        metrics = {"perf/samples_per_s": self.samples / dt if dt > 0 else 0.0,
-                   "perf/tokens_per_s": self.tokens / dt if dt > 0 else 0.0, "perf/step_time_s": dt,
-                   "perf/tflops": self.flops / dt / 1e12 if dt > 0 else 0.0}  # per device
+        window = self._window
+        for i, v in enumerate((dt, self.samples, self.tokens, self.flops)):
+            window[i] += v
         self.samples = self.tokens = 0
         self.flops = 0.0
-        if self.peak_tflops and torch.cuda.is_available():
-            metrics["perf/pct_of_peak"] = 100.0 * metrics["perf/tflops"] / float(self.peak_tflops)
-        if isinstance(trainer.profiler, LoaderWait):
-            metrics["perf/loader_wait_frac"] = trainer.profiler.take() / dt if dt > 0 else 0.0
-        if torch.cuda.is_available():
-            metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            metrics["perf/mem_gib"] = torch.cuda.memory_allocated() / 2**30
-        self._perf = {k.split("/", 1)[1]: v for k, v in metrics.items()}
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        # Logged at log steps only, as the window's averages since the last one: ``self.log`` of a number is a blocking
+        # host-to-device copy on a GPU, and without a sync per step the host's per-step times are not the GPU's (over
+        # a window that ends in the log step's sync they are).
+        if trainer._logger_connector.should_update_logs:
+            self._log_window(trainer, pl_module)
         logged_step = trainer.global_step % max(1, trainer.log_every_n_steps) == 0
         ranks = self._gather(trainer) if logged_step else None  # a collective: the same steps on every rank
         if trainer.global_rank != 0:
@@ -242,11 +246,36 @@ class RunStatus(Callback):
             pl_module.log("data/rejected_online", float(self.rejected + self._others_rejected), on_step=True,
                           on_epoch=False, rank_zero_only=True, batch_size=1)
         if ranks is not None or time.monotonic() - self._t_written >= self.every_s:
-            progress = self._progress(trainer)
+            progress = self._progress(trainer, read_device=logged_step)
             extra = {"ranks": ranks} if ranks is not None else {}
-            self._write(trainer, **progress, **extra, skipped_steps=getattr(pl_module, "skipped_steps", 0))
+            self._write(trainer, **progress, **extra, skipped_steps=self._skipped(pl_module, logged_step))
             if logged_step:
                 self._append_history(trainer, progress)
+
+    def _log_window(self, trainer, pl_module) -> None:
+        seconds, samples, tokens, flops = self._window
+        self._window = [0.0, 0, 0, 0.0]
+        steps = trainer.global_step - self._window_start
+        self._window_start = trainer.global_step
+        if seconds <= 0 or steps <= 0:
+            return
+        metrics = {"perf/samples_per_s": samples / seconds, "perf/tokens_per_s": tokens / seconds,
+                   "perf/step_time_s": seconds / steps, "perf/tflops": flops / seconds / 1e12}  # per device
+        if self.peak_tflops and torch.cuda.is_available():
+            metrics["perf/pct_of_peak"] = 100.0 * metrics["perf/tflops"] / float(self.peak_tflops)
+        if isinstance(trainer.profiler, LoaderWait):
+            metrics["perf/loader_wait_frac"] = trainer.profiler.take() / seconds
+        if torch.cuda.is_available():
+            metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["perf/mem_gib"] = torch.cuda.memory_allocated() / 2**30
+        self._perf = {k.split("/", 1)[1]: v for k, v in metrics.items()}
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _skipped(self, pl_module, read_device: bool) -> int:
+        """Skipped steps (a device counter): read at logged steps, the last value read in between."""
+        if read_device:
+            self._skipped_read = getattr(pl_module, "skipped_steps", 0)
+        return self._skipped_read
 
     def _gather(self, trainer) -> list[dict] | None:
         """Per-rank fields, gathered to every rank (one all_gather of a few numbers)."""
