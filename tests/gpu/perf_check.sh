@@ -4,7 +4,7 @@
 # variants. Results (JSON with card, torch, date; text tables) go to $OUT.
 #   PERF_CASES="short ckpt long a14b" selects the cases (default: short ckpt long):
 #     short  TI2V-5B 704x1280x17 (4,400 tokens), no ckpt, + variants (each knob off, SDPA backends)
-#     ckpt   the same with activation checkpointing
+#     ckpt   the same with activation checkpointing; the numerics also against the fp32 function (--fp32-floor)
 #     long   TI2V-5B 704x1280x121 (27,280 tokens), ckpt
 #     a14b   A14B high-noise expert 480x832x81 (32,760 tokens), ckpt (builds a 14B DiT: ~28 GB on disk)
 source "$(dirname "$0")/setup_env.sh"
@@ -19,7 +19,7 @@ for c in $CASES; do
            $B --model-path "$W/ti2v5b" --frames 17 --warmup 3 --steps 6 --profile plain_tokens,wanexp \
               --variants "${PERF_VARIANTS:-model.compile=false;model.fast_modulation=false;model.attention_backend=_native_cudnn;model.attention_backend=_native_flash}" ;;
     ckpt)  python3 tests/gpu/build_transformer.py --model ti2v5b --path "$W/ti2v5b"
-           $B --model-path "$W/ti2v5b" --frames 17 --ckpt --warmup 3 --steps 6 ${PERF_CKPT_SET:+--set $PERF_CKPT_SET} ;;
+           $B --model-path "$W/ti2v5b" --frames 17 --ckpt --warmup 3 --steps 6 --fp32-floor ${PERF_CKPT_SET:+--set $PERF_CKPT_SET} ;;
     long)  python3 tests/gpu/build_transformer.py --model ti2v5b --path "$W/ti2v5b"
            $B --model-path "$W/ti2v5b" --frames 121 --ckpt --warmup 1 --steps 3 --profile ${PERF_LONG_SET:+--set $PERF_LONG_SET} ;;
     a14b)  rm -rf "$W/ti2v5b"; python3 tests/gpu/build_transformer.py --model t2v14b --path "$W/t2v14b"

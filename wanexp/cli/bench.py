@@ -78,20 +78,21 @@ def _autocast(device):
 
 
 # ---- the plain loop ----------------------------------------------------------------------------------------------
-def plain_model(args, device):
-    """bf16 DiT from the folder + peft LoRA (fp32 parameters) as a user adds it."""
+def plain_model(args, device, dtype=torch.bfloat16):
+    """bf16 DiT from the folder + peft LoRA (fp32 parameters) as a user adds it (``dtype=float32``: the fp32
+    reference of the numerics check, always with activation checkpointing, which does not change the function)."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
     sub = LAYOUT[args.model][3]
-    t = WanTransformer3DModel.from_pretrained(args.model_path, subfolder=sub, dtype=torch.bfloat16).to(device)
+    t = WanTransformer3DModel.from_pretrained(args.model_path, subfolder=sub, dtype=dtype).to(device)
     t.requires_grad_(False)
     t.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=TARGETS))
     params = [p for n, p in t.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
-    if args.ckpt:
+    if args.ckpt or dtype == torch.float32:
         t.enable_gradient_checkpointing()
     return t, params
 
@@ -204,9 +205,10 @@ def draws(objective, sigma_range, x0, first_frame_cond: float, seed: int):
     return sigma, noise, first
 
 
-def reference(args, device, data, objective, sigma_range, per_token: bool) -> list[dict]:
-    """Plain loop outputs and LoRA gradients for each first-frame case (fresh model, seeded LoRA values)."""
-    t, params = plain_model(args, device)
+def reference(args, device, data, objective, sigma_range, per_token: bool, dtype=torch.bfloat16) -> list[dict]:
+    """Plain loop outputs and LoRA gradients for each first-frame case (fresh model, seeded LoRA values); with
+    ``dtype=float32`` the same function in fp32 without autocast (the exact function, up to fp32 rounding)."""
+    t, params = plain_model(args, device, dtype)
     named = _lora_names(t.named_parameters())
     values = lora_tensors(named, CHECK_SEED)
     with torch.no_grad():
@@ -220,8 +222,8 @@ def reference(args, device, data, objective, sigma_range, per_token: bool) -> li
         hidden, timestep, mask = plain_inputs(x0, noise, sigma, first, per_token)
         s = sigma.view(-1, 1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * noise
-        with _autocast(device):
-            pred = t(hidden, timestep, text, return_dict=False)[0]
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype != torch.float32):
+            pred = t(hidden.to(dtype), timestep, text.to(dtype), return_dict=False)[0]
         loss = plain_loss(pred, noise - x0, mask)
         loss.backward()
         refs.append({"first_frame_cond": ffc, "x_t": x_t.cpu(), "out": pred.detach().float().cpu(),
@@ -246,7 +248,23 @@ class Recorder:
         return pred
 
 
-def check(module, data, refs, values, tol: float) -> list[dict]:
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def grads_rel(grads: dict, ref: dict) -> float:
+    names = sorted(ref)
+    return rel(torch.cat([grads[n].flatten() for n in names]), torch.cat([ref[n].flatten() for n in names]))
+
+
+def bf16_floor(refs: list[dict], exact: list[dict]) -> list[dict]:
+    """How far the plain bf16 loop is from the fp32 function (per first-frame case): two bf16 computations of the
+    same function (other kernels, other accumulation orders) differ from each other by about as much."""
+    return [{"plain_out_vs_fp32": rel(r["out"], e["out"]), "plain_grad_vs_fp32": grads_rel(r["grads"], e["grads"]),
+             "out": e["out"], "grads": e["grads"]} for r, e in zip(refs, exact)]
+
+
+def check(module, data, refs, values, tol: float, floor: list[dict] | None = None) -> list[dict]:
     from wanexp.models.encode import EncodedBatch
 
     named = _lora_names(module.named_parameters())
@@ -267,10 +285,6 @@ def check(module, data, refs, values, tol: float) -> list[dict]:
         # the objective drew what the plain loop drew (sigma, noise, first frame): x_t is the same tensor
         same_input = (rec.seen["x_t"].float().cpu() - ref["x_t"]).abs().max().item()
         out = rec.seen["out"].cpu()
-
-        def rel(a, b):
-            return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
         grad_err = {n: rel(p.grad.cpu(), ref["grads"][n]) for n, p in named}
         worst = max(grad_err, key=grad_err.get)
         g_all = rel(torch.cat([p.grad.flatten().cpu() for n, p in sorted(named)]),
@@ -279,6 +293,11 @@ def check(module, data, refs, values, tol: float) -> list[dict]:
                      "out_rel_err": rel(out, ref["out"]), "grad_rel_err_all": g_all,
                      "grad_rel_err_worst": grad_err[worst], "grad_worst_tensor": worst,
                      "loss": loss.item(), "loss_plain": ref["loss"]})
+        if floor is not None:  # both bf16 computations measured against the fp32 function
+            f = floor[len(rows) - 1]
+            rows[-1].update(out_vs_fp32=rel(out, f["out"]),
+                            grad_vs_fp32=grads_rel({n: p.grad.cpu() for n, p in named}, f["grads"]),
+                            plain_out_vs_fp32=f["plain_out_vs_fp32"], plain_grad_vs_fp32=f["plain_grad_vs_fp32"])
         module.zero_grad(set_to_none=True)
     spec.first_frame_cond = saved_ffc
     for r in rows:
@@ -367,6 +386,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--set", nargs="*", default=[], help="config overrides for the wanexp path")
     ap.add_argument("--tol", type=float, default=1e-2, help="numerics check: largest relative error allowed")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--fp32-floor", action="store_true",
+                    help="also run the plain loop's function in fp32 and print how far each bf16 path is from it "
+                         "(the bf16 noise floor: what the difference between two bf16 paths should be compared with)")
     ap.add_argument("--profile", nargs="?", const="wanexp", default="",
                     help="GPU time by kernel kind for these paths (default: wanexp)")
     ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
@@ -391,11 +413,16 @@ def main(argv=None) -> list[dict]:
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}", flush=True)
 
     results, checks = [], []
-    refs = values = None
+    refs = values = floor = None
     if "wanexp" in paths and not args.no_check:  # the plain loop's output and LoRA gradients, kept on the host
         _free()
         refs, values = reference(args, device, data, _objective(args), _sigma_range(args), per_token)
         _free()
+        if args.fp32_floor:
+            exact, _ = reference(args, device, data, _objective(args), _sigma_range(args), per_token, torch.float32)
+            floor = bf16_floor(refs, exact)
+            del exact
+            _free()
     for name in paths:
         if name in ("plain", "plain_tokens"):
             results.append(measure(name, lambda n=name: plain_step(args, device, data, n == "plain_tokens"),
@@ -408,7 +435,7 @@ def main(argv=None) -> list[dict]:
                 def make(run_args=run_args, label=label):
                     module_cfg = wanexp_module(run_args, device)
                     if refs is not None:  # before timing: the check's steps also warm the compiled blocks up
-                        rows = check(module_cfg[0], data, refs, values, args.tol)
+                        rows = check(module_cfg[0], data, refs, values, args.tol, floor)
                         for r in rows:
                             r["path"] = label
                         checks.extend(rows)
@@ -446,6 +473,9 @@ def main(argv=None) -> list[dict]:
             print(f"  {c['path'][:40]:40} first_frame={str(c['first_frame']):5} out rel err {c['out_rel_err']:.2e}  "
                   f"LoRA grad rel err {c['grad_rel_err_all']:.2e} (worst tensor {c['grad_rel_err_worst']:.2e})  "
                   f"input diff {c['input_max_abs_diff']:.1e}  {verdict}")
+            if "out_vs_fp32" in c:
+                print(f"  {'':40} {'':17} vs fp32: out {c['out_vs_fp32']:.2e} (plain {c['plain_out_vs_fp32']:.2e})  "
+                      f"LoRA grad {c['grad_vs_fp32']:.2e} (plain {c['plain_grad_vs_fp32']:.2e})")
     if args.json:
         path = Path(args.json)
         old = json.loads(path.read_text()) if path.exists() else []
