@@ -78,6 +78,11 @@ class WanModule(L.LightningModule):
             if turns > 1:
                 self._trainer.strategy.barrier("wanexp-load-turn")
 
+    def load_turns(self, what: str = "the base") -> tuple[int, int]:
+        """(turns, this rank's turn) for a load of the base's size into host memory (module-level ``load_turns``);
+        also used by validation for the other expert of a one-expert A14B run. A collective: every rank calls it."""
+        return load_turns(self, what)
+
     def _build_and_place(self, group, place_now: bool) -> None:
         """``group``: the sequence-parallel group (None without); ``place_now``: move to the GPU inside this turn."""
         from wanexp.models import fp8
@@ -402,10 +407,11 @@ def _readable(spec: WanSpec, what: str, load, *args):
                           "incomplete: download (or convert) it again") from None
 
 
-def load_turns(module: WanModule) -> tuple[int, int]:
+def load_turns(module: WanModule, what: str = "the base") -> tuple[int, int]:
     """(turns, this rank's turn) for loading the base into host memory; (1, 0) when every rank of a node can hold
     its full copy at once. ``parallel.concurrent_loads`` (on the strategy) sets the ranks per node per turn; null
-    derives it from the free host memory (the smallest over all ranks, so every rank counts the same turns)."""
+    derives it from the free host memory (the smallest over all ranks, so every rank counts the same turns).
+    A collective when derived: every rank calls it. ``what`` names the load in the printed line."""
     trainer = module._trainer
     if trainer is None or trainer.world_size == 1:
         return 1, 0
@@ -434,5 +440,5 @@ def load_turns(module: WanModule) -> tuple[int, int]:
         return 1, 0
     turns = -(-per_node // k)
     if trainer.global_rank == 0:
-        print(f"wanexp: loading the base in {turns} turns of {k} rank(s) per node ({why})", flush=True)
+        print(f"wanexp: loading {what} in {turns} turns of {k} rank(s) per node ({why})", flush=True)
     return turns, (trainer.local_rank % per_node) // k

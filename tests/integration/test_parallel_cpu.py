@@ -125,3 +125,31 @@ def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loadin
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr[-2000:]
     assert "Loading" not in res.stdout + res.stderr and "Traceback" not in res.stderr
+
+
+def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tmp_path):
+    """A one-expert A14B run samples its validation videos with the other expert from model.path: under FSDP2 every
+    rank samples, so that expert is sharded too (each rank holds half of it here), loaded in the load turns."""
+    from tests.conftest import compose_cfg
+    from wanexp.models.build import ensure_tiny_model
+    from wanexp.train import build
+
+    out = tmp_path / "run"
+    res = run_cli(_base(shared_dir, out, steps=2) + [
+        "model=tiny_i2v14b", "boundary=high", "parallel=fsdp", "parallel.strategy.param_dtype=fp32",
+        "trainer.accelerator=cpu", "trainer.devices=2", "parallel.strategy.timeout_s=120",
+        "callbacks.validation.every_n_steps=2", "callbacks.validation.at_start=false",
+        "callbacks.validation.prompts=[a red ball rolls]", "callbacks.validation.seeds=[0]",
+        "callbacks.validation.steps=2", "callbacks.validation.loss_samples=0", "parallel.concurrent_loads=1"],
+        timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "validation" / "step_000002" / "p0_s0.mp4").is_file()
+    assert "loading validation's low expert in 2 turns of 1 rank(s) per node" in res.stdout
+    assert "wanexp: validation: the low expert from model.path, sharded over 2 ranks" in res.stdout
+    other = json.loads((out / "validation" / "step_000002" / "metrics.json").read_text())["other_expert"]
+    assert other["name"] == "low" and other["sharded_over"] == 2
+    held = other["bytes_here"]  # rank 0's shards
+    spec = build(compose_cfg(["model=tiny_i2v14b", f"paths.tiny_model_dir={shared_dir}/models"]).model)
+    ensure_tiny_model(spec)
+    whole = sum(p.numel() * p.element_size() for p in spec.load_transformer("low").parameters())
+    assert abs(held - whole / 2) < 0.02 * whole, (held, whole)

@@ -5,10 +5,11 @@ Every ``every_n_steps`` optimizer steps and at the last step (``every_n_steps: 0
 - **Videos**: each prompt x seed through the diffusers pipeline, built around the run's own transformers (the adapter
   the objective exports switched on; no second copy of the DiT), plus the VAE, text encoder and tokenizer (the run's,
   or loaded from ``model.path`` for the call and freed after when the run trains from the cache). A one-expert A14B run
-  loads the other expert from ``model.path`` for the call. Written to ``DIR/validation/step_NNNNNN/p<i>_s<seed>.mp4``
-  and logged to W&B (``val/video/p<i>_s<seed>``). At step 0 of a fresh run the base model (adapters off) is sampled
-  once (``..._base.mp4``, ``val/base/...``). TI2V with ``first_frame`` and I2V sample image-to-video from the first
-  frames of the held-out clips (else the training clips), prompt i with clip i.
+  loads the other expert from ``model.path`` for the call (sharded over the ranks under FSDP2). Written to
+  ``DIR/validation/step_NNNNNN/p<i>_s<seed>.mp4`` and logged to W&B (``val/video/p<i>_s<seed>``). At step 0 of a
+  fresh run the base model (adapters off) is sampled once (``..._base.mp4``, ``val/base/...``). TI2V with
+  ``first_frame`` and I2V sample image-to-video from the first frames of the held-out clips (else the training clips),
+  prompt i with clip i.
 - **Distilled LoRA** (an objective with ``student_timesteps``, i.e. ``objective=dmd``): sampled on exactly its
   student steps with no CFG, as ``python -m wanexp.cli.sample`` does; the base model with ``steps``/``guidance`` is the
   teacher, sampled once per session, and the gap is logged as ``val/teacher_latent_mse``, ``val/teacher_psnr``,
@@ -195,7 +196,7 @@ class Validation(Callback):
         extra = {}
         if set(spec.experts) == {"high", "low"} and len(experts) == 1:  # one-expert A14B: the other from model.path
             other = "low" if "high" in experts else "high"
-            extra[other] = spec.load_transformer(other).to(dev).eval()
+            extra[other], out["other_expert"] = _other_expert(trainer, pl_module, other)
         image = spec.needs_image_latent or (self.first_frame and spec.draws_first_frame)
         images: list = [None] * len(self.prompts)
         if image:
@@ -260,6 +261,34 @@ class Validation(Callback):
             out["metrics"].update({"val/teacher_latent_mse": sum(g[0] for g in gaps) / n,
                                    "val/teacher_psnr": sum(min(g[1], 100.0) for g in gaps) / n,
                                    "val/teacher_ssim": sum(g[2] for g in gaps) / n})
+
+
+def _other_expert(trainer, pl_module, name: str):
+    """The expert a one-expert A14B run does not train, frozen, for its share of the sampling steps. Under FSDP2
+    (every rank samples) it is sharded like the trained one, loaded in the same host-memory turns as the base: each
+    GPU holds 1/world of it (the whole 14B expert, 26.6 GiB in bf16, on every GPU otherwise). With replicated weights
+    rank 0 samples alone and holds it whole. Returns the expert and what this rank holds of it (metrics.json)."""
+    spec = pl_module.spec
+    sharded = any(hasattr(p, "full_tensor") for p in pl_module.parameters())
+    shard = getattr(trainer.strategy, "shard_transformer", None) if sharded else None
+    if shard is None:
+        t = spec.load_transformer(name).to(pl_module.device).eval()
+        return t, {"name": name, "sharded_over": 1, "bytes_here": sum(p.numel() * p.element_size()
+                                                                      for p in t.parameters())}
+    turns, mine = pl_module.load_turns(what=f"validation's {name} expert")
+    t = None
+    for turn in range(turns):
+        if turn == mine:
+            t = spec.load_transformer(name)
+            t.requires_grad_(False)
+            shard(t)  # block by block: this rank's GPU gets only its shards
+        if turns > 1:
+            trainer.strategy.barrier("wanexp-validation-load")
+    held = sum(p.to_local().numel() * p.element_size() for p in t.parameters())
+    if trainer.global_rank == 0:
+        print(f"wanexp: validation: the {name} expert from model.path, sharded over {trainer.world_size} ranks "
+              f"({held / 2**30:.2f} GiB of its weights on each)", flush=True)
+    return t.eval(), {"name": name, "sharded_over": trainer.world_size, "bytes_here": held}
 
 
 def _load_encoders(spec, device):

@@ -31,6 +31,13 @@ class WanFSDPStrategy(ModelParallelStrategy):
 
     def parallelize_module(self, module) -> None:
         """Called by the LightningModule's configure_model once its transformers are loaded (LoRA added)."""
+        # the loaded transformers, and models an objective trains in full (KD's student)
+        for transformer in [*module.transformers.values(), *getattr(module, "students", {}).values()]:
+            self.shard_transformer(transformer)
+
+    def shard_transformer(self, transformer) -> None:
+        """FSDP2 over every rank: each WanTransformerBlock, then the root (also validation's frozen other expert of a
+        one-expert A14B run). Parameters on the host move to this rank's GPU one block at a time, as shards."""
         from diffusers.models.transformers.transformer_wan import WanTransformerBlock
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -45,12 +52,10 @@ class WanFSDPStrategy(ModelParallelStrategy):
         # root computes in fp32 (rotary tables) reaches every block as fp32 in both passes, as under DDP.
         block_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32,
                                             cast_forward_inputs=False)
-        # the loaded transformers, and models an objective trains in full (KD's student)
-        for transformer in [*module.transformers.values(), *getattr(module, "students", {}).values()]:
-            for block in transformer.blocks:
-                if isinstance(block, WanTransformerBlock):
-                    fully_shard(block, mp_policy=block_policy, **kwargs)
-            fully_shard(transformer, mp_policy=root_policy, **kwargs)
+        for block in transformer.blocks:
+            if isinstance(block, WanTransformerBlock):
+                fully_shard(block, mp_policy=block_policy, **kwargs)
+        fully_shard(transformer, mp_policy=root_policy, **kwargs)
 
     def lightning_module_state_dict(self) -> dict:
         """Full tensors of the trainable parameters only (a collective: every rank calls it; rank 0 keeps them)."""
