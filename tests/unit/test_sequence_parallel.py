@@ -61,20 +61,23 @@ def _loss_and_grads(t, hidden, timestep, text):
     return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in t.named_parameters() if p.requires_grad}
 
 
-def _worker(rank: int, port: int, case: str, result_path: str):
+def _worker(rank: int, port: int, result_path: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    per_token, ckpt, heads = CASES[case]
-    t = _model(ckpt, heads)
-    sequence.enable(t, sequence.build_group(2))
-    out, loss, grads = _loss_and_grads(t, *_inputs(per_token))
-    for g in grads.values():  # what DDP / FSDP do with the gradients: the average over all ranks
-        dist.all_reduce(g)
-        g /= 2
+    results = {}
+    for case, (per_token, ckpt, heads) in CASES.items():  # every case in one pair of processes (one start-up)
+        t = _model(ckpt, heads)
+        sequence.enable(t, sequence.build_group(2))
+        out, loss, grads = _loss_and_grads(t, *_inputs(per_token))
+        for g in grads.values():  # what DDP / FSDP do with the gradients: the average over all ranks
+            dist.all_reduce(g)
+            g /= 2
+        results[case] = {"out": out, "loss": loss, "grads": grads}
+        del t
     if rank == 0:
-        torch.save({"out": out, "loss": loss, "grads": grads}, result_path)
+        torch.save(results, result_path)
     dist.barrier()  # leave together: a gloo peer that exits while the other still works can abort it
-    del t, out, loss, grads  # the model holds the sp group: free it while the interpreter is whole
+    del results  # the models held the sp groups: free them while the interpreter is whole
     dist.destroy_process_group()
     # Skip interpreter finalization: a gloo group torn down there can abort the process ("terminate called without
     # an active exception", SIGABRT) after the work is done, which failed CI once.
@@ -87,13 +90,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def sp2_results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sp") / "sp.pt")
+    mp.start_processes(_worker, args=(_free_port(), path), nprocs=2, start_method="spawn")
+    return torch.load(path, weights_only=True)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_sp2_matches_one_process(case, tmp_path):
+def test_sp2_matches_one_process(case, sp2_results):
     per_token, ckpt, heads = CASES[case]
     ref_out, ref_loss, ref_grads = _loss_and_grads(_model(ckpt, heads), *_inputs(per_token))
-    path = str(tmp_path / "sp.pt")
-    mp.start_processes(_worker, args=(_free_port(), case, path), nprocs=2, start_method="spawn")
-    got = torch.load(path, weights_only=True)
+    got = sp2_results[case]
     torch.testing.assert_close(got["out"], ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["loss"], ref_loss, rtol=1e-5, atol=1e-7)
     assert set(got["grads"]) == set(ref_grads) and any("lora_A" in n for n in ref_grads)
