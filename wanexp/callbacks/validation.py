@@ -271,24 +271,23 @@ def _other_expert(trainer, pl_module, name: str):
     spec = pl_module.spec
     sharded = any(hasattr(p, "full_tensor") for p in pl_module.parameters())
     shard = getattr(trainer.strategy, "shard_transformer", None) if sharded else None
+    ranks = trainer.world_size if shard is not None else 1
     if shard is None:
-        t = spec.load_transformer(name).to(pl_module.device).eval()
-        return t, {"name": name, "sharded_over": 1, "bytes_here": sum(p.numel() * p.element_size()
-                                                                      for p in t.parameters())}
-    turns, mine = pl_module.load_turns(what=f"validation's {name} expert")
-    t = None
-    for turn in range(turns):
-        if turn == mine:
-            t = spec.load_transformer(name)
-            t.requires_grad_(False)
-            shard(t)  # block by block: this rank's GPU gets only its shards
-        if turns > 1:
-            trainer.strategy.barrier("wanexp-validation-load")
-    held = sum(p.to_local().numel() * p.element_size() for p in t.parameters())
-    if trainer.global_rank == 0:
-        print(f"wanexp: validation: the {name} expert from model.path, sharded over {trainer.world_size} ranks "
+        t = spec.load_transformer(name).to(pl_module.device)
+    else:
+        turns, mine = pl_module.load_turns(what=f"validation's {name} expert")
+        for turn in range(turns):
+            if turn == mine:
+                t = spec.load_transformer(name)
+                t.requires_grad_(False)
+                shard(t)  # block by block: this rank's GPU gets only its shards
+            if turns > 1:
+                trainer.strategy.barrier("wanexp-validation-load")
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in t.parameters())
+    if ranks > 1 and trainer.global_rank == 0:
+        print(f"wanexp: validation: the {name} expert from model.path, sharded over {ranks} ranks "
               f"({held / 2**30:.2f} GiB of its weights on each)", flush=True)
-    return t.eval(), {"name": name, "sharded_over": trainer.world_size, "bytes_here": held}
+    return t.eval(), {"name": name, "sharded_over": ranks, "bytes_here": held}
 
 
 def _load_encoders(spec, device):
