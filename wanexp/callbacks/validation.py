@@ -171,6 +171,11 @@ class Validation(Callback):
                 self._sample(trainer, pl_module, step, base, encoders, out)
         finally:
             del loaded
+            import gc
+
+            # an FSDP2-sharded module sits in a reference cycle (its state refers back to it): without a collection
+            # the other expert's shards would stay on the GPU until Python's next full GC (checked on CPU)
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return out
