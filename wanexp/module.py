@@ -71,17 +71,18 @@ class WanModule(L.LightningModule):
             from wanexp.models import sequence
 
             group = sequence.build_group(sp_size)
-        turns, mine = load_turns(self)
+        self.in_turns(lambda several: self._build_and_place(group, place_now=several))
+
+    def in_turns(self, load, what: str = "the base") -> None:
+        """Run ``load(several_turns)`` in this rank's host-memory turn (``load_turns``) for a load of the base's
+        size; the ranks wait for each turn to end. Also validation's other expert of a one-expert A14B run. A
+        collective: every rank calls it."""
+        turns, mine = load_turns(self, what)
         for turn in range(turns):
             if turn == mine:
-                self._build_and_place(group, place_now=turns > 1)
+                load(turns > 1)
             if turns > 1:
                 self._trainer.strategy.barrier("wanexp-load-turn")
-
-    def load_turns(self, what: str = "the base") -> tuple[int, int]:
-        """(turns, this rank's turn) for a load of the base's size into host memory (module-level ``load_turns``);
-        also used by validation for the other expert of a one-expert A14B run. A collective: every rank calls it."""
-        return load_turns(self, what)
 
     def _build_and_place(self, group, place_now: bool) -> None:
         """``group``: the sequence-parallel group (None without); ``place_now``: move to the GPU inside this turn."""

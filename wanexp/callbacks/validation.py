@@ -280,14 +280,14 @@ def _other_expert(trainer, pl_module, name: str):
     if shard is None:
         t = spec.load_transformer(name).to(pl_module.device)
     else:
-        turns, mine = pl_module.load_turns(what=f"validation's {name} expert")
-        for turn in range(turns):
-            if turn == mine:
-                t = spec.load_transformer(name)
-                t.requires_grad_(False)
-                shard(t)  # block by block: this rank's GPU gets only its shards
-            if turns > 1:
-                trainer.strategy.barrier("wanexp-validation-load")
+        loaded = []
+
+        def load(_several: bool) -> None:
+            loaded.append(spec.load_transformer(name).requires_grad_(False))
+            shard(loaded[0])  # block by block: this rank's GPU gets only its shards
+
+        pl_module.in_turns(load, what=f"validation's {name} expert")
+        t = loaded[0]
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in t.parameters())
     if ranks > 1 and trainer.global_rank == 0:
         print(f"wanexp: validation: the {name} expert from model.path, sharded over {ranks} ranks "

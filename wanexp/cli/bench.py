@@ -285,18 +285,17 @@ def check(module, data, refs, values, tol: float, floor: list[dict] | None = Non
         # the objective drew what the plain loop drew (sigma, noise, first frame): x_t is the same tensor
         same_input = (rec.seen["x_t"].float().cpu() - ref["x_t"]).abs().max().item()
         out = rec.seen["out"].cpu()
-        grad_err = {n: rel(p.grad.cpu(), ref["grads"][n]) for n, p in named}
+        grads = {n: p.grad.cpu() for n, p in named}
+        grad_err = {n: rel(g, ref["grads"][n]) for n, g in grads.items()}
         worst = max(grad_err, key=grad_err.get)
-        g_all = rel(torch.cat([p.grad.flatten().cpu() for n, p in sorted(named)]),
-                    torch.cat([ref["grads"][n].flatten() for n, _ in sorted(named)]))
+        g_all = grads_rel(grads, ref["grads"])
         rows.append({"first_frame": bool(ref["first_frame_cond"]), "input_max_abs_diff": same_input,
                      "out_rel_err": rel(out, ref["out"]), "grad_rel_err_all": g_all,
                      "grad_rel_err_worst": grad_err[worst], "grad_worst_tensor": worst,
                      "loss": loss.item(), "loss_plain": ref["loss"]})
         if floor is not None:  # both bf16 computations measured against the fp32 function
             f = floor[len(rows) - 1]
-            rows[-1].update(out_vs_fp32=rel(out, f["out"]),
-                            grad_vs_fp32=grads_rel({n: p.grad.cpu() for n, p in named}, f["grads"]),
+            rows[-1].update(out_vs_fp32=rel(out, f["out"]), grad_vs_fp32=grads_rel(grads, f["grads"]),
                             plain_out_vs_fp32=f["plain_out_vs_fp32"], plain_grad_vs_fp32=f["plain_grad_vs_fp32"])
         module.zero_grad(set_to_none=True)
     spec.first_frame_cond = saved_ffc
