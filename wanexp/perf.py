@@ -30,3 +30,62 @@ def transformer_step_flops(config, latent_shape, text_len: int, checkpointing: b
     tokens = (f // pt) * (h // ph) * (w // pw)
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     return b * lora_step_flops(tokens, dim, config["ffn_dim"], config["num_layers"], text_len, checkpointing)
+
+
+# ---- where a step's GPU time goes (torch.profiler events) -------------------------------------------------------
+KERNEL_KINDS = [  # (kind, substrings of a GPU kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("fused elementwise (triton)", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("communication", ("nccl",)),
+]
+OTHER_KIND = "other (eager elementwise, copies)"
+# CUDA runtime calls in which the host waits for the GPU
+HOST_WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def gpu_time_by_kind(events, steps: int) -> tuple[dict, dict]:
+    """({kind: GPU ms per step}, {kind: name of its longest kernel}) from a torch.profiler's ``events()``."""
+    import torch
+
+    kinds: dict[str, float] = {}
+    top: dict[str, tuple[float, str]] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), OTHER_KIND)
+        us = e.time_range.elapsed_us()
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / steps
+        if us > top.get(kind, (0.0, ""))[0]:
+            top[kind] = (us, e.name[:90])
+    return kinds, {k: name for k, (_, name) in top.items()}
+
+
+def gpu_busy_ms(events, steps: int) -> float:
+    """GPU ms per step during which at least one kernel or copy ran (overlapping streams counted once)."""
+    import torch
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0, None
+    for s, t in spans:
+        if end is None or s > end:
+            busy, end = busy + (t - s), t
+        elif t > end:
+            busy, end = busy + (t - end), t
+    return busy / 1e3 / steps
+
+
+def host_waits(events, steps: int) -> dict:
+    """{runtime call: [calls per step, ms per step]} for the CUDA runtime calls in which the host waited for the GPU."""
+    import torch
+
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name in HOST_WAITS:
+            row = out.setdefault(e.name, [0.0, 0.0])
+            row[0] += 1 / steps
+            row[1] += e.time_range.elapsed_us() / 1e3 / steps
+    return out

@@ -3,7 +3,7 @@
 # of one host (CUDA_VISIBLE_DEVICES picks them), real-size DiTs with random weights and light encoders
 # (real_sizes.yaml: *_light). One JSON row per run in $OUT/strategy.jsonl (tests/gpu/strategy_row.py), logs in $OUT.
 #   STRAT_CASES selects the parts (default "5b"):
-#     5b      TI2V-5B 704x1280x17 (4,400 tokens): the bench's step ("bench"), sp numerics, ddp 1/2/4, fsdp 2/4,
+#     5b      TI2V-5B 704x1280x17 (4,400 tokens): the bench's step ("bench"), sp numerics, ddp 1/2/4, single 1, fsdp 2/4,
 #             deepspeed ZeRO-2/3 2, fsdp+sp2 2
 #     a14b    I2V-A14B high-noise expert 480x832x81 (32,760 tokens): fsdp 2 (+ a resume), both experts fsdp 2
 #     a14b4   the high-noise expert 480x832x81 with fsdp on 4 GPUs
@@ -79,6 +79,7 @@ if [[ " $CASES " == *" 5b "* ]]; then
   fi
   S=${STEPS5:-14}
   run 5b_ddp_1 1 $S "${D5[@]}" parallel=ddp
+  run 5b_single_1 1 $S "${D5[@]}" parallel=single  # one process without the DDP wrapper
   run 5b_ddp_2 2 $S "${D5[@]}" parallel=ddp
   run 5b_ddp_4 4 $S "${D5[@]}" parallel=ddp
   # the user's logging cadence (the default 10): the gap to the bench's step without a host read every step

@@ -28,7 +28,7 @@ ALLOWED = {
     "parallel": {"config", "errors"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora"},
     "sampling": {"errors", "models", "data", "lora", "objectives"},
-    "callbacks": {"errors", "sampling"},
+    "callbacks": {"errors", "sampling", "perf"},
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder"},
     "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling"},
 }

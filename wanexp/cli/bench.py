@@ -306,18 +306,12 @@ def check(module, data, refs, values, tol: float, floor: list[dict] | None = Non
 
 
 # ---- running it ------------------------------------------------------------------------------------------------
-KERNEL_KINDS = [  # (kind, substrings of a GPU kernel's name), first match wins
-    ("attention", ("flash", "fmha", "attention", "cudnn")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-    ("fused elementwise (triton)", ("triton",)),
-    ("optimizer", ("adam", "multi_tensor")),
-]
-
-
 def profile_kinds(step, steps: int = 2) -> dict:
     """GPU time per step by kernel kind (torch.profiler), and the step's wall time, for a "where the time goes"
     table."""
     from torch.profiler import ProfilerActivity, profile
+
+    from wanexp.perf import gpu_busy_ms, gpu_time_by_kind
 
     _sync()
     t0 = time.perf_counter()
@@ -326,19 +320,11 @@ def profile_kinds(step, steps: int = 2) -> dict:
             step()
         _sync()
     wall = (time.perf_counter() - t0) / steps
-    kinds: dict[str, float] = {}
-    top: dict[str, tuple[float, str]] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other (eager elementwise, copies)")
-        kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1e3 / steps  # ms per step
-        if e.time_range.elapsed_us() > top.get(kind, (0.0, ""))[0]:
-            top[kind] = (e.time_range.elapsed_us(), e.name[:90])
-    kinds["total GPU busy"] = sum(kinds.values())
+    events = prof.events()
+    kinds, top = gpu_time_by_kind(events, steps)
+    kinds["total GPU busy"] = gpu_busy_ms(events, steps)
     kinds["step wall (profiled)"] = 1000 * wall
-    kinds["longest kernel"] = {k: name for k, (_, name) in top.items()}
+    kinds["longest kernel"] = top
     return kinds
 
 

@@ -321,6 +321,15 @@ class ProgressConfig:
 
 
 @dataclass
+class ProfileConfig:
+    _target_: str = "wanexp.callbacks.profile.StepProfile"
+    output_dir: str = MISSING
+    start_step: int = knob(MISSING, ge=0, doc="profile the optimizer steps after this one")
+    steps: int = knob(MISSING, ge=0, doc="how many optimizer steps to profile; 0: off")
+    trace: bool = knob(MISSING, doc="also write a Chrome/Perfetto trace per rank (tens of MB for a real model)")
+
+
+@dataclass
 class ValidationConfig:
     _target_: str = "wanexp.callbacks.validation.Validation"
     output_dir: str = MISSING
@@ -403,6 +412,7 @@ SCHEMAS: dict[str, type] = {
     "callbacks/progress": ProgressConfig,
     "callbacks/preemption": PreemptionConfig,
     "callbacks/validation": ValidationConfig,
+    "callbacks/profile": ProfileConfig,
     "paths": PathsConfig,
 }
 
