@@ -45,15 +45,20 @@ OTHER_KIND = "other (eager elementwise, copies)"
 HOST_WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def gpu_time_by_kind(events, steps: int) -> tuple[dict, dict]:
-    """({kind: GPU ms per step}, {kind: name of its longest kernel}) from a torch.profiler's ``events()``."""
+def gpu_activity(events) -> list:
+    """The kernels, copies and memsets of a torch.profiler's ``events()`` (not the GPU-side spans of annotations such
+    as ``Optimizer.step#AdamW.step`` or ``DistributedDataParallel.forward``, which cover whole phases), by start."""
     import torch
 
+    return sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)), key=lambda e: e.time_range.start)
+
+
+def gpu_time_by_kind(events, steps: int) -> tuple[dict, dict]:
+    """({kind: GPU ms per step}, {kind: name of its longest kernel}) from a torch.profiler's ``events()``."""
     kinds: dict[str, float] = {}
     top: dict[str, tuple[float, str]] = {}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for e in gpu_activity(events):
         name = e.name.lower()
         kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), OTHER_KIND)
         us = e.time_range.elapsed_us()
@@ -65,12 +70,9 @@ def gpu_time_by_kind(events, steps: int) -> tuple[dict, dict]:
 
 def gpu_busy_ms(events, steps: int) -> float:
     """GPU ms per step during which at least one kernel or copy ran (overlapping streams counted once)."""
-    import torch
-
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0, None
-    for s, t in spans:
+    for e in gpu_activity(events):
+        s, t = e.time_range.start, e.time_range.end
         if end is None or s > end:
             busy, end = busy + (t - s), t
         elif t > end:
@@ -78,14 +80,28 @@ def gpu_busy_ms(events, steps: int) -> float:
     return busy / 1e3 / steps
 
 
-def host_waits(events, steps: int) -> dict:
-    """{runtime call: [calls per step, ms per step]} for the CUDA runtime calls in which the host waited for the GPU."""
+def gpu_gaps(events, top: int = 5, min_ms: float = 0.5) -> list[list]:
+    """The ``top`` longest times no kernel or copy ran, as [ms, kernel before, kernel after]: where in the step the
+    GPU waited for the host."""
+    gaps, end, last = [], None, ""
+    for e in gpu_activity(events):
+        if end is not None and (e.time_range.start - end) / 1e3 >= min_ms:
+            gaps.append([(e.time_range.start - end) / 1e3, last[:70], e.name[:70]])
+        if end is None or e.time_range.end > end:
+            end, last = e.time_range.end, e.name
+    return sorted(gaps, key=lambda g: -g[0])[:top]
+
+
+def runtime_calls(events, steps: int, names=None, top: int = 8) -> dict:
+    """{CUDA runtime/driver call: [calls per step, host ms per step]}: the ``top`` by time, or those in ``names``
+    (e.g. ``HOST_WAITS``: the calls in which the host waited for the GPU)."""
     import torch
 
     out: dict[str, list[float]] = {}
     for e in events:
-        if e.device_type == torch.autograd.DeviceType.CPU and e.name in HOST_WAITS:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu") and (
+                names is None or e.name in names):
             row = out.setdefault(e.name, [0.0, 0.0])
             row[0] += 1 / steps
             row[1] += e.time_range.elapsed_us() / 1e3 / steps
-    return out
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1])[:top])
