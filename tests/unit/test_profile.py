@@ -4,17 +4,14 @@ of steps in a real `python train.py` run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from wanexp.callbacks.profile import StepProfile, describe, sync_site
+from tests.conftest import run_cli
 from wanexp.perf import HOST_WAITS, gpu_busy_ms, gpu_gaps, gpu_time_by_kind, runtime_calls
 
-ROOT = Path(__file__).resolve().parents[2]
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
@@ -80,18 +77,17 @@ def test_describe_one_line():
     assert "cudaStreamSynchronize 2.0x 1.5 ms" in line and "gen0" in line and "1 at wanexp/module.py:206" in line
 
 
-def test_train_py_profiles_the_steps_after_a_warm_up(tmp_path):
+def test_train_py_profiles_the_steps_after_a_warm_up(tiny_overrides, tmp_path):
     """callbacks.profile.steps=3 from start_step=2: step 3 warms the profiler up, steps 4-6 are measured, rank0.json
     and the trace are written and one line is printed."""
-    out = subprocess.run([sys.executable, "train.py", "experiment=demo", "callbacks.validation.every_n_steps=0",
-                          "callbacks.progress=null", "callbacks.profile.start_step=2", "callbacks.profile.steps=3",
-                          "trainer.max_steps=7", "callbacks.profile.trace=true", f"paths.output_dir={tmp_path}",
-                          "run_name=a"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_cli([*tiny_overrides, "trainer.max_steps=7", "callbacks.validation.every_n_steps=0",
+                   "callbacks.profile.start_step=2", "callbacks.profile.steps=3", "callbacks.profile.trace=true"])
     assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    folder = tmp_path / "run" / "profile"
+    summary = json.loads((folder / "rank0.json").read_text())
     assert summary["steps"] == [4, 6] and summary["device"] == "cpu"
     assert summary["wall_ms"] > 0 and summary["gpu_busy_ms"] is None and "gc" in summary
-    assert (tmp_path / "profile" / "trace_rank0.json").stat().st_size > 0
+    assert (folder / "trace_rank0.json").stat().st_size > 0
     assert "wanexp: profile of steps 4-6:" in out.stdout
 
 
