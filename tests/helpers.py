@@ -176,3 +176,28 @@ class SignalAtStep(Callback):
 
         if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), self.signum)
+
+
+class StepTimer(Callback):
+    """``+callbacks.timer._target_=tests.helpers.StepTimer +callbacks.timer.start=S +callbacks.timer.steps=N``: the
+    mean wall time of optimizer steps S+1 .. S+N, the GPU synchronized at both ends and nothing else touched (no
+    profiler), printed as one line ``wanexp-timer: steps A-B mean X ms``. For A/B runs of the training loop's host
+    settings (tests/gpu/gap_check.sh)."""
+
+    def __init__(self, start: int, steps: int):
+        self.start, self.steps, self.t0 = start, steps, None
+
+    def _sync(self, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        if self.t0 is None and trainer.global_step == self.start:
+            self._sync(pl_module)
+            self.t0 = time.perf_counter()
+        elif self.t0 is not None and trainer.global_step == self.start + self.steps:
+            self._sync(pl_module)
+            ms = 1000 * (time.perf_counter() - self.t0) / self.steps
+            print(f"wanexp-timer: steps {self.start + 1}-{self.start + self.steps} mean {ms:.1f} ms", flush=True)

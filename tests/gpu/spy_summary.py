@@ -1,5 +1,6 @@
-"""Summarize py-spy's collapsed stacks (``py-spy record -f raw --threads``) of a training run: the samples of the
-thread that ran the training loop, after compilation, by innermost frame (self) and by some frames (inclusive).
+"""Summarize py-spy's collapsed stacks (``py-spy record -f raw --threads``, tests/gpu/gap_check.sh) of a training
+run: the samples of the thread that ran the training loop, after compilation, by innermost frame (self) and by
+frame (inclusive).
 
     python tests/gpu/spy_summary.py spy.txt [--top 30]
 """
