@@ -9,10 +9,6 @@
 # Every item has its own time limit (what is left before DEADLINE s). Logs and results in $OUT.
 source "$(dirname "$0")/setup_env.sh"
 set +e
-DEADLINE=${DEADLINE:-570}
-T0=$(date +%s)
-left() { local s=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( s > 1 ? s : 1 )); }
-say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 M5="$W/ti2v5b_light"
 python3 tests/gpu/build_random_model.py --model ti2v5b --entry ti2v5b_light --path "$M5" 2>&1 | grep -v "should be kept" | tail -1
 D5=(model=ti2v5b model.path="$M5" data=synthetic paths.data_dir="$W/data5" data.height=704 data.width=1280

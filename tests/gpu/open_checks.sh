@@ -9,10 +9,6 @@
 #                    27,280 tokens with the process capped at 30 GiB
 source "$(dirname "$0")/setup_env.sh"
 set +e
-DEADLINE=${DEADLINE:-560}
-T0=$(date +%s)
-left() { local s=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( s > 1 ? s : 1 )); }
-say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 BENCH="python3 -m wanexp.cli.bench"
 quiet() { grep -v -e Loading -e "kept in float32"; }
 

@@ -11,3 +11,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, diffusers, lightning, peft, transformers, hydra, av; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'lightning', lightning.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__, 'hydra', hydra.__version__, 'av', av.__version__)" | tee -a "$OUT/gpu.txt"
+# time since this script started; what is left before DEADLINE s (one device call's budget: a per-item timeout)
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-570}
+say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+left() { local s=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( s > 1 ? s : 1 )); }

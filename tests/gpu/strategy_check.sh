@@ -23,8 +23,6 @@ GPUS=${STRAT_GPUS:-"1 2 4"}
 ONLY=${STRAT_ONLY:-.}
 BASE=0
 PAIRED=""
-t0=$(date +%s)
-say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 # run NAME NGPUS STEPS ARGS...: one training run; its row goes to strategy.jsonl
 run() {
