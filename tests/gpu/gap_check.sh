@@ -9,14 +9,7 @@
 # Every item has its own time limit (what is left before DEADLINE s). Logs and results in $OUT.
 source "$(dirname "$0")/setup_env.sh"
 set +e
-M5="$W/ti2v5b_light"
-python3 tests/gpu/build_random_model.py --model ti2v5b --entry ti2v5b_light --path "$M5" 2>&1 | grep -v "should be kept" | tail -1
-D5=(model=ti2v5b model.path="$M5" data=synthetic paths.data_dir="$W/data5" data.height=704 data.width=1280
-    data.num_frames=17 data.batch_size=1 data.num_workers=4 data.generate.height=704 data.generate.width=1280
-    data.generate.num_frames=17 data.generate.num_videos=12 data.generate.num_images=0 paths.cache_dir="$W/cache"
-    trainer.precision=bf16-mixed)
-python3 -m wanexp.cli.cache "${D5[@]}" paths.output_dir="$W/cache_run5" > "$OUT/cache5.log" 2>&1 || tail -20 "$OUT/cache5.log"
-say "cache: $(grep 'wanexp: cache' "$OUT/cache5.log" | tail -1)"
+prepare_5b 12
 CUDA_VISIBLE_DEVICES=0 timeout "$(left)" python3 -m wanexp.cli.bench --model-path "$M5" --frames 17 --ckpt --paths wanexp \
   --no-check --warmup 3 --steps 10 --json "$OUT/bench.json" 2>&1 | grep -v -e Loading -e "kept in float32" | tail -3
 RUN=(python3 train.py "${D5[@]}" parallel=single trainer.devices=1 trainer.max_steps=40 trainer.log_every_n_steps=10

@@ -16,3 +16,17 @@ T0=$(date +%s)
 DEADLINE=${DEADLINE:-570}
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { local s=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( s > 1 ? s : 1 )); }
+# prepare_5b [NUM_CLIPS]: the real-size TI2V-5B (random weights, light encoders) in $M5 and NUM_CLIPS (default 48)
+# generated 704x1280x17 clips cached; D5 holds the model/data overrides of a run from that cache (EXTRA5 adds some)
+prepare_5b() {
+  M5="$W/ti2v5b_light"
+  python3 tests/gpu/build_random_model.py --model ti2v5b --entry ti2v5b_light --path "$M5" 2>&1 \
+    | grep -v "should be kept" | tail -1
+  D5=(model=ti2v5b model.path="$M5" data=synthetic paths.data_dir="$W/data5" data.height=704 data.width=1280
+      data.num_frames=17 data.batch_size=1 data.num_workers=4 data.generate.height=704 data.generate.width=1280
+      data.generate.num_frames=17 data.generate.num_videos=${1:-48} data.generate.num_images=0
+      paths.cache_dir="$W/cache" trainer.precision=bf16-mixed ${EXTRA5:-})
+  python3 -m wanexp.cli.cache "${D5[@]}" paths.output_dir="$W/cache_run5" > "$OUT/cache5.log" 2>&1 \
+    || tail -20 "$OUT/cache5.log"
+  say "cache: $(grep 'wanexp: cache' "$OUT/cache5.log" | tail -1)"
+}

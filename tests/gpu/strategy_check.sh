@@ -55,15 +55,7 @@ pair() {
 }
 
 if [[ " $CASES " == *" 5b "* ]]; then
-  M5="$W/ti2v5b_light"
-  python3 tests/gpu/build_random_model.py --model ti2v5b --entry ti2v5b_light --path "$M5" 2>&1 | grep -v "should be kept" | tail -1
-  D5=(model=ti2v5b model.path="$M5" data=synthetic paths.data_dir="$W/data5" data.height=704 data.width=1280
-      data.num_frames=17 data.batch_size=1 data.num_workers=4 data.generate.height=704 data.generate.width=1280
-      data.generate.num_frames=17 data.generate.num_videos=48 data.generate.num_images=0 paths.cache_dir="$W/cache"
-      trainer.precision=bf16-mixed ${EXTRA5:-})
-  python3 -m wanexp.cli.cache "${D5[@]}" paths.output_dir="$W/cache_run5" > "$OUT/cache5.log" 2>&1 \
-    || { tail -20 "$OUT/cache5.log"; }
-  say "cache: $(grep 'wanexp: cache' "$OUT/cache5.log" | tail -1)"
+  prepare_5b
   if [[ bench =~ $ONLY ]]; then  # issue 8: the benchmark's wanexp step on the same card, for 5b_ddp_1 (train.py)
     say "bench: wanexp step, TI2V-5B 704x1280x17, ckpt (the train.py default)"
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m wanexp.cli.bench --model-path "$M5" --frames 17 --ckpt --paths wanexp \
