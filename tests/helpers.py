@@ -185,7 +185,7 @@ class StepTimer(Callback):
     settings (tests/gpu/gap_check.sh)."""
 
     def __init__(self, start: int, steps: int):
-        self.start, self.steps, self.t0 = start, steps, None
+        self.start, self.steps, self.t0, self.mean_s = start, steps, None, None
 
     def _sync(self, pl_module) -> None:
         if pl_module.device.type == "cuda":
@@ -199,5 +199,6 @@ class StepTimer(Callback):
             self.t0 = time.perf_counter()
         elif self.t0 is not None and trainer.global_step == self.start + self.steps:
             self._sync(pl_module)
-            ms = 1000 * (time.perf_counter() - self.t0) / self.steps
-            print(f"wanexp-timer: steps {self.start + 1}-{self.start + self.steps} mean {ms:.1f} ms", flush=True)
+            self.mean_s = (time.perf_counter() - self.t0) / self.steps
+            print(f"wanexp-timer: steps {self.start + 1}-{self.start + self.steps} mean {1000 * self.mean_s:.1f} ms",
+                  flush=True)

@@ -29,3 +29,20 @@ def test_ti2v5b_step_at_704x1280x17():
     assert transformer_step_flops(cfg, (1, 48, 5, 44, 80), 512) == 30 * (2 * linear + 3 * attention)
     assert transformer_step_flops(cfg, (2, 48, 5, 44, 80), 512) == 2 * 30 * (2 * linear + 3 * attention)
     assert transformer_step_flops(cfg, (1, 48, 5, 44, 80), 512) / 1e12 == pytest.approx(101.47, abs=0.01)  # 256 TFLOP/s x 396 ms in performance.md
+
+
+def test_the_numerics_verdict_passes_a_path_near_the_plain_loop_or_as_near_the_fp32_function():
+    """wanexp.cli.bench.verdict: within --tol of the plain bf16 loop passes; beyond it, a path no further from the
+    fp32 function than the plain loop (H100, 2026-11-26: the compiled checkpoint's output 1.5e-2 from the plain loop,
+    1.23e-2 from fp32 where the plain loop is 1.49e-2) passes; one further from fp32, or with other inputs, fails."""
+    from wanexp.cli.bench import verdict
+
+    near = dict(input_max_abs_diff=0.0, out_rel_err=7e-3, grad_rel_err_all=2e-3, grad_rel_err_worst=7e-3)
+    assert verdict(dict(near), 1e-2)["ok_by"] == "plain"
+    off = dict(near, out_rel_err=1.5e-2)
+    assert verdict(dict(off), 1e-2)["ok"] is False  # no fp32 figures: only the plain loop to compare with
+    floor = dict(plain_out_vs_fp32=1.49e-2, plain_grad_vs_fp32=5.6e-3)
+    assert verdict(dict(off, **floor, out_vs_fp32=1.23e-2, grad_vs_fp32=5.6e-3), 1e-2)["ok_by"] == "fp32"
+    assert verdict(dict(off, **floor, out_vs_fp32=2.5e-2, grad_vs_fp32=5.6e-3), 1e-2)["ok"] is False
+    assert verdict(dict(off, **floor, out_vs_fp32=1.2e-2, grad_vs_fp32=9e-3), 1e-2)["ok"] is False
+    assert verdict(dict(near, input_max_abs_diff=1e-3), 1e-2)["ok"] is False  # other sigma/noise draws

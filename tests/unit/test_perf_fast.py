@@ -132,3 +132,48 @@ def test_compiled_blocks_turn_off_ddp_graph_splitting(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
     fast.compile_blocks(tiny_transformer())  # compiles lazily: nothing is built before the first call
     assert torch._dynamo.config.optimize_ddp is False
+
+
+def test_compiled_checkpoint_gives_the_same_loss_and_gradients():
+    """Activation checkpointing inside the compiled graph (fast.checkpoint_function) against the stock forward with
+    diffusers' eager checkpoint, and the compiled function is what the forward called."""
+    if not os.environ.get("WANEXP_COMPILE_TEST"):
+        pytest.skip(f"torch.compile on the CPU takes {CPU_COMPILE_S} s here (set WANEXP_COMPILE_TEST=1 to run it)")
+    stock = fast.use_frame_modulation(tiny_transformer())
+    stock.enable_gradient_checkpointing()
+    compiled = fast.compile_blocks(copy.deepcopy(stock))
+    calls = []
+    inner = compiled._wanexp_compiled_checkpoint
+    compiled._wanexp_compiled_checkpoint = lambda *a: calls.append(1) or inner(*a)
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    assert_same(stock, compiled, hidden, timestep, text, tol=1e-5)
+    assert len(calls) == 2  # both blocks, through the compiled checkpoint
+
+
+class _Sharded(torch.nn.Module):
+    pass
+
+
+@pytest.mark.parametrize("case", ["compiled", "not_compiled", "sequence_parallel", "fsdp"])
+def test_checkpointed_blocks_use_the_compiled_checkpoint_only_where_it_applies(case, monkeypatch):
+    """Which checkpoint a checkpointed block goes through: the compiled one after compile_blocks, the eager one
+    without compile, under sequence parallel and under FSDP2 (no compiling here: the dispatch only)."""
+    from torch.distributed import fsdp
+
+    t = fast.use_frame_modulation(tiny_transformer())
+    t.enable_gradient_checkpointing()
+    used = []
+    if case != "not_compiled":
+        t._wanexp_compiled_checkpoint = lambda block, *a: used.append("compiled") or block(*a)
+    eager = t._gradient_checkpointing_func
+    t._gradient_checkpointing_func = lambda block, *a: used.append("eager") or eager(block, *a)
+    if case == "fsdp":  # a block that FSDP2's fully_shard turned into an FSDPModule
+        monkeypatch.setattr(fsdp, "FSDPModule", _Sharded)
+        t.blocks[0].__class__ = type("ShardedBlock", (type(t.blocks[0]), _Sharded), {})
+    sp = case == "sequence_parallel"
+    ckpt = fast.checkpoint_function(t, sp)
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    if not sp:  # the real forward (sequence parallel needs a process group: the dispatch is checked directly)
+        t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+        assert used == ["compiled" if case == "compiled" else "eager"] * 2
+    assert (ckpt is getattr(t, "_wanexp_compiled_checkpoint", None)) == (case == "compiled")

@@ -62,6 +62,7 @@ class ModelConfig:
     build: Optional[Dict[str, Any]] = MISSING  # tiny models only: the architecture to build into `path`
     fast_modulation: bool = knob(MISSING, doc="time embedding + block modulation once per latent frame (same values)")
     compile: bool = knob(MISSING, doc="torch.compile each transformer block (regional compilation)")
+    compile_checkpoint: bool = knob(True, doc="with compile: a checkpointed block's recompute inside its compiled graph")
     memory_budget_gib: Optional[float] = knob(MISSING, gt=0.0, doc="checkpoint only the blocks this GPU budget needs")
     fp8: bool = knob(False, doc="frozen block linears in FP8 (per-row scales), LoRA unchanged; changes the numerics")
 

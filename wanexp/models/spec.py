@@ -55,6 +55,7 @@ class WanSpec:
         compile: bool,
         memory_budget_gib: float | None,
         fp8: bool = False,
+        compile_checkpoint: bool = True,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -72,6 +73,7 @@ class WanSpec:
         self.build = build
         self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (models/fast.py)
         self.compile = compile  # torch.compile each transformer block (regional compilation)
+        self.compile_checkpoint = compile_checkpoint  # the checkpoint inside the compiled graph (models/fast.py)
         self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs (models/fast.py)
         self.fp8 = fp8  # frozen block linears in FP8 after the adapters are added (models/fp8.py)
         if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
@@ -148,7 +150,7 @@ class WanSpec:
             fast.use_frame_modulation(model)
             fast.set_memory_budget(model, self.memory_budget_gib)
         if self.compile:  # lazy: compiles at the first call, after the adapters are added (and FSDP2 has sharded)
-            fast.compile_blocks(model)
+            fast.compile_blocks(model, checkpoint=self.compile_checkpoint)
         return model
 
     def load_vae(self):
