@@ -62,27 +62,18 @@ def loader_batches(dm):
         yield from dm.train_dataloader()
 
 
-def fit_again(cfg, module, dm, name: str, **changes) -> float:
-    """A second Lightning fit of the same (already loaded and compiled) module with a changed config."""
+def fit_again(cfg, module, dm, name: str) -> float:
+    """A second Lightning fit of the same (already loaded and compiled) module, every default callback."""
     from wanexp.train import build_trainer
 
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.paths.output_dir = f"{cfg.paths.output_dir}_{name}"
-        for key, value in changes.items():
-            node, _, leaf = key.rpartition(".")
-            _select(cfg, node)[leaf] = value
     trainer = build_trainer(cfg, Path(cfg.paths.output_dir))
     trainer.strategy.sp_size = 1
     timer = next(c for c in trainer.callbacks if type(c).__name__ == "StepTimer")
     trainer.fit(module, datamodule=dm)
     return timer.mean_s
-
-
-def _select(cfg, node: str):
-    for part in node.split(".") if node else []:
-        cfg = cfg[part]
-    return cfg
 
 
 def main(argv: list[str]) -> None:
