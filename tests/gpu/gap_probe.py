@@ -5,8 +5,9 @@ the same compiled blocks and the same data (issue 8, item 7: where `python train
 
 Prints one ``probe:`` line per variant, each the mean of steps 21-40 (back to back, GPU synchronized at both ends):
   fit_default      python train.py's path (wanexp.train.run), every default callback, the configured loader
-  manual_fixed_synced  a plain loop: one batch kept on the GPU, the module's objective under autocast, backward,
-                   clip_grad_norm_, the optimizer wanexp builds, the GPU synchronized after each step (the bench's timing)
+  manual_fixed_synced  a plain loop: one batch kept on the GPU, the module's objective under autocast,
+                   backward, clip_grad_norm_, the optimizer wanexp builds, the GPU synchronized after each step
+                   (the bench's timing)
   manual_fixed     the same without a sync between steps (as a training loop runs; again at the end: the drift)
   manual_loader    the same loop fed by the run's DataLoader (workers, pinned memory, non-blocking copies)
   fit_bare         Lightning's loop with no callback, logger or checkpointing (only the timer)

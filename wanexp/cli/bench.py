@@ -385,8 +385,8 @@ def measure(name, make, args, device, data, flops) -> dict:
         info["profile_ms"] = profile_kinds(step)
     del model, step
     _free()
-    return {"path": name, "median_s": med, "times_s": times, "back_to_back_s": back_to_back, "peak_gib": peak, "tflops": flops / med / 1e12,
-            "pct_of_peak": 100 * flops / med / 1e12 / PEAK_TFLOPS, "build_s": build_s,
+    return {"path": name, "median_s": med, "times_s": times, "back_to_back_s": back_to_back, "peak_gib": peak,
+            "tflops": flops / med / 1e12, "pct_of_peak": 100 * flops / med / 1e12 / PEAK_TFLOPS, "build_s": build_s,
             "warmup_and_steps_s": total_s, **info}
 
 
