@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 8's open gap, one GPU, one call (~8 minutes; more with GAP_HOST=1 or GAP_PROBE=1): is `python train.py` from the cache slower
-# than the benchmark's step, and where does the difference come from?
+# Issue 8's gap, one GPU, one call (~6 minutes; more with GAP_HOST=1 or GAP_PROBE=1): is `python train.py` from the
+# cache slower than the benchmark's step, and where does the difference come from?
 #  1. (GAP_HOST=1) Host time per step: the 5B's depth and LoRA layout at tiny widths and a tiny shape (real_sizes.yaml
 #     host30), where the GPU's kernels take microseconds and a step's wall time is the host's time to issue it: the
 #     bench's step vs train.py's step (Lightning, loader, callbacks), loader processes on and off.

@@ -235,9 +235,8 @@ def checkpoint_function(transformer: nn.Module, sequence_parallel: bool):
     check run on the host (a 5B step's host time is close to its GPU time: 23 % less host time per step, measured on
     the CPU with the 5B's 30 blocks at tiny widths, 152 -> 117 ms). The same function, rounded in other places: fused
     chains stay in fp32 (on the H100 the 5B's output is closer to the fp32 function than eager bf16's; README,
-    Performance). Not under FSDP2 (its hooks
-    gather the block's parameters around the call) or sequence parallel (collectives inside the block): there the
-    block is called as before."""
+    Performance). Not under FSDP2 (its hooks gather the block's parameters around the call) or sequence parallel
+    (collectives inside the block): there the block is called as before."""
     compiled = getattr(transformer, "_wanexp_compiled_checkpoint", None)
     if compiled is None or sequence_parallel:
         return transformer._gradient_checkpointing_func
