@@ -4,7 +4,7 @@
 # (real_sizes.yaml: *_light). One JSON row per run in $OUT/strategy.jsonl (tests/gpu/strategy_row.py), logs in $OUT.
 #   STRAT_CASES selects the parts (default "5b"):
 #     5b      TI2V-5B 704x1280x17 (4,400 tokens): the bench's step ("bench"), sp numerics, ddp 1/2/4, single 1, fsdp 2/4,
-#             deepspeed ZeRO-2/3 2, fsdp+sp2 2
+#             deepspeed ZeRO-2/3 2, fsdp+sp2 2, objective=dmd 1
 #     a14b    I2V-A14B high-noise expert 480x832x81 (32,760 tokens): fsdp 2 (+ a resume), both experts fsdp 2
 #     a14b4   the high-noise expert 480x832x81 with fsdp on 4 GPUs
 #     a14b720 the high-noise expert at 720x1280x81 (75,600 tokens): fsdp+sp2 on 2 GPUs, fsdp+sp2 on 4 (dp 2)
@@ -78,6 +78,8 @@ if [[ " $CASES " == *" 5b "* ]]; then
   pair "5b_fsdp_2 2 $S ${D5[*]} parallel=fsdp" "5b_fsdp_sp2_2 2 $S ${D5[*]} parallel=fsdp parallel.sp_size=2"
   pair "5b_ds2_2 2 $S ${D5[*]} parallel=deepspeed parallel.strategy.stage=2" \
        "5b_ds3_2 2 $S ${D5[*]} parallel=deepspeed parallel.strategy.stage=3 model.compile=false"
+  # objective=dmd with the blocks compiled (the default): generator, critic and teacher calls on one compiled base
+  run 5b_dmd_1 1 12 "${D5[@]}" parallel=ddp objective=dmd
   if [ -n "${STRAT_ONE_GPU_ALL:-}" ]; then
     pair "5b_fsdp_1 1 $S ${D5[*]} parallel=fsdp" "5b_ds2_1 1 $S ${D5[*]} parallel=deepspeed parallel.strategy.stage=2"
     run 5b_ds3_1 1 $S "${D5[@]}" parallel=deepspeed parallel.strategy.stage=3 model.compile=false

@@ -1,6 +1,7 @@
 """DMD step distillation on the tiny model: one base as teacher, generator and critic; each step trains one adapter."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,39 @@ def test_resume_restores_both_optimizers_and_the_phase(shared_dir, tmp_path):
     x, y = load_file(tmp_path / "full" / "lora" / "final" / name), load_file(tmp_path / "cut" / "lora" / "final" / name)
     assert all(torch.equal(x[k], y[k]) for k in x)
 
+
+
+def test_compiled_blocks_stay_compiled_through_both_phases_and_two_bucket_shapes(shared_dir, monkeypatch):
+    """DMD calls the compiled blocks with three adapter states (generator, critic, none: the teacher), with and
+    without grad, and buckets change the shapes: each combination is one compiled entry of the blocks' shared code.
+    On this model these passed dynamo's default limit (8), past which the calls ran eagerly: here none may.
+    (Dynamo's eager backend: the same guards and entries as inductor's, without its kernel compile.)"""
+    from functools import partial
+
+    from wanexp.models import fast
+
+    monkeypatch.setattr(fast, "compile_blocks", partial(fast.compile_blocks, backend="eager"))
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
+                                        recompile_limit=torch._dynamo.config.recompile_limit):
+            module = _module(shared_dir, ["model.compile=true"])
+            assert hasattr(next(iter(module.transformers.values())), "_wanexp_compiled_checkpoint")
+            _randomise(module)
+            module.train()
+            modules = list(module.transformers.values())
+            neg = torch.zeros(1, module.spec.text_len, modules[0].config.text_dim)
+            for frames in (3, 1):  # a video and an image bucket
+                batch = _batch(module)
+                batch = replace(batch, x0=batch.x0[:, :, :1].repeat(1, 1, frames, 1, 1))
+                for phase in ("gen", "critic"):
+                    step = next(s for s in range(10) if module.objective.phase(s) == phase)
+                    out = module.objective(batch, module.denoiser, torch.Generator().manual_seed(frames), step=step,
+                                           negative_text=neg)
+                    with use_adapter(modules, out.adapter):
+                        out.loss.backward()
+    finally:
+        torch._dynamo.reset()
 
 # ---- the DMD gradient on a problem with a known answer ----------------------------------------------------------
 class _Gaussian(nn.Module):

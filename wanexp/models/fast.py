@@ -247,6 +247,9 @@ def checkpoint_function(transformer: nn.Module, sequence_parallel: bool):
     return compiled
 
 
+RECOMPILE_LIMIT = 64  # compiled entries per block code object (compile_blocks)
+
+
 def compile_blocks(transformer: nn.Module, checkpoint: bool = True, **kwargs) -> nn.Module:
     """``torch.compile`` each transformer block in place (regional compilation; parameter names unchanged), and a
     checkpointed block call with its checkpoint inside the compiled graph (:func:`checkpoint_function`; ``checkpoint``
@@ -262,6 +265,12 @@ def compile_blocks(transformer: nn.Module, checkpoint: bool = True, **kwargs) ->
     # the forward: `CheckpointError: Recomputed values ... have different metadata` in the first backward of every
     # DDP run, one GPU included. Each block is its own graph already, so there is nothing for it to split.
     torch._dynamo.config.optimize_ddp = False
+    # Every block shares one compiled code object, so each distinct call gets its own entry: grad on/off, an input
+    # that requires grad or not (the first block's does not), the active adapter (DMD switches between generator,
+    # critic and none), and a static then a dynamic shape when buckets differ. DMD's product of these passed dynamo's
+    # default limit of 8 on the tiny model, after which a call runs eagerly (slower, silently after one warning).
+    # Each entry compiles once; the count is bounded by the run's configuration, not by its length.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in transformer.blocks:
         block.compile(**kwargs)
     if checkpoint:  # one graph for every block (dynamo guards on the block's class, its parameters are inputs)
