@@ -142,7 +142,6 @@ def test_resume_restores_both_optimizers_and_the_phase(shared_dir, tmp_path):
     assert all(torch.equal(x[k], y[k]) for k in x)
 
 
-
 def test_compiled_blocks_stay_compiled_through_both_phases_and_two_bucket_shapes(shared_dir, monkeypatch):
     """DMD calls the compiled blocks with three adapter states (generator, critic, none: the teacher), with and
     without grad, and buckets change the shapes: each combination is one compiled entry of the blocks' shared code.
@@ -174,6 +173,7 @@ def test_compiled_blocks_stay_compiled_through_both_phases_and_two_bucket_shapes
                         out.loss.backward()
     finally:
         torch._dynamo.reset()
+
 
 # ---- the DMD gradient on a problem with a known answer ----------------------------------------------------------
 class _Gaussian(nn.Module):

@@ -465,8 +465,8 @@ def main(argv=None) -> list[dict]:
     if "wanexp" in paths and not args.no_check:  # the plain loop's output and LoRA gradients, kept on the host
         if check_data is not data:
             print(f"wanexp bench: the numerics check runs on the clip's first {SHORT_LATENT_FRAMES} latent frames "
-                  f"(the fp32 {args.model} transformer fits the GPU only with a short clip; --fp32-floor on: the "
-                  f"whole clip, off: none)", flush=True)
+                  f"(--fp32-floor {args.fp32_floor}: the fp32 function on a short clip; on: on the whole clip)",
+                  flush=True)
         _free()
         refs, values = reference(args, device, check_data, _objective(args), _sigma_range(args), per_token)
         _free()
