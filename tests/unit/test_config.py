@@ -74,6 +74,8 @@ BAD = [
     (["optim.lr=0"], "optim.lr=0.0", "must be > 0.0"),
     (["optim.lr_scaling=cubic"], "optim.lr_scaling=cubic", "none, linear, sqrt"),
     (["data.num_workers=-1"], "data.num_workers=-1", "must be >= 0"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0: trains no step", "-1 with trainer.max_epochs=N"),
+    (["trainer.max_steps=-1"], "trainer.max_steps=-1 with trainer.max_epochs=null", "trainer.max_epochs=N"),
     (["trainer.precision=16-true"], "trainer.precision=16-true", "bf16-mixed, bf16-true, 16-mixed"),
     (["model.experts=[dense,mid]"], "model.experts: unknown value 'mid'", "dense, high, low"),
     (["callbacks.checkpoint.save_top_k=-2"], "callbacks.checkpoint.save_top_k=-2", ">= -1"),

@@ -48,6 +48,12 @@ def check_rules(cfg: DictConfig) -> None:
     if p.name == "deepspeed":
         check_deepspeed(cfg)
     o, t = cfg.objective, cfg.trainer
+    if t.max_steps == 0:  # Lightning would train nothing, and no step would have LoRA files to export
+        raise ConfigError("trainer.max_steps=0: trains no step; set trainer.max_steps to the optimizer steps (>= 1), "
+                          "or to -1 with trainer.max_epochs=N")
+    if t.max_steps == -1 and t.max_epochs is None:  # Lightning's fallback: 1000 epochs
+        raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=null: nothing ends the run; set "
+                          "trainer.max_epochs=N (or trainer.max_steps=N)")
     if o.name == "dmd" and p.name == "fsdp" and b.name == "full" and m.boundary_ratio is not None:
         raise ConfigError(f"objective=dmd with parallel=fsdp and model={m.name} boundary=full: the ranks' critic and "
                           "generator losses would run different sharded experts in one step; distil one expert per run "
