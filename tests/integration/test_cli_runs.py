@@ -173,28 +173,6 @@ def test_resumed_run_continues_its_bar_history_and_wandb_run(shared_dir, tmp_pat
     assert len(runs) == 2 and len({p.name.rpartition("-")[2] for p in runs}) == 1
 
 
-def test_torchrun_launch_on_cpu(shared_dir, tmp_path):
-    """torchrun (as on a multi-node/SLURM cluster) starts the ranks; Lightning joins them instead of spawning."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    out = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
-           str(ROOT / "train.py"), *_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data",
-           "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=2",
-           "callbacks.progress=null", f"paths.output_dir={out}", "run_name=torchrun-cpu"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    status = json.loads((out / "status.json").read_text())
-    assert status["world_size"] == 2 and status["step"] == 2 and status["run_name"] == "torchrun-cpu"
-    assert status["replicas_in_sync"] is True
-    assert len(re.findall(r"wanexp: LoRA file", res.stdout)) == 2
-
-
 def test_corrupt_clip_in_a_worker_fails_with_one_line(shared_dir, tmp_path):
     clips = tmp_path / "clips"
     clips.mkdir()

@@ -171,7 +171,7 @@ def _complete_checkpoints(out: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights(shared_dir, tmp_path):
-    """3 SIGKILLs at random moments of one run (one of them while a checkpoint is being written, with $TMPDIR on
+    """2 SIGKILLs of one run (one at a random moment, one while a checkpoint is being written, with $TMPDIR on
     another filesystem), each followed by resume=auto; the run ends with the LoRA weights of an uninterrupted run with
     the same seed, bit for bit (the data order, the optimizer and the random streams all resume exactly)."""
     steps = 14
@@ -187,7 +187,7 @@ def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "faults"), str(ROOT)]))
     out = tmp_path / "killed"
     rng = random.Random(20261126)
-    for trial in range(3):
+    for trial in range(2):
         during_save = trial == 1
         newest = max(_complete_checkpoints(out).values(), default=0) if out.exists() else 0
         log = tmp_path / f"trial{trial}.log"

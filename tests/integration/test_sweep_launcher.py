@@ -38,6 +38,8 @@ def test_multirun_refuses_several_devices(tmp_path):
 
 @pytest.mark.slow
 def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
+    """One torchrun per point, as on a cluster: Lightning joins the ranks torchrun started (no spawning of its own),
+    the replicas stay in sync and each point writes its LoRA files."""
     res = subprocess.run(
         [sys.executable, str(ROOT / "sweeps" / "launch.py"), "sweep=rank_lr", "--nproc", "2",
          "--torchrun-args=--master-port=29541", "experiment=demo", "adapter.rank=4,8", "optim.lr=1e-3",
@@ -48,7 +50,9 @@ def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
     for i, rank in enumerate((4, 8)):
         run = tmp_path / "outputs" / "sweeps" / "rank_lr" / str(i)
         status = json.loads((run / "status.json").read_text())
-        assert status["world_size"] == 2 and status["state"] == "finished"
+        assert status["world_size"] == 2 and status["state"] == "finished" and status["replicas_in_sync"] is True
+        assert sorted(f.name for f in (run / "lora" / "final").iterdir()) == ["tiny_lora_comfyui.safetensors",
+                                                                              "tiny_lora_diffusers.safetensors"]
         assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
         assert f"rank: {rank}" in (run / "config.yaml").read_text() and f"alpha: {rank}" in (run / "config.yaml").read_text()
     rows = (tmp_path / "outputs" / "sweeps" / "rank_lr" / "summary.csv").read_text().splitlines()
