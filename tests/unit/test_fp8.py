@@ -7,7 +7,6 @@ import copy
 import torch
 from torch import nn
 
-from tests.conftest import run_cli
 from tests.unit.test_perf_fast import output_and_grads, ti2v_batch, tiny_transformer
 from wanexp.models import fp8
 
@@ -63,16 +62,16 @@ def _is_block_linear(model, key: str) -> bool:
     return type(module) is nn.Linear and not module.weight.requires_grad
 
 
-def test_train_py_with_fp8_base_trains_and_exports(shared_dir, tmp_path):
-    out = tmp_path / "run"
-    res = run_cli(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
-                   "data.use_cache=false", "trainer.max_steps=2", "callbacks.progress=null", f"paths.output_dir={out}",
-                   "model.fp8=true", "trainer.precision=bf16-mixed", "callbacks.validation.every_n_steps=0"],
-                  timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "frozen linears of the dense transformer in FP8" in res.stdout
+def test_a_run_with_fp8_base_trains_and_exports(shared_dir, tmp_path, capsys):
+    """The whole run (wanexp.train.run, in process: the CLI's own path is covered by the other CLI tests)."""
     from safetensors.torch import load_file
 
+    from tests.integration.conftest import tiny_run
+
+    out = tmp_path / "run"
+    tiny_run(shared_dir, out, ["data.use_cache=false", "trainer.max_steps=2", "model.fp8=true",
+                               "trainer.precision=bf16-mixed", "callbacks.validation.every_n_steps=0"])
+    assert "frozen linears of the dense transformer in FP8" in capsys.readouterr().out
     lora = load_file(str(out / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
 

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import torch
 
 from wanexp.callbacks.profile import StepProfile, describe, sync_site
-from tests.conftest import run_cli
 from wanexp.perf import HOST_WAITS, gpu_busy_ms, gpu_gaps, gpu_time_by_kind, runtime_calls
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -77,12 +76,15 @@ def test_describe_one_line():
     assert "cudaStreamSynchronize 2.0x 1.5 ms" in line and "gen0" in line and "1 at wanexp/module.py:206" in line
 
 
-def test_train_py_profiles_the_steps_after_a_warm_up(tiny_overrides, tmp_path):
+def test_a_run_profiles_the_steps_after_a_warm_up(tiny_overrides, tmp_path, capsys):
     """callbacks.profile.steps=3 from start_step=2: step 3 warms the profiler up, steps 4-6 are measured, rank0.json
-    and the trace are written and one line is printed."""
-    out = run_cli([*tiny_overrides, "trainer.max_steps=7", "callbacks.validation.every_n_steps=0",
-                   "callbacks.profile.start_step=2", "callbacks.profile.steps=3", "callbacks.profile.trace=true"])
-    assert out.returncode == 0, out.stderr[-2000:]
+    and the trace are written and one line is printed (wanexp.train.run in process)."""
+    from tests.conftest import compose_cfg
+    from wanexp.train import run
+
+    run(compose_cfg([*tiny_overrides, "trainer.max_steps=7", "callbacks.validation.every_n_steps=0",
+                     "callbacks.profile.start_step=2", "callbacks.profile.steps=3", "callbacks.profile.trace=true"]))
+    out = SimpleNamespace(stdout=capsys.readouterr().out)
     folder = tmp_path / "run" / "profile"
     summary = json.loads((folder / "rank0.json").read_text())
     assert summary["steps"] == [4, 6] and summary["device"] == "cpu"
