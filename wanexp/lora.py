@@ -107,12 +107,17 @@ class LoraAdapter:
         self.name, self.rank, self.alpha, self.dropout = name, int(rank), float(alpha), float(dropout)
         self.targets, self.attention, self.init_from = list(targets), list(attention), init_from
         target_regex(self.targets, self.attention)  # unknown names fail here, before any weight loads
+        self._init = None
+        if init_from:  # read and checked here too: a file that cannot fit fails before any weight loads
+            what = f"adapter.init_from={init_from}"
+            self._init = read_lora_file(init_from, what)
+            check_lora_fits(*self._init, self.rank, configured_kinds(self.targets, self.attention), what)
 
     def apply(self, transformer, adapter_name: str = "default") -> list[str]:
         """Add the adapter (fp32, trainable) to a frozen transformer, from ``init_from`` if set; its parameter names."""
         names = add_lora(transformer, self.rank, self.alpha, self.dropout, self.targets, self.attention, adapter_name)
-        if self.init_from:
-            load_lora_into(transformer, self.init_from, adapter_name)
+        if self._init is not None:
+            copy_lora_into(transformer, *self._init, adapter_name, what=f"adapter.init_from={self.init_from}")
         return names
 
     def export(self, state_dict: dict, prefix: str, transformer, out_dir: Path, stem: str,
@@ -174,28 +179,25 @@ def to_comfyui(sd: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Ten
     return out
 
 
-def from_comfyui(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, float]:
-    """ComfyUI/original LoRA -> (diffusers/peft weights, rank, alpha). One rank and alpha for all modules."""
-    out, ranks, alphas = {}, set(), set()
-    for key, w in sd.items():
-        body = key.removeprefix("diffusion_model.")
-        if body.endswith(".alpha"):
-            alphas.add(float(w))
-            continue
-        module, kind = re.match(r"^(.*)\.(lora_down|lora_up)\.weight$", body).groups()
-        out[f"{original_to_diffusers_module(module)}.{'lora_A' if kind == 'lora_down' else 'lora_B'}.weight"] = w
-        if kind == "lora_down":
-            ranks.add(w.shape[0])
-    if len(ranks) != 1 or len(alphas) > 1:
-        raise ValueError(f"LoRA file mixes ranks {sorted(ranks)} / alphas {sorted(alphas)}; one of each is supported")
-    rank = ranks.pop()
-    return out, rank, alphas.pop() if alphas else float(rank)
-
-
 # ---- files --------------------------------------------------------------------------------------------------
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (``os.umask`` must set it to read it, and a
+    file another thread creates meanwhile would get the wrong mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_save(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, tmp, metadata=metadata)
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its file 0600; a LoRA file is as readable as a checkpoint
     os.replace(tmp, path)
 
 
@@ -233,38 +235,173 @@ def export_lora(sd: dict[str, torch.Tensor], config: dict, out_dir: Path, stem: 
     return comfy, diff
 
 
-def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int, float]:
-    """Read a ComfyUI or diffusers LoRA file -> (peft-named weights without prefix, rank, alpha)."""
-    from safetensors import safe_open
-
-    sd = load_file(os.fspath(path))
-    if any(k.startswith("diffusion_model.") for k in sd):
-        return from_comfyui(sd)
-    with safe_open(os.fspath(path), "pt") as f:
-        header = f.metadata() or {}
-    weights = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    rank = next(v.shape[0] for k, v in weights.items() if k.endswith("lora_A.weight"))
-    alpha = float(rank)
-    if "lora_adapter_metadata" in header:
-        alpha = float(json.loads(header["lora_adapter_metadata"]).get("transformer.lora_alpha", rank))
-    return weights, rank, alpha
+# ---- reading LoRA files of any trainer ------------------------------------------------------------------------
+LORA_FORMATS = ("ComfyUI/original Wan (diffusion_model.blocks.N.self_attn.q.lora_down/lora_up or lora_A/lora_B, "
+                "optional .alpha: wanexp, ai-toolkit), kohya/musubi-tuner (lora_unet_blocks_N_self_attn_q.lora_down/"
+                "lora_up/.alpha), diffusers/peft (transformer.blocks.N.attn1.to_q.lora_A/lora_B)")
+_PREFIXES = ("transformer.", "base_model.model.")  # diffusers' save_lora_weights, peft's save_pretrained
+_LORA_KEY = re.compile(r"^(.+)\.lora_(A\.weight|B\.weight|B\.bias)$")
+_MODULE = re.compile(r"^blocks\.\d+\.(?:(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|(ffn\.net\.0\.proj|ffn\.net\.2))$")
+# One module of every kind wanexp can train, in the order messages list them.
+_KIND_MODULES = [f"blocks.0.{a}.{p}" for a in ("attn1", "attn2") for p in ATTN_TARGETS.values()] + [
+    f"blocks.0.{f}" for f in FFN_TARGETS.values()]
 
 
-def load_lora_into(transformer, path: str | Path, adapter_name: str = "default") -> None:
-    """Copy a LoRA file's weights into an existing adapter of matching rank (used by ``adapter.init_from``)."""
+def read_lora_file(path: str | Path, what: str = "LoRA file") -> tuple[dict[str, torch.Tensor], int, float]:
+    """Read a Wan LoRA file of any format in :data:`LORA_FORMATS` -> (peft-named fp32 weights, rank, alpha).
+    ``what`` starts every error message (e.g. the config key that named the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        sd = load_file(os.fspath(path))
+        with safe_open(os.fspath(path), "pt") as f:
+            header = f.metadata() or {}
+    except (OSError, SafetensorError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{what}: cannot read it as a safetensors file ({reason}); name a LoRA .safetensors file, "
+                          f"formats accepted: {LORA_FORMATS}") from None
+    return convert_lora_state_dict(sd, header, what)
+
+
+def convert_lora_state_dict(sd: dict[str, torch.Tensor], header: dict | None = None,
+                            what: str = "LoRA file") -> tuple[dict[str, torch.Tensor], int, float]:
+    """Any Wan LoRA naming -> (peft-named fp32 weights without prefix, rank, alpha).
+
+    diffusers' ``WanLoraLoaderMixin.lora_state_dict`` renames kohya/musubi and ComfyUI/original (also ai-toolkit's
+    lora_A/lora_B) keys and folds each module's ``alpha/rank`` into its A and B. When every module has the same
+    ``alpha/rank`` it is handed over as rank (scale 1) instead, so A and B come back as trained and the file's scale
+    is returned as alpha; the caller folds it into B once (see :func:`copy_lora_into`)."""
+    from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
+
+    neutral, scale = _neutral_alphas(sd)
+    try:
+        converted = WanLoraLoaderMixin.lora_state_dict(neutral)
+    except (KeyError, ValueError, IndexError, AttributeError) as e:  # the converters index the keys they expect
+        raise _unknown_format(sd, what, f"diffusers' Wan converter: {type(e).__name__} {e}") from None
+    weights = {}
+    for key, w in converted.items():
+        body = next((key[len(p):] for p in _PREFIXES if key.startswith(p)), key)
+        if body.endswith(".alpha") and scale is not None:
+            continue  # diffusers-named keys with an alpha: already in ``scale``
+        if not _LORA_KEY.match(body):
+            raise _unknown_format(sd, what)
+        weights[body] = w.to(torch.float32)
+    ranks = {w.shape[0] for k, w in weights.items() if k.endswith(".lora_A.weight")}
+    if not ranks:
+        raise _unknown_format(sd, what)
+    if len(ranks) > 1:
+        raise ConfigError(f"{what}: the file mixes LoRA ranks {sorted(ranks)}; wanexp's adapter has one rank for "
+                          "every module (adapter.rank): use a file with one rank")
+    rank = ranks.pop()
+    if scale is None:
+        scale = _header_scale(header or {}, rank, what)
+    return weights, rank, scale * rank
+
+
+def _neutral_alphas(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float | None]:
+    """(state dict, alpha/rank): every ``.alpha`` set to its module's rank when all modules share one alpha/rank, so
+    the converter leaves A and B alone; otherwise the state dict as it is (the converter folds each module's own
+    scale into its A and B) and scale 1. None: the file has no ``.alpha``."""
+    alphas = {k[: -len(".alpha")]: v for k, v in sd.items() if k.endswith(".alpha")}
+    if not alphas:
+        return sd, None
+    downs = {k.rsplit(".", 2)[0]: w for k, w in sd.items() if k.endswith((".lora_down.weight", ".lora_A.weight"))}
+    if set(downs) != set(alphas):  # modules without alpha have scale 1; let the converter handle the mix
+        return sd, 1.0
+    scales = {float(alphas[m]) / downs[m].shape[0] for m in alphas}
+    if len(scales) != 1:
+        return sd, 1.0
+    out = dict(sd)
+    out.update({f"{m}.alpha": torch.tensor(float(downs[m].shape[0])) for m in alphas})
+    return out, scales.pop()
+
+
+def _header_scale(header: dict, rank: int, what: str) -> float:
+    """alpha/rank from diffusers' ``lora_adapter_metadata`` header (a peft LoraConfig); 1 without one."""
+    if "lora_adapter_metadata" not in header:
+        return 1.0
+    try:
+        meta = json.loads(header["lora_adapter_metadata"])
+        return float(meta.get("transformer.lora_alpha", rank)) / float(meta.get("transformer.r", rank))
+    except (ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+        raise ConfigError(f"{what}: its lora_adapter_metadata header is unreadable ({e}); remove the header or "
+                          "use a file written by diffusers' save_lora_weights") from None
+
+
+def _unknown_format(sd: dict, what: str, detail: str = "") -> ConfigError:
+    keys = sorted(sd)
+    seen = ", ".join(keys[:3]) + (f" ... ({len(keys)} keys)" if len(keys) > 3 else "")
+    detail = f"; {detail}" if detail else ""
+    return ConfigError(f"{what}: not a Wan LoRA format wanexp reads (keys: {seen}{detail}); formats accepted: "
+                       f"{LORA_FORMATS}")
+
+
+def _kind(module: str) -> str | None:
+    """``self_attn.q``, ``cross_attn.o``, ``ffn.0`` ... for a module wanexp's LoRA can train; None for any other."""
+    m = _MODULE.match(module)
+    if m is None:
+        return None
+    if m.group(1):
+        return f"{'self' if m.group(1) == 'attn1' else 'cross'}_attn.{ALIASES[m.group(2)]}"
+    return ALIASES[m.group(3)]
+
+
+def configured_kinds(targets: list[str], attention: list[str]) -> list[str]:
+    """The module kinds (see :func:`_kind`) an adapter with these ``targets``/``attention`` trains, in order."""
+    rx = re.compile(target_regex(targets, attention))
+    return [_kind(m) for m in _KIND_MODULES if rx.fullmatch(m)]
+
+
+def _setting_for(kinds: set[str]) -> str:
+    """The adapter.targets/attention that select ``kinds``, or the closest with a note that none selects them."""
+    order = [_kind(m) for m in _KIND_MODULES]
+    targets = [t for t in ALLOWED_TARGETS if any(k.split("_attn.")[-1] == t for k in kinds)]
+    attention = [a for a in ATTN_KINDS if any(k.startswith(f"{a}_attn.") for k in kinds)]
+    setting = f"adapter.targets=[{','.join(targets)}] adapter.attention=[{','.join(attention)}]"
+    if [k for k in order if k in kinds] == configured_kinds(targets, attention):
+        return f"set {setting}"
+    return f"no adapter.targets/attention selects exactly these (the closest: {setting})"
+
+
+def check_lora_fits(weights: dict[str, torch.Tensor], rank: int, alpha: float, run_rank: int, run_kinds: list[str],
+                    what: str) -> None:
+    """Refuse (one line) a LoRA whose rank or targets differ from the run's adapter. A file that covers fewer blocks
+    is fine: the blocks it lacks start as a new adapter does (B = 0)."""
+    if rank != run_rank:
+        raise ConfigError(f"{what}: file has rank {rank}, run has rank {run_rank}; set adapter.rank={rank}")
+    modules = sorted({_LORA_KEY.match(k).group(1) for k in weights})
+    other = [m for m in modules if _kind(m) is None] + [k for k in weights if k.endswith(".lora_B.bias")]
+    if other:
+        raise ConfigError(f"{what}: the file adapts {len(other)} module(s) or biases wanexp's LoRA does not train "
+                          f"(e.g. {other[0]}); wanexp trains {', '.join(ALLOWED_TARGETS)} of the blocks: use a LoRA "
+                          "of those modules")
+    kinds = {_kind(m) for m in modules}
+    if kinds != set(run_kinds):
+        order = [_kind(m) for m in _KIND_MODULES]
+        only_file = [k for k in order if k in kinds - set(run_kinds)]
+        only_run = [k for k in order if k in set(run_kinds) - kinds]
+        differs = "; ".join(part for part in (
+            f"only the file adapts {', '.join(only_file)}" if only_file else "",
+            f"only the run adapts {', '.join(only_run)}" if only_run else "") if part)
+        raise ConfigError(f"{what}: the file's targets differ from the run's adapter ({differs}); {_setting_for(kinds)}")
+
+
+def copy_lora_into(transformer, weights: dict[str, torch.Tensor], rank: int, alpha: float,
+                   adapter_name: str = "default", what: str = "LoRA file") -> None:
+    """Copy checked LoRA weights (see :func:`read_lora_file`) into an existing adapter of the same rank and targets.
+    The file's ``alpha/rank`` is folded into B, so the update ``scale * B @ A`` is the file's under the run's alpha."""
     from peft.utils import set_peft_model_state_dict
 
-    weights, rank, alpha = read_lora_file(path)
+    tag = f".{adapter_name}."
+    own = {k.replace(tag, "."): v.shape for k, v in transformer.state_dict().items() if ".lora_" in k and tag in k}
+    for key, w in weights.items():
+        if key not in own or w.shape != own[key]:
+            model = (f"is {list(own[key])} in the model" if key in own
+                     else f"is not in the model ({transformer.config.num_layers} blocks)")
+            raise ConfigError(f"{what}: {key} {list(w.shape)} {model}: the file is a LoRA of another model; use one "
+                              "trained on this model (see model=)")
     cfg = transformer.peft_config[adapter_name]
-    if rank != cfg.r:
-        raise ConfigError(f"adapter.init_from={path}: file has rank {rank}, run has rank {cfg.r}; "
-                          f"set adapter.rank={rank}")
-    if abs(alpha - cfg.lora_alpha) > 1e-6:
-        # Fold the file's scale into B so the effective update is unchanged under the run's alpha.
-        factor = (alpha / rank) / (cfg.lora_alpha / cfg.r)
-        weights = {k: (v * factor if "lora_B" in k else v) for k, v in weights.items()}
-    result = set_peft_model_state_dict(transformer, weights, adapter_name=adapter_name)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ConfigError(f"adapter.init_from={path}: {len(unexpected)} weights match no LoRA module "
-                          f"(e.g. {unexpected[0]}); check adapter.targets")
+    factor = (alpha / rank) / (cfg.lora_alpha / cfg.r)
+    if factor != 1.0:
+        weights = {k: (v * factor if ".lora_B." in k else v) for k, v in weights.items()}
+    set_peft_model_state_dict(transformer, weights, adapter_name=adapter_name)
