@@ -42,11 +42,12 @@ prepare_5b 48
 # the user's default run (parallel=ddp) from the cache, steps 21-40 (log steps 30 and 40 included)
 CUDA_VISIBLE_DEVICES=0 timeout "$(left)" python3 train.py "${D5[@]}" "${COMMON[@]}" parallel=ddp \
   paths.output_dir="$W/runs/train_ddp" run_name=train_ddp > "$OUT/train_ddp.log" 2>&1
-say "train.py ddp (rc $?): $(grep wanexp-timer "$OUT/train_ddp.log")"; grep -e Error -e "^wanexp: LoRA" "$OUT/train_ddp.log" | tail -3
+rc=$?; [ $rc = 0 ] || fail "train.py ddp"
+say "train.py ddp (rc $rc): $(grep wanexp-timer "$OUT/train_ddp.log")"; grep -e Error -e "^wanexp: LoRA" "$OUT/train_ddp.log" | tail -3
 # the bench's step (numerics checked against the plain per-token loop), and with the eager checkpoint
 CUDA_VISIBLE_DEVICES=0 timeout "$(left)" python3 -m wanexp.cli.bench --model-path "$M5" --frames 17 --ckpt --paths wanexp \
   --variants model.compile_checkpoint=false --warmup 3 --steps 10 --json "$OUT/bench_5b.json" 2>&1 \
-  | grep -v -e Loading -e "kept in float32" | tail -9
+  | grep -v -e Loading -e "kept in float32" | tail -9 || fail "bench 5b"
 if [ "${GAP_PROBE:-0}" = 1 ]; then  # train.py's path and loops without Lightning in one process
   CUDA_VISIBLE_DEVICES=0 timeout "$(left)" python3 tests/gpu/gap_probe.py "${D5[@]}" parallel=single trainer.devices=1 \
     paths.output_dir="$W/runs/probe" run_name=probe > "$OUT/probe.log" 2>&1
@@ -56,6 +57,7 @@ if [ "${GAP_BUDGET:-1}" = 1 ]; then  # 27,280 tokens, the process capped at 30 G
   say "3. model.memory_budget_gib=30 at 27,280 tokens, capped at 30 GiB"
   CUDA_VISIBLE_DEVICES=0 timeout "$(left)" python3 tests/gpu/capped.py 30 wanexp.cli.bench --model-path "$M5" \
     --ckpt --paths wanexp --no-check --frames 121 --warmup 1 --steps 3 --variants "model.memory_budget_gib=30" \
-    --json "$OUT/budget.json" 2>&1 | grep -v -e Loading -e "kept in float32" | tail -4
+    --json "$OUT/budget.json" 2>&1 | grep -v -e Loading -e "kept in float32" | tail -4 || fail "budget 27,280 tokens"
 fi
 say done
+exit $FAILED

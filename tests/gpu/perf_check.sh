@@ -26,6 +26,9 @@ for c in $CASES; do
            $B --model t2v14b --model-path "$W/t2v14b" --height 480 --width 832 --frames 81 --ckpt --warmup 1 \
               --steps 2 ${PERF_A14B_SET:+--set $PERF_A14B_SET} ;;
   esac 2>&1 | grep -v -e "Loading" -e "should be kept in float32" | tee -a "$OUT/bench.txt"
-  echo "=== case $c rc=${PIPESTATUS[0]}" | tee -a "$OUT/bench.txt"
+  rc=${PIPESTATUS[0]}
+  echo "=== case $c rc=$rc" | tee -a "$OUT/bench.txt"
+  [ "$rc" = 0 ] || fail "perf case $c"
 done
 echo "total $(( $(date +%s) - t0 )) s"
+exit $FAILED

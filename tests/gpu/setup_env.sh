@@ -1,13 +1,15 @@
-# Sourced by the device-machine scripts: install the carried wheels (.whl/), set paths, record the card and versions.
+# Sourced by the device-machine scripts (and run once by `python -m tests.gpu.run`): install the carried wheels
+# (.whl/), set paths, record the card and versions.
 set -euo pipefail
 OUT=${OUT:-/tmp/wanexp_out}
 mkdir -p "$OUT"
+SITE=${WANEXP_SITE:-/tmp/site}
 # once per machine (a later call on the same warm machine finds the same wheels installed)
-if ! ls .whl | cmp -s - /tmp/site/.wanexp_wheels 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  mkdir -p /tmp/site && ls .whl > /tmp/site/.wanexp_wheels
+if ! ls .whl | cmp -s - "$SITE/.wanexp_wheels" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  mkdir -p "$SITE" && ls .whl > "$SITE/.wanexp_wheels"
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=${WANEXP_GPU_WORK:-/tmp/wanexp_gpu}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, diffusers, lightning, peft, transformers, hydra, av; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'lightning', lightning.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__, 'hydra', hydra.__version__, 'av', av.__version__)" | tee -a "$OUT/gpu.txt"
@@ -16,6 +18,9 @@ T0=$(date +%s)
 DEADLINE=${DEADLINE:-570}
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { local s=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( s > 1 ? s : 1 )); }
+# fail NAME: count a failed item; a script that uses it ends with `exit $FAILED` (the registry's pass/fail)
+FAILED=0
+fail() { echo "FAILED: $*"; FAILED=$((FAILED + 1)); }
 # prepare_5b [NUM_CLIPS]: the real-size TI2V-5B (random weights, light encoders) in $M5 and NUM_CLIPS (default 48)
 # generated 704x1280x17 clips cached; D5 holds the model/data overrides of a run from that cache (EXTRA5 adds some)
 prepare_5b() {

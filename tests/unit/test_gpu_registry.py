@@ -1,0 +1,184 @@
+"""The GPU acceptance registry (tests/gpu/registry.py) and its runner (tests/gpu/run.py), on CPU: the cases are
+well-formed, a run folder is read back into the numbers the thresholds judge, a failing result fails, the runner
+kills a phase at its step and keeps its record for the next call, and --dry-run prints the commands."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.gpu import registry, run
+from tests.gpu.registry import CAP_GIB, CASES, USER_JOB, USER_STEPS, Case, Check, Ctx, KillAt, Phase
+
+REPO = registry.REPO
+
+
+def test_cases_are_well_formed(tmp_path):
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    for name, case in CASES.items():
+        assert name == case.name and case.gpus >= 1 and case.phases, name
+        phases = [p.name for p in case.phases]
+        assert len(set(phases)) == len(phases), name
+        for p in case.phases:
+            assert p.minutes <= 10 and p.timeout_s <= 600, f"{name}/{p.name} does not fit one device call"
+            argv = p.argv(ctx)
+            assert argv and all(isinstance(a, str) for a in argv), f"{name}/{p.name}"
+            scripts = [a for a in argv if a.endswith((".py", ".sh")) and not a.startswith(("+", "/"))]
+            assert all((REPO / s).is_file() for s in scripts), f"{name}/{p.name}: {scripts}"
+        for c in case.checks:
+            assert c.op in (*registry.OPS, "present") and (c.after is None or c.after in phases), f"{name}: {c}"
+    sizes = yaml.safe_load((REPO / "tests/gpu/real_sizes.yaml").read_text())
+    build = USER_JOB.phase("build").argv(ctx)
+    assert sizes[build[build.index("--entry") + 1]]["text_encoder"]["d_model"] == 4096  # UMT5-XXL, real size
+
+
+def test_user_job_is_the_users_defaults_killed_then_resumed(tmp_path):
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    assert [p.name for p in USER_JOB.phases] == ["build", "cache", "train1", "train2"]
+    train1, train2 = USER_JOB.phase("train1"), USER_JOB.phase("train2")
+    args = train1.argv(ctx)
+    assert args == train2.argv(ctx) and "resume=auto" in args  # the same command continues the same run
+    assert f"+callbacks.memory_cap.gib={CAP_GIB}" in args and f"trainer.max_steps={USER_STEPS}" in args
+    assert "data.val_fraction=0.1" in args and f"callbacks.validation.every_n_steps={USER_STEPS // 2}" in args
+    assert not any(a.startswith(("adapter.", "model.compile", "trainer.precision", "model.gradient")) for a in args)
+    assert 250 < train1.kill.step < USER_STEPS and train2.kill is None  # past the first checkpoint (every 250)
+
+
+def fake_run(run_dir: Path, losses=(0.5, 0.4, 0.3), peak=20.0, val_seconds=(5.0, 5.0, 5.0), elapsed=1000.0,
+             state="finished", step=USER_STEPS) -> None:
+    """A run folder as train.py leaves it: metrics.csv, status.json, validation/*/metrics.json, lora/final."""
+    logs = run_dir / "logs" / "version_0"
+    logs.mkdir(parents=True)
+    with (logs / "metrics.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, ["step", "train/loss", "perf/step_time_s", "perf/peak_mem_gib"])
+        w.writeheader()
+        for i, loss in enumerate(losses):
+            w.writerow({"step": i, "train/loss": loss, "perf/step_time_s": 0.4, "perf/peak_mem_gib": peak})
+    (run_dir / "status.json").write_text(json.dumps({"state": state, "step": step, "max_steps": USER_STEPS,
+                                                     "elapsed_s": elapsed, "peak_mem_gib": peak, "world_size": 1}))
+    for i, s in enumerate(val_seconds):
+        (run_dir / "validation" / f"step_{i * 500:06d}").mkdir(parents=True)
+        (run_dir / "validation" / f"step_{i * 500:06d}" / "metrics.json").write_text(json.dumps({"seconds": s}))
+    (run_dir / "lora" / "final").mkdir(parents=True)
+    for f in ("x_comfyui.safetensors", "x_diffusers.safetensors"):
+        (run_dir / "lora" / "final" / f).write_bytes(b"0" * 1024)
+
+
+PHASES_DONE = {"build": {"ok": True, "rc": 0}, "cache": {"ok": True, "rc": 0},
+               "train1": {"ok": True, "rc": -9, "killed_at_step": 560, "checkpoint_step": 500,
+                          "status_at_kill": {"elapsed_s": 400.0, "peak_mem_gib": 21.0, "step": 560}},
+               "train2": {"ok": True, "rc": 0}}
+
+
+def judged(tmp_path, phases=PHASES_DONE, **run_kwargs) -> dict:
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    fake_run(ctx.run_dir(USER_JOB.name), **run_kwargs)
+    return run.judge(USER_JOB, ctx, json.loads(json.dumps(phases)), ["NVIDIA H100 80GB HBM3"])
+
+
+def test_thresholds_pass_a_good_run_and_read_its_numbers(tmp_path):
+    result = judged(tmp_path)
+    assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
+    m = result["metrics"]
+    assert m["peak_mem_gib"] == 21.0  # the killed session's peak counts too
+    assert m["validations"] == 3 and m["val_share"] == pytest.approx(15.0 / 1400.0)  # both sessions' seconds
+    assert m["lora_final_files"] == 2 and m["run_disk_gib"] > 0
+    assert run.summary_line(result).startswith("PASS user_job_5b_28g")
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"losses": (0.5, float("nan"), 0.3)}, "metrics.losses_finite"),
+    ({"peak": CAP_GIB + 0.5}, "metrics.peak_mem_gib"),
+    ({"val_seconds": (40.0, 45.0, 50.0)}, "metrics.val_share"),
+    ({"state": "failed", "step": 700}, "metrics.state"),
+])
+def test_a_failing_result_fails(tmp_path, bad, key):
+    result = judged(tmp_path, **bad)
+    assert result["verdict"] == "FAIL"
+    assert key in [c["key"] for c in result["checks"] if c["status"] == "fail"]
+    assert run.summary_line(result).startswith("FAIL")
+
+
+def test_failed_phase_fails_and_missing_phases_are_pending(tmp_path):
+    phases = {k: v for k, v in PHASES_DONE.items() if k != "train2"}
+    assert judged(tmp_path / "a", phases=phases)["verdict"] == "PENDING"  # run 1's status says running: not judged
+    phases["train1"] = dict(phases["train1"], ok=False, error="killed before any checkpoint was written")
+    assert judged(tmp_path / "b", phases=phases)["verdict"] == "FAIL"
+
+
+def test_check_without_its_value_fails():
+    assert Check("metrics.x", "<=", 1).evaluate({"metrics": {}}, True)[0] == "fail"
+    assert Check("metrics.x", "<=", 1).evaluate({"metrics": {"x": "a"}}, True)[0] == "fail"
+    assert Check("metrics.x", "<=", 1).evaluate({}, False)[0] == "pending"
+
+
+# a stand-in for train.py: status.json every 10 ms, a checkpoint at step 3, never ends by itself
+WRITER = """import json, os, sys, time, pathlib
+run = pathlib.Path(sys.argv[1]); (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+for step in range(1, 100000):
+    if step == 3:
+        (run / "checkpoints" / "step_000003.ckpt").write_text("x")
+    (run / ".s").write_text(json.dumps({"step": step, "elapsed_s": step / 100}))
+    os.replace(run / ".s", run / "status.json")
+    time.sleep(0.01)
+"""
+
+
+def fake_case(ends: bool = False) -> Case:
+    def argv(ctx):
+        return [sys.executable, "-c", "pass" if ends else WRITER, str(ctx.run_dir("fake"))]
+    return Case(name="fake", gpus=1, model="tiny", about="a fake", checks=(Check("phases.run1.rc", "present"),),
+                phases=(Phase("run1", argv, minutes=0.1, timeout_s=30, fresh=lambda ctx: [ctx.run_dir("fake")],
+                              kill=KillAt(5, deadline_s=20, run=lambda ctx: ctx.run_dir("fake"))),))
+
+
+@pytest.fixture
+def runner(monkeypatch, tmp_path):
+    monkeypatch.setattr(run, "prepare_env", lambda: {**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+    def call(*args):
+        return run.main([*args, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--gpus", "1"])
+    return call
+
+
+def test_runner_kills_at_the_step_and_keeps_the_record(runner, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(run.CASES, "fake", fake_case())
+    assert runner("fake", "--record", str(tmp_path / "bench")) == 0
+    phase = json.loads((tmp_path / "w" / "state" / "fake.json").read_text())["phases"]["run1"]
+    assert phase["ok"] and phase["rc"] == -9 and 5 <= phase["killed_at_step"] < 1000 and phase["checkpoint_step"] == 3
+    result = json.loads((tmp_path / "o" / "fake.json").read_text())
+    assert result["verdict"] == "PASS" and (tmp_path / "o" / "fake" / "run1.log").is_file()
+    assert "PASS fake" in capsys.readouterr().out
+    (row,) = list((tmp_path / "bench").glob("tiny_*.md"))  # no GPU here: the file names the hardware "cpu"
+    assert "| fake | PASS |" in row.read_text()
+
+    monkeypatch.setitem(run.CASES, "fake", fake_case(ends=True))  # ended before its kill: the phase failed
+    assert runner("fake") == 1
+    assert "FAIL fake" in capsys.readouterr().out
+
+
+def test_dry_run_prints_the_commands_and_writes_nothing(runner, tmp_path, capsys):
+    assert run.main(["user_job_5b_28g", "user_job_5b_2gpu_pcie", "--dry-run", "--gpus", "1",
+                     "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" train.py model=ti2v5b ") == 3 and "build_random_model.py" in out and "wanexp.cli.cache" in out
+    assert "NCCL_P2P_DISABLE=1" in out and "SIGKILL at step" in out
+    assert "SKIP user_job_5b_2gpu_pcie: needs 2 GPU(s), 1 present" in out
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def test_skip_and_bad_names(runner, monkeypatch, capsys):
+    monkeypatch.setattr(run, "run_case", lambda *a: pytest.fail("a case that should be skipped ran"))
+    assert runner("user_job_5b_2gpu_pcie") == 0
+    assert "SKIP user_job_5b_2gpu_pcie: needs 2 GPU(s), 1 present" in capsys.readouterr().out
+    assert runner("no_such_case") == 2 and runner("user_job_5b_28g", "--phase", "nope") == 2
+    assert "has no phase 'nope'" in capsys.readouterr().err
+
+
+def test_hw_slug():
+    assert run.hw_slug(["NVIDIA H100 80GB HBM3"]) == "h100"
+    assert run.hw_slug(["NVIDIA H200"] * 2) == "h200x2" and run.hw_slug([]) == "cpu"
