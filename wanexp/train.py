@@ -303,7 +303,9 @@ def _adopt_sweep_folder(cfg: DictConfig) -> None:
             "run multi-GPU points with python sweeps/launch.py (same overrides) or hydra/launcher=slurm, "
             "or set trainer.devices=1"
         )
-    swept = set(OmegaConf.to_container(hc.sweeper.get("params") or {}).keys())
+    from wanexp.callbacks.sweep import sweep_folder_keys
+
+    swept = set(sweep_folder_keys(hc.sweep.dir) or ())  # the sweep config's params and the command line's lists
     pairs = [o.split("=", 1) for o in hc.overrides.task if "=" in o]
     chosen = [f"{k}={v}" for k, v in pairs if k in swept] or [f"{k}={v}" for k, v in pairs if "/" not in v]
     with open_dict(cfg):

@@ -200,3 +200,133 @@ def test_console_commands_and_packaged_configs():
     # the configs are found through the package (wanexp/conf), as an installed copy finds them
     assert (root / "wanexp" / "conf" / "train.yaml").is_file() and (CONF_DIR / "train.yaml").is_file()
     assert os.path.samefile(CONF_DIR, root / "wanexp" / "conf")
+
+
+def _multirun_cfg(tmp_path, task: list[str], **top):
+    """A composed multirun config as Hydra hands it to the sweep callback: a plain -m grid (sweeper.params null)."""
+    from omegaconf import open_dict
+
+    from wanexp.config import compose
+
+    cfg = compose([f"paths.root_dir={tmp_path}", *(f"{k}={v}" for k, v in top.items())], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.overrides.task = task
+        cfg.hydra.mode = "MULTIRUN"
+    assert cfg.hydra.sweeper.params is None
+    return cfg
+
+
+def test_plain_multirun_point_is_named_after_its_comma_list_keys(tmp_path):
+    """-m adapter.rank=4,8 without sweep=: the callback lists the points and a point takes the swept key's name."""
+    import atexit
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from wanexp.callbacks.sweep import SweepSummary
+    from wanexp.train import _adopt_sweep_folder
+
+    cfg = _multirun_cfg(tmp_path, ["experiment=demo", "adapter.rank=4,8", "trainer.max_steps=2"])
+    sweep_dir = Path(cfg.hydra.sweep.dir)
+    cb = SweepSummary()
+    cb.on_multirun_start(cfg)  # raised on the null hydra.sweeper.params
+    atexit.unregister(cb._summarize)
+    sweep_dir.mkdir(parents=True)
+    OmegaConf.save(cfg, sweep_dir / "multirun.yaml")  # as the sweeper writes it before the first point
+    job = _multirun_cfg(tmp_path, ["experiment=demo", "adapter.rank=8", "trainer.max_steps=2"])
+    with open_dict(job):
+        job.hydra.job.num = 1
+        job.hydra.runtime.output_dir = str(sweep_dir / "1")
+    HydraConfig.instance().set_config(job)
+    try:
+        _adopt_sweep_folder(job)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert job.run_name == "multirun/1_adapter.rank=8" and job.paths.output_dir == str(sweep_dir / "1")
+
+
+def test_sweep_over_folders_with_checkpoints_is_refused_before_writing(tmp_path, capsys):
+    import atexit
+
+    from wanexp.callbacks.sweep import SweepSummary
+
+    cfg = _multirun_cfg(tmp_path, ["adapter.rank=4,8"])
+    sweep_dir = Path(cfg.hydra.sweep.dir)
+    (sweep_dir / "1" / "checkpoints").mkdir(parents=True)
+    (sweep_dir / "1" / "checkpoints" / "step_000002.ckpt").write_bytes(b"x")
+    (sweep_dir / "multirun.yaml").write_text("old\n")
+    with pytest.raises(SystemExit) as stop:
+        SweepSummary().on_multirun_start(cfg)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("wanexp: error: hydra.sweep.dir=") and "point 1 already hold" in err[0]
+    assert (sweep_dir / "multirun.yaml").read_text() == "old\n" and sorted(p.name for p in sweep_dir.iterdir()) == [
+        "1", "multirun.yaml"]
+    cb = SweepSummary()  # resume=last continues the points: not refused
+    cb.on_multirun_start(_multirun_cfg(tmp_path, ["adapter.rank=4,8", "resume=last"], resume="last"))
+    atexit.unregister(cb._summarize)
+
+
+def test_sweep_whose_points_were_all_refused_puts_its_files_back(tmp_path):
+    from wanexp.callbacks.sweep import SweepSummary, _snapshot
+
+    old = tmp_path / "s" / "0"
+    _point(old, 8, "1e-4", [1, 1])
+    os.utime(old / "status.json", (time.time() - 600, time.time() - 600))  # trained by an earlier sweep
+    (tmp_path / "s" / "multirun.yaml").write_text("old\n")
+    (tmp_path / "s" / "summary.md").write_text("old\n")
+    cb = SweepSummary()
+    cb.sweep_dir, cb._keep = tmp_path / "s", _snapshot(tmp_path / "s")
+    (tmp_path / "s" / "multirun.yaml").write_text("new\n")  # the sweeper's; then its first point is refused
+    cb._summarize()
+    assert (tmp_path / "s" / "multirun.yaml").read_text() == "old\n"
+    assert (tmp_path / "s" / "summary.md").read_text() == "old\n" and not (tmp_path / "s" / "summary.csv").exists()
+    cb = SweepSummary()  # a new sweep folder whose first point was refused: gone
+    cb.sweep_dir, cb._keep = tmp_path / "new", _snapshot(tmp_path / "new")
+    (tmp_path / "new" / "0" / ".hydra").mkdir(parents=True)
+    cb._summarize()
+    assert not (tmp_path / "new").exists()
+    cb = SweepSummary()  # a point that trained: the summary is written
+    cb.sweep_dir, cb._keep = tmp_path / "s", _snapshot(tmp_path / "s")
+    _point(tmp_path / "s" / "1", 8, "2e-4", [2, 2])
+    cb._summarize()
+    assert (tmp_path / "s" / "summary.csv").exists()
+
+
+def test_each_loss_is_named_where_it_is_shown(tmp_path, capsys):
+    """A point's loss in the summary, the status command and the heatmap says which loss it is; the summary names
+    the loss it ranks by and never compares a val/loss with a train loss."""
+    sweep = tmp_path / "s"
+    _point(sweep / "0", 8, "1e-4", [3, 3], val=0.5)  # lowest val/loss, but point 1 has none: ranked by train loss
+    _point(sweep / "1", 8, "2e-4", [2, 2])
+    md = write_summary(sweep)["md"].read_text()
+    assert "Ranked by train loss (mean of last 5 logged steps), lower is better" in md
+    assert "| train loss (mean of last 5 logged steps) | val/loss |" in md and "| **1** |" in md
+    _point(sweep / "1", 8, "2e-4", [2, 2], val=0.7)
+    md = write_summary(sweep)["md"].read_text()
+    assert "Ranked by val/loss, lower is better" in md and "| **0** |" in md
+    assert status_cli.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    import re
+
+    header = re.split(r"\s{2,}", out.splitlines()[1])
+    assert "train loss (last step)" in header and "val/loss" in header and "loss" not in header
+    _run(sweep / "0", loss=0.25, val_loss=0.5)
+    assert status_cli.main([str(sweep / "0")]) == 0
+    assert "train loss  0.25 (last logged step)   val/loss 0.5" in capsys.readouterr().out
+
+
+def test_heatmap_shows_lower_loss_as_better():
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    from wanexp.callbacks.sweep import heatmap_figure
+
+    z = np.array([[1.0, 2.0], [3.0, np.nan]])
+    fig = heatmap_figure(z, ["8", "16"], ["1e-4", "2e-4"], "adapter.rank", "optim.lr", "s", "val/loss")
+    image = fig.axes[0].images[0]
+    best, worst = image.to_rgba(np.array([1.0]))[0], image.to_rgba(np.array([3.0]))[0]
+    assert best[1] > best[0] and worst[0] > worst[1]  # lowest green, highest red
+    assert fig.axes[1].get_ylabel() == "val/loss, lower is better"
+    assert len(fig.axes[0].patches) == 1  # the best cell outlined

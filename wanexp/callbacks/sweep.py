@@ -3,15 +3,20 @@
 ``conf/hydra/default.yaml`` registers :class:`SweepSummary` as ``hydra.callbacks.sweep``, so every multirun
 (``python train.py -m sweep=rank_lr``, ``-m adapter.rank=8,16``, an Optuna search) gets:
 
-- at the start, the grid's points (BasicSweeper) or the search space (other sweepers);
-- after each point, its final loss; for sweepers that optimise (Optuna) that value is the point's objective
-  (``val/loss`` when the run logs it, else the final train loss);
+- at the start, the grid's points (BasicSweeper) or the search space (other sweepers); a sweep whose point folders
+  hold checkpoints of an earlier sweep (and neither resume nor overwrite) is refused here, before anything is written;
+- after each point, its loss, named: ``val/loss`` when the run logs it, else the train loss averaged over its last
+  logged steps; for sweepers that optimise (Optuna) that value is the point's objective;
 - at the end (also when a point stopped the sweep), in the sweep folder: ``summary.csv`` and ``summary.md`` (one row
-  per point: swept values, state, steps, final train loss, validation loss when present, samples/s, time, folder),
-  ``loss.png`` (train loss vs step, one line per point) and, for a rank x lr grid, ``heatmap.png`` (final loss).
+  per point: swept values, state, steps, final train loss, validation loss when present, samples/s, time, folder;
+  the metric it ranks by named), ``loss.png`` (train loss vs step, one line per point) and, for a rank x lr grid,
+  ``heatmap.png`` (the ranking loss, green = lower = better). A sweep whose every point was refused writes no
+  summary and puts its multirun.yaml back.
 
-The same summary is rewritten by ``python -m wanexp.callbacks.sweep SWEEP_DIR`` (e.g. for a SLURM sweep whose jobs
-ended elsewhere). Points are read from their run folders only (config.yaml, status.json, status.jsonl).
+The swept keys are the sweep config's ``hydra.sweeper.params`` (``sweep=rank_lr``) and the command line's sweep
+overrides (``adapter.rank=16,32``), read from the sweep folder's multirun.yaml. The same summary is rewritten by
+``python -m wanexp.callbacks.sweep SWEEP_DIR`` (e.g. for a SLURM sweep whose jobs ended elsewhere). Points are read
+from their run folders (config.yaml, status.json, status.jsonl).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -28,6 +34,11 @@ from hydra.experimental.callback import Callback
 FINAL_WINDOW = 5  # the final train loss is the mean of the last this-many logged values (one value is noisy)
 COLUMNS = ("point", "overrides", "state", "step", "total_steps", "final_train_loss", "val_loss", "best_val_loss",
            "samples_per_s", "elapsed_s", "run_dir")
+# The names the console, summary.md and the plots give the two losses a point has (a run's status.json "loss" is a
+# third: the train loss of the last logged step, shown by wanexp-status as such).
+TRAIN_LOSS = f"train loss (mean of last {FINAL_WINDOW} logged steps)"
+VAL_LOSS = "val/loss"
+METRIC_NAMES = {"final_train_loss": TRAIN_LOSS, "val_loss": VAL_LOSS}
 
 
 def _read_json(path: Path) -> dict:
@@ -95,8 +106,13 @@ def sweep_points(sweep_dir: Path) -> list[Path]:
     return sorted(runs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
 
 
-def _swept(rows: list[dict]) -> list[str]:
-    """Override keys whose values differ between points, in command-line order."""
+def _swept(rows: list[dict], known: list[str] | None = None) -> list[str]:
+    """The swept keys the points' overrides hold: ``known`` (the sweep's own, from multirun.yaml) when given, else
+    the override keys whose values differ between points, in command-line order."""
+    if known:
+        held = {o.partition("=")[0] for row in rows for o in row["overrides"]}
+        if any(k in held for k in known):
+            return [k for k in known if k in held]
     values: dict[str, set] = {}
     for row in rows:
         for o in row["overrides"]:
@@ -118,12 +134,23 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def objective_key(row: dict) -> str | None:
+    """Which loss one point is judged by (an optimising sweeper's objective): val/loss when the run logs one, else
+    the final train loss; None when it has neither."""
+    return next((k for k in ("val_loss", "final_train_loss") if row.get(k) is not None), None)
+
+
 def objective(row: dict) -> float | None:
-    """What a sweep minimises: the validation loss when the run logs one, else the final train loss."""
-    for key in ("val_loss", "final_train_loss"):
-        if row.get(key) is not None:
-            return float(row[key])
-    return None
+    """What a sweep minimises for one point: its value of :func:`objective_key`."""
+    key = objective_key(row)
+    return None if key is None else float(row[key])
+
+
+def ranking_key(rows: list[dict]) -> str:
+    """The one loss a sweep's points are ranked by: val/loss when every point with a train loss also has one (two
+    metrics are never compared with each other), else the final train loss."""
+    trained = [r for r in rows if r["final_train_loss"] is not None or r["val_loss"] is not None]
+    return "val_loss" if trained and all(r["val_loss"] is not None for r in trained) else "final_train_loss"
 
 
 def write_summary(sweep_dir: Path) -> dict[str, Path]:
@@ -132,7 +159,7 @@ def write_summary(sweep_dir: Path) -> dict[str, Path]:
     rows = [point_row(p) for p in sweep_points(sweep_dir)]
     if not rows:
         return {}
-    keys = _swept(rows)
+    keys = _swept(rows, sweep_folder_keys(sweep_dir))
     written = {"csv": sweep_dir / "summary.csv", "md": sweep_dir / "summary.md"}
     with open(written["csv"], "w", newline="") as f:
         w = csv.writer(f)
@@ -141,12 +168,17 @@ def write_summary(sweep_dir: Path) -> dict[str, Path]:
             pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
             w.writerow([*(pairs.get(k, "") for k in keys),
                         *(" ".join(row[c]) if c == "overrides" else _fmt(row[c]) for c in COLUMNS)])
-    best = min((r for r in rows if objective(r) is not None), key=objective, default=None)
+    rank_by = ranking_key(rows)
+    best = min((r for r in rows if r[rank_by] is not None), key=lambda r: r[rank_by], default=None)
     shown = ("point", *keys, "state", "step", "final_train_loss", "val_loss", "samples_per_s", "elapsed_s")
+    header = [METRIC_NAMES.get(c, c) for c in shown]
     lines = [f"# Sweep {sweep_dir.name}: {len(rows)} points", "",
-             f"Final train loss: the mean of the last {FINAL_WINDOW} logged values; val_loss is empty until the runs "
-             "log one. Best (lowest validation loss, else final train loss) in bold.", "",
-             "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+             f"Ranked by {METRIC_NAMES[rank_by]}, lower is better; the best point in bold.", "",
+             f"- {TRAIN_LOSS} (CSV: final_train_loss): the training loss averaged over the last {FINAL_WINDOW} logged "
+             "steps (wanexp-status shows the last logged step's alone).",
+             f"- {VAL_LOSS} (CSV: val_loss): the loss on the held-out clips at the last validation; empty when the run "
+             "has no validation data (data.val_fraction).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(shown)]
     for row in rows:
         pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
         cells = [row["point"], *(pairs.get(k, "") for k in keys), *(_fmt(row[c]) for c in shown[1 + len(keys):])]
@@ -174,7 +206,7 @@ def _plots(sweep_dir: Path, rows: list[dict], keys: list[str]) -> dict[str, Path
         if pts:
             ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, markersize=3, label=_label(row, keys))
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("train loss")
+    ax.set_ylabel("train loss (per logged step)")
     ax.set_title(f"sweep {sweep_dir.name}: train loss per point")
     ax.grid(alpha=0.3)
     if ax.lines:
@@ -188,7 +220,7 @@ def _plots(sweep_dir: Path, rows: list[dict], keys: list[str]) -> dict[str, Path
     lr_key = next((k for k in keys if k.endswith(".lr")), None)
     if rank_key and lr_key:
         grid: dict[tuple[str, str], float] = {}
-        use_val = all(r["val_loss"] is not None for r in rows)
+        use_val = ranking_key(rows) == "val_loss"
         for row in rows:
             pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
             value = row["val_loss"] if use_val else row["final_train_loss"]
@@ -200,27 +232,41 @@ def _plots(sweep_dir: Path, rows: list[dict], keys: list[str]) -> dict[str, Path
             import numpy as np
 
             z = np.array([[grid.get((r, lr), np.nan) for lr in lrs] for r in ranks])
-            fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(lrs), 1.2 + 0.8 * len(ranks)))
-            im = ax.imshow(z, cmap="viridis_r", aspect="auto")
-            ax.set_xticks(range(len(lrs)), lrs)
-            ax.set_yticks(range(len(ranks)), ranks)
-            ax.set_xlabel(lr_key)
-            ax.set_ylabel(rank_key)
-            lo, hi = np.nanmin(z), np.nanmax(z)
-            for i in range(len(ranks)):
-                for j in range(len(lrs)):
-                    if np.isfinite(z[i, j]):  # dark text on the light (low-loss) cells
-                        light = hi == lo or (z[i, j] - lo) / (hi - lo) < 0.5
-                        ax.text(j, i, f"{z[i, j]:.4g}", ha="center", va="center", fontsize=9,
-                                color="black" if light else "white")
-            what = "validation loss" if use_val else f"final train loss (last {FINAL_WINDOW} logged)"
-            ax.set_title(f"{sweep_dir.name}: {what}", fontsize=10)
-            fig.colorbar(im, ax=ax)
-            fig.tight_layout()
+            fig = heatmap_figure(z, ranks, lrs, rank_key, lr_key, sweep_dir.name,
+                                 VAL_LOSS if use_val else TRAIN_LOSS)
             out["heatmap"] = sweep_dir / "heatmap.png"
             fig.savefig(out["heatmap"], dpi=110)
             plt.close(fig)
     return out
+
+
+HEATMAP_CMAP = "RdYlGn_r"  # low loss green, high loss red: the best cell reads as good without a legend
+
+
+def heatmap_figure(z, ranks: list[str], lrs: list[str], rank_key: str, lr_key: str, name: str, metric: str):
+    """rank x lr cells of ``metric`` (a loss): green is lower (better), the best cell outlined, the colour bar
+    labelled with the metric and "lower is better"."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    fig, ax = plt.subplots(figsize=(2.4 + 1.3 * len(lrs), 1.2 + 0.8 * len(ranks)))
+    im = ax.imshow(z, cmap=HEATMAP_CMAP, aspect="auto")
+    ax.set_xticks(range(len(lrs)), lrs)
+    ax.set_yticks(range(len(ranks)), ranks)
+    ax.set_xlabel(lr_key)
+    ax.set_ylabel(rank_key)
+    for i in range(len(ranks)):
+        for j in range(len(lrs)):
+            if np.isfinite(z[i, j]):  # the colour map is mid-light at both ends: black text reads on every cell
+                ax.text(j, i, f"{z[i, j]:.4g}", ha="center", va="center", fontsize=9, color="black")
+    if np.isfinite(z).any():
+        i, j = np.unravel_index(np.nanargmin(z), z.shape)
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.5))
+    ax.set_title(f"{name}: {metric}\n(best outlined)", fontsize=10)
+    fig.colorbar(im, ax=ax).set_label(f"{metric}, lower is better", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def grid_points(sweeper_params: dict, command_line: list[str]) -> list[list[str]] | None:
@@ -243,18 +289,122 @@ def grid_points(sweeper_params: dict, command_line: list[str]) -> list[list[str]
     return [list(p) for p in itertools.product(*keys.values())] if keys else []
 
 
+def sweeper_params(hydra_cfg) -> dict:
+    """``hydra.sweeper.params`` as a dict: a sweep config's grid (sweep=rank_lr); empty for a plain ``-m`` grid,
+    where Hydra leaves it null."""
+    from omegaconf import OmegaConf
+
+    params = hydra_cfg.sweeper.get("params")
+    return dict(OmegaConf.to_container(params, resolve=False)) if params else {}
+
+
+def swept_keys(sweeper_params: dict, command_line: list[str]) -> list[str]:
+    """The keys a multirun sweeps: the sweep config's params, then the command line's sweep overrides (a comma list,
+    range(...), choice(...)), each once, in that order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = list(sweeper_params)
+    for o in OverridesParser.create().parse_overrides(list(command_line)):
+        if o.is_sweep_override() and o.get_key_element() not in keys:
+            keys.append(o.get_key_element())
+    return keys
+
+
+def sweep_folder_keys(sweep_dir: Path) -> list[str] | None:
+    """The keys a sweep folder's multirun swept, from its multirun.yaml (the sweeper writes it before the first
+    point, also for a cluster launcher whose points run elsewhere): a point's own overrides hold one value per key,
+    so the command line's comma lists are only there. None when the file cannot be read."""
+    from omegaconf import OmegaConf
+
+    try:
+        multirun = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
+        command_line = list(multirun.hydra.overrides.task)
+        params = sweeper_params(multirun.hydra)
+    except Exception:  # noqa: BLE001 - a missing or foreign file: the caller names the points another way
+        return None
+    return swept_keys(params, command_line)
+
+
+def _setting(config, point: list[str], key: str):
+    """A top-level setting of one point: its own swept value when the grid sweeps it, else the sweep's."""
+    for o in point:
+        k, _, v = o.partition("=")
+        if k.lstrip("+") == key:
+            return None if v in ("null", "~", "") else v
+    return config.get(key)
+
+
+def _refuse_taken_points(config, sweep_dir: Path, points: list[list[str]] | None) -> None:
+    """Refuse the whole sweep before the sweeper writes anything (multirun.yaml, the points' .hydra) when a point's
+    run folder holds checkpoints of an earlier run and the point neither resumes nor overwrites: each such point
+    would be refused one at a time, after the sweep folder's files were rewritten."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") != "${hydra.job.num}":
+        return  # point folders named another way: each point checks its own folder
+    if points is None:  # a search: its trials reuse the numbered folders there are
+        numbers = sorted(int(p.name) for p in sweep_dir.glob("*") if p.name.isdigit())
+        points = [[] for _ in numbers]
+    else:
+        numbers = list(range(len(points)))
+    taken = []
+    for n, point in zip(numbers, points):
+        resume, overwrite = _setting(config, point, "resume"), _setting(config, point, "overwrite")
+        held = any((sweep_dir / str(n) / "checkpoints").glob("*.ckpt"))
+        if held and resume is None and str(overwrite).lower() != "true":
+            taken.append(str(n))
+    if taken:
+        print(f"wanexp: error: hydra.sweep.dir={sweep_dir}: point{'s' if len(taken) > 1 else ''} {', '.join(taken)} "
+              "already hold checkpoints of an earlier sweep (<point>/checkpoints); pass resume=last to continue "
+              "them, another sweep folder (sweep.name=NAME or hydra.sweep.dir=DIR), or overwrite=true to replace "
+              "them", file=sys.stderr, flush=True)
+        raise SystemExit(2)  # not an Exception: Hydra would turn that into a warning and sweep on
+
+
+def _snapshot(sweep_dir: Path) -> dict:
+    """What a refused sweep puts back: whether the sweep folder existed, and its multirun.yaml."""
+    try:
+        before = (sweep_dir / "multirun.yaml").read_bytes()
+    except OSError:
+        before = None
+    return {"time": time.time(), "existed": sweep_dir.exists(), "multirun": before}
+
+
+def _ran_since(sweep_dir: Path, start: float) -> bool:
+    """Whether a point of this sweep got as far as training (a run writes status.json once it starts)."""
+    for run in sweep_points(sweep_dir) if sweep_dir.is_dir() else []:
+        try:
+            if (run / "status.json").stat().st_mtime >= start - 1:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _restore(sweep_dir: Path, keep: dict) -> None:
+    """Undo what the sweeper wrote for a sweep whose points were all refused: a new sweep folder goes (nothing in
+    it trained), an existing one gets its multirun.yaml back; the summary is left as it was."""
+    import shutil
+
+    if not keep["existed"]:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+    elif keep["multirun"] is not None:
+        (sweep_dir / "multirun.yaml").write_bytes(keep["multirun"])
+    else:
+        (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+
+
 class SweepSummary(Callback):
     """Hydra callback (``hydra.callbacks.sweep``): see the module docstring."""
 
     def __init__(self):
         self.sweep_dir: Path | None = None
         self.done = 0
+        self._keep: dict | None = None
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        from omegaconf import OmegaConf
-
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
-        params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=False)
+        params = sweeper_params(config.hydra)
         sweeper = str(config.hydra.sweeper.get("_target_", ""))
         points = grid_points(params, list(config.hydra.overrides.task)) if "BasicSweeper" in sweeper else None
         if points is not None:
@@ -264,6 +414,8 @@ class SweepSummary(Callback):
         else:
             print(f"wanexp: sweep: {sweeper.rpartition('.')[2]} over {params}; run folders {self.sweep_dir}/<n>",
                   flush=True)
+        _refuse_taken_points(config, self.sweep_dir, points)
+        self._keep = _snapshot(self.sweep_dir)
         atexit.register(self._summarize)  # also when a point stops the sweep (its exit skips on_multirun_end)
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
@@ -272,8 +424,9 @@ class SweepSummary(Callback):
         row = point_row(Path(config.hydra.runtime.output_dir))
         self.done += 1
         value = objective(row)
-        print(f"wanexp: sweep: point {row['point']} {row['state']} at step {row['step']}: "
-              f"loss {_fmt(value) or 'n/a'}", flush=True)
+        key = objective_key(row)
+        loss = f"{METRIC_NAMES[key]} {_fmt(value)}" if key else "no loss logged"
+        print(f"wanexp: sweep: point {row['point']} {row['state']} at step {row['step']}: {loss}", flush=True)
         if getattr(job_return, "status", None) is not None and job_return.status.name == "COMPLETED" \
                 and job_return.return_value is None:
             job_return.return_value = value  # the objective of an optimising sweeper (Optuna)
@@ -285,6 +438,9 @@ class SweepSummary(Callback):
         if self.sweep_dir is None:
             return
         sweep_dir, self.sweep_dir = self.sweep_dir, None  # once
+        if self._keep is not None and not _ran_since(sweep_dir, self._keep["time"]):
+            _restore(sweep_dir, self._keep)  # every point it tried was refused: a refused sweep writes nothing
+            return
         written = write_summary(sweep_dir)
         if written:
             print(f"wanexp: sweep summary: {', '.join(str(p) for p in written.values())}", flush=True)

@@ -77,7 +77,9 @@ def run_view(run: Path, s: dict) -> str:
          (f": {s['error']}" if s.get("error") else "")),
         ("step", f"{_num(step)} / {_num(total)}{pct}   epoch {_num(s.get('epoch'))}"),
         ("eta", f"{_hms(s.get('eta_s'))}   elapsed {_hms(s.get('elapsed_s'))}   step {_num(s.get('step_time_s'), '.3g')} s"),
-        ("loss", f"{_num(s.get('loss'))}   lr {_num(s.get('lr'), '.3g')}"),
+        ("train loss", f"{_num(s.get('loss'))} (last logged step)" +
+                       (f"   val/loss {_num(s['val_loss'])}" if s.get("val_loss") is not None else "") +
+                       f"   lr {_num(s.get('lr'), '.3g')}"),
         ("throughput", f"{_num(s.get('samples_per_s'), '.3g')} samples/s   {_num(s.get('tokens_per_s'), '.4g')} tokens/s"
                        f"   {_num(s.get('tflops'), '.3g')} TFLOP/s per device" +
                        (f" ({s['pct_of_peak']:.1f} % of peak)" if s.get("pct_of_peak") is not None else "")),
@@ -99,7 +101,7 @@ def run_view(run: Path, s: dict) -> str:
                  _num(r.get("mem_gib"), ".1f"), _num(r.get("peak_mem_gib"), ".1f"), _num(r.get("gpu_util"), ".0f"),
                  _num(r.get("rejected_online"))] for r in ranks]
         out += "\n\nper rank (at the last logged step)\n" + table(
-            rows, ["rank", "step", "loss", "samples/s", "mem GiB", "peak GiB", "GPU %", "rejects"])
+            rows, ["rank", "step", "train loss", "samples/s", "mem GiB", "peak GiB", "GPU %", "rejects"])
     return out
 
 
@@ -114,11 +116,13 @@ def sweep_view(folder: Path, runs: list[Path]) -> str:
         s = read_status(run)
         name = str(s.get("run_name", run.name)).rpartition("/")[2]
         rows.append([run.name, name, live_state(s), f"{_num(s.get('step'))}/{_num(s.get('total_steps'))}",
-                     _num(s.get("loss")), _num(s.get("samples_per_s"), ".3g"), _hms(s.get("eta_s")),
-                     _hms(s.get("elapsed_s"))])
+                     _num(s.get("loss")), _num(s.get("val_loss")), _num(s.get("samples_per_s"), ".3g"),
+                     _hms(s.get("eta_s")), _hms(s.get("elapsed_s"))])
     states = [r[2] for r in rows]
     head = f"sweep {folder}: {len(rows)} points (" + ", ".join(f"{states.count(x)} {x}" for x in sorted(set(states))) + ")"
-    return head + "\n" + table(rows, ["point", "run", "state", "step", "loss", "samples/s", "eta", "elapsed"])
+    # status.json's loss is one step's train loss; the sweep summary's is a mean over several steps: named apart
+    return head + "\n" + table(rows, ["point", "run", "state", "step", "train loss (last step)", "val/loss",
+                                      "samples/s", "eta", "elapsed"])
 
 
 def render(folder: Path) -> tuple[str, bool]:

@@ -1,0 +1,45 @@
+"""A plain Hydra multirun (``-m key=a,b``, no sweep config): the points run, the summary lists them; the same sweep
+run again into its folder is refused before it writes anything."""
+from __future__ import annotations
+
+import csv
+import re
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_plain_multirun_grid_then_a_refused_rerun_writes_nothing(shared_dir, tmp_path):
+    args = ["-m", "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+            f"paths.root_dir={tmp_path}", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+            "callbacks.progress=null", "callbacks.validation=null", "callbacks.checkpoint.every_n_train_steps=2",
+            "adapter.rank=4,8"]
+    res = run_cli(args, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.findall(r"wanexp: sweep:\s+(\d+): (.+)", res.stdout) == [("0", "adapter.rank=4"), ("1", "adapter.rank=8")]
+    # each point's line names its loss (no validation data here: the train loss over the last logged steps)
+    named = r"point \d finished at step 2: train loss \(mean of last 5 logged steps\) \d"
+    assert len(re.findall(named, res.stdout)) == 2
+    sweep_dir = tmp_path / "outputs" / "sweeps" / "multirun"
+    assert "finished multirun/0_adapter.rank=4 at step 2" in res.stdout  # named after the swept key only
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [(r["point"], r["adapter.rank"], r["state"]) for r in rows] == [("0", "4", "finished"),
+                                                                          ("1", "8", "finished")]
+    assert "experiment" not in rows[0] and all(float(r["final_train_loss"]) > 0 for r in rows)
+    md = (sweep_dir / "summary.md").read_text()
+    assert "Ranked by train loss (mean of last 5 logged steps), lower is better" in md
+    assert len([ln for ln in md.splitlines() if "| finished |" in ln or "**finished**" in ln]) == 2
+    assert (sweep_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    kept = ["multirun.yaml", "summary.csv", "summary.md", "loss.png", "0/.hydra/overrides.yaml", "1/status.json"]
+    before = {f: ((sweep_dir / f).read_bytes(), (sweep_dir / f).stat().st_mtime_ns) for f in kept}
+    again = run_cli([*args, "optim.lr=1e-3"], timeout=120)  # another command line: multirun.yaml would differ
+    assert again.returncode == 2, again.stderr[-3000:]
+    err = again.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("wanexp: error: hydra.sweep.dir=")
+    assert "points 0, 1 already hold" in err[0]
+    assert "resume=last" in err[0] and "overwrite=true" in err[0]
+    assert {f: ((sweep_dir / f).read_bytes(), (sweep_dir / f).stat().st_mtime_ns) for f in kept} == before
