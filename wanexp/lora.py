@@ -256,10 +256,12 @@ def read_lora_file(path: str | Path, what: str = "LoRA file") -> tuple[dict[str,
         sd = load_file(os.fspath(path))
         with safe_open(os.fspath(path), "pt") as f:
             header = f.metadata() or {}
-    except (OSError, SafetensorError) as e:
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read it ({e.strerror or e}); name an existing LoRA .safetensors file"
+                          ) from None
+    except SafetensorError as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{what}: cannot read it as a safetensors file ({reason}); name a LoRA .safetensors file, "
-                          f"formats accepted: {LORA_FORMATS}") from None
+        raise ConfigError(f"{what}: not a safetensors file ({reason}); formats accepted: {LORA_FORMATS}") from None
     return convert_lora_state_dict(sd, header, what)
 
 
@@ -383,7 +385,8 @@ def check_lora_fits(weights: dict[str, torch.Tensor], rank: int, alpha: float, r
         differs = "; ".join(part for part in (
             f"only the file adapts {', '.join(only_file)}" if only_file else "",
             f"only the run adapts {', '.join(only_run)}" if only_run else "") if part)
-        raise ConfigError(f"{what}: the file's targets differ from the run's adapter ({differs}); {_setting_for(kinds)}")
+        raise ConfigError(f"{what}: the file's targets differ from the run's adapter ({differs}); "
+                          f"{_setting_for(kinds)}")
 
 
 def copy_lora_into(transformer, weights: dict[str, torch.Tensor], rank: int, alpha: float,

@@ -216,9 +216,10 @@ def test_lora_of_another_model_is_one_line(source, tmp_path):
     _one_line_error(e, "blocks.1.", "another model")
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
 def test_lora_files_follow_the_umask(tmp_path, umask):
-    sd = {"blocks.0.attn1.to_q.lora_A.weight": torch.ones(RANK, 16), "blocks.0.attn1.to_q.lora_B.weight": torch.ones(16, RANK)}
+    sd = {"blocks.0.attn1.to_q.lora_A.weight": torch.ones(RANK, 16),
+          "blocks.0.attn1.to_q.lora_B.weight": torch.ones(16, RANK)}
     old = os.umask(umask)
     try:
         files = lora.export_lora(sd, {"r": RANK, "lora_alpha": ALPHA}, tmp_path, "tiny_lora")

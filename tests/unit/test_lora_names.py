@@ -57,7 +57,8 @@ def test_module_names_map_both_ways(diff, orig):
 
 
 def test_comfyui_conversion_round_trips_with_alpha():
-    sd = {"blocks.0.attn1.to_q.lora_A.weight": torch.randn(4, 8), "blocks.0.attn1.to_q.lora_B.weight": torch.randn(8, 4),
+    sd = {"blocks.0.attn1.to_q.lora_A.weight": torch.randn(4, 8),
+          "blocks.0.attn1.to_q.lora_B.weight": torch.randn(8, 4),
           "blocks.1.ffn.net.2.lora_A.weight": torch.randn(4, 16), "blocks.1.ffn.net.2.lora_B.weight": torch.randn(8, 4)}
     comfy = lora.to_comfyui(sd, alpha=2.0)
     assert set(comfy) == {
