@@ -21,6 +21,8 @@ BAD_ROWS = {  # metadata row -> the reason it is rejected with
     "bad/tiny.png,": "empty prompt",
 }
 
+LONG_CAPTION = " ".join(["a long caption"] * 6)  # 89 characters: the demo's own captions fit the tiny model's 64 tokens
+
 
 @pytest.fixture
 def messy_data(shared_dir, tmp_path) -> Path:
@@ -33,6 +35,7 @@ def messy_data(shared_dir, tmp_path) -> Path:
     (data / "bad" / "notes.xyz").write_text("x")
     rows = (data / "metadata.csv").read_bytes().rstrip(b"\n") + b"\n"
     rows += "\n".join(BAD_ROWS).encode() + b"\n" + b"bad/tiny.png,caf\xe9 au lait\n" + b"bad/tiny.png,a tiny image\n"
+    rows += f"videos/clip_000.mp4,{LONG_CAPTION}\n".encode()
     (data / "metadata.csv").write_bytes(rows)
     return data
 
@@ -52,12 +55,13 @@ def test_a_run_skips_every_bad_row_and_lists_it(shared_dir, tmp_path, messy_data
     warnings = [x for x in lines if x["kind"] == "warning"]
     upscaled = [w for w in warnings if "upscaled" in w["reason"]]
     assert [w["path"].endswith("bad/tiny.png") for w in upscaled] == [True]
-    # the tiny model reads 64 tokens; its byte-level tokenizer makes most demo captions longer: warned, not rejected
+    # the tiny model reads 64 tokens (its tokenizer: one a byte): a longer caption is warned, not rejected
     long = [w for w in warnings if w["reason"].startswith("caption is ")]
-    assert long and all(w["reason"].endswith("truncated to 64 (model.text_len)") for w in long)
+    assert [w["reason"] for w in long] == [f"caption is {len(LONG_CAPTION) + 1} tokens, truncated to 64 "
+                                           "(model.text_len)"]
     assert len(upscaled) + len(long) == len(warnings)
     status = json.loads((out / "status.json").read_text())
-    assert status["data"]["rejected"] == len(BAD_ROWS) + 1 and status["data"]["rows"] == 10 + len(BAD_ROWS) + 2
+    assert status["data"]["rejected"] == len(BAD_ROWS) + 1 and status["data"]["rows"] == 10 + len(BAD_ROWS) + 3
     assert status["data"]["long_captions"] == len(long)
 
 

@@ -98,6 +98,15 @@ BAD = [
     (["model.fp8=true", "trainer.precision=32"], "model.fp8=true with trainer.precision=32", "bf16-mixed"),
     (["+callbacks.extra._target_=nowhere_pkg.Callback"], "callbacks.extra._target_=nowhere_pkg.Callback",
      "not installed"),
+    (["model=tiny", "data.buckets=[[64,112],[112,64],[96,96]]"], "data.buckets[0]=[64, 112]: height and width "
+     "must be multiples of 32 for model=tiny", "e.g. [64, 96] or [64, 128]"),
+    (["model=t2v14b", "data.buckets=[[480,832],[840,480]]"], "data.buckets[1]=[840, 480]", "[832, 480] or [848, 480]"),
+    (["data.buckets=[[704]]"], "data.buckets[0]=[704]", "each bucket is [height, width]"),
+    (["data.buckets=[[704,1280],[1280,704]]", "data.token_budget=4000"],
+     "data.token_budget=4000: one sample of the data.buckets entry [704, 1280] at data.num_frames=17 is 4400",
+     "data.token_budget >= 4400"),
+    (["data.probe=false", "data.buckets=[[352,640]]", "data.token_budget=2000"],
+     "data.height x data.width 704x1280", "data.token_budget >= 4400"),
 ]
 
 

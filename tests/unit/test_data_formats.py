@@ -353,3 +353,55 @@ def test_probe_reports_size_and_frames(diffsynth: Path) -> None:
     assert big.ok and big.warnings == ("small video 64x64: upscaled 2.5x to cover 96x160",)
     odd = probe_sample(Sample(str(diffsynth / "videos" / "clip_a.mp4"), "x", "gif-ish"), **PROBE)
     assert odd.reason == "unknown media type 'gif-ish'"
+
+
+# ----------------------------------------------------------------------------- probe warnings per aspect bucket
+def test_upscale_warning_is_against_each_files_own_bucket(tmp_path: Path) -> None:
+    """With data.buckets a file trains at the bucket nearest its aspect ratio, not at data.height x data.width:
+    the probe warns only for media that bucket enlarges past UPSCALE_WARN, naming the bucket the datamodule assigns."""
+    from tests.conftest import compose_cfg
+    from wanexp.train import build
+
+    _video(tmp_path / "clip.mp4")  # 64x64: trains at 64x64, no upscaling
+    _image(tmp_path / "wide.png", 128, 64)  # trains at 64x128 (height x width)
+    _image(tmp_path / "tiny.png", 20, 20)  # 3.2x to 64x64
+    _image(tmp_path / "tiny_wide.png", 48, 24)  # 2.7x to 64x128
+    (tmp_path / "meta.csv").write_text("video,prompt\nclip.mp4,a clip\nwide.png,wide\ntiny.png,tiny\n"
+                                       "tiny_wide.png,tiny wide\n")
+    data = ["data=synthetic", "data.generate=null", f"data.metadata={tmp_path}/meta.csv", "data.num_frames=9",
+            "data.height=256", "data.width=256", "data.num_workers=0", f"data.rejects={tmp_path}/rejects.jsonl"]
+
+    def warned(*extra: str) -> tuple[dict, dict]:
+        dm = build(compose_cfg(["model.path=/x", *data, *extra]).data, seed=0)
+        samples, shapes, _, _ = dm.items()
+        lines = [json.loads(x) for x in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        return ({Path(x["path"]).name: x["reason"] for x in lines if x["kind"] == "warning"},
+                {Path(s.path).name: shape for s, shape in zip(samples, shapes)})
+
+    reasons, shapes = warned("data.buckets=[[64,128],[128,64],[64,64]]")
+    assert reasons == {"tiny.png": "small image 20x20: upscaled 3.2x to cover 64x64",
+                       "tiny_wide.png": "small image 48x24: upscaled 2.7x to cover 128x64"}
+    assert shapes["tiny.png"] == (1, 64, 64) and shapes["tiny_wide.png"] == (1, 64, 128)  # what the warnings name
+    reasons, _ = warned("data.buckets=null")  # one size for every file: each one is enlarged to 256x256
+    assert sorted(reasons) == ["clip.mp4", "tiny.png", "tiny_wide.png", "wide.png"]
+    assert reasons["clip.mp4"] == "small video 64x64: upscaled 4.0x to cover 256x256"
+
+
+def test_compose_time_token_count_matches_the_models_latent_grid() -> None:
+    """config.rules counts a bucket's DiT tokens from model.hw_multiple alone (no model import); the spec's VAE
+    stride x patch size must give the same count for every shipped model, or the token-budget check would drift."""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF, compose_cfg
+    from wanexp.config.rules import _dit_tokens
+    from wanexp.data.datamodule import dit_tokens
+
+    for path in sorted((CONF / "model").glob("*.yaml")):
+        m = OmegaConf.to_container(compose_cfg([f"model={path.stem}", "model.path=/x"]).model)
+        spec = get_class(m["_target_"])
+        assert m["hw_multiple"] == spec.vae_stride[1] * spec.patch[1] == spec.vae_stride[2] * spec.patch[2], path.stem
+        for frames, h, w in ((17, 704, 1280), (81, 480, 832), (1, 64, 96)):
+            h, w = h // m["hw_multiple"] * m["hw_multiple"], w // m["hw_multiple"] * m["hw_multiple"]
+            assert _dit_tokens(frames, h, w, m["hw_multiple"]) == dit_tokens((frames, h, w), spec.vae_stride,
+                                                                               spec.patch), (path.stem, frames, h, w)

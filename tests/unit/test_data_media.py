@@ -188,6 +188,28 @@ def test_demo_clip_moves_in_described_direction(demo: Path) -> None:
         assert moved_across < 3, (sample.prompt, (x0, y0), (x1, y1))
 
 
+def test_every_demo_caption_fits_the_tiny_models_text_length(tmp_path: Path) -> None:
+    """The demo trains no truncated caption: each possible caption, through the tiny models' own tokenizer, is at
+    most model.text_len tokens (a longer one is a 'caption is N tokens, truncated' warning on every demo run)."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF
+    from wanexp.data.synthetic import SHAPES, SPEEDS, ShapeSpec
+    from wanexp.models.build import build_tokenizer
+    from wanexp.text import clean_prompt
+
+    text_len = OmegaConf.load(CONF / "model" / "tiny.yaml").text_len
+    build_tokenizer(tmp_path / "tok", text_len)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    specs = [ShapeSpec(shape, color, background, 0.1, 0.0, direction, speed) for shape in SHAPES for color in COLORS
+             for background in COLORS for direction in (*DIRECTIONS, None) for speed in SPEEDS]
+    prompts = sorted({clean_prompt(s.prompt) for s in specs}, key=len)
+    ids = tokenizer(prompts, add_special_tokens=True, verbose=False).input_ids
+    assert max(len(t) for t in ids) <= text_len, prompts[-1]
+
+
 def test_demo_image_gives_one_frame(demo: Path) -> None:
     _, images = demo_specs(8, 2, seed=0)
     sample = read_metadata(demo)[-1]

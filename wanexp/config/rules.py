@@ -40,6 +40,7 @@ def check_rules(cfg: DictConfig) -> None:
             down = v - v % m.hw_multiple
             raise ConfigError(f"data.{key}={v}: model={m.name} needs a multiple of {m.hw_multiple} "
                               f"(e.g. {down or m.hw_multiple} or {down + m.hw_multiple})")
+    check_buckets(cfg)
     if d.window != "first" and not d.probe:
         raise ConfigError(f"data.window={d.window} with data.probe=false: windows need each clip's frame count; "
                           "set data.probe=true or data.window=first")
@@ -105,6 +106,48 @@ def check_rules(cfg: DictConfig) -> None:
         for name, node in (cfg[group] or {}).items():
             if node is not None:
                 _check_target(f"{group}.{name}", node)
+
+
+def check_buckets(cfg: DictConfig) -> None:
+    """Every shape the data trains at, before anything loads: each data.buckets entry is [height, width] in
+    multiples of model.hw_multiple, and data.token_budget holds one video sample of each shape (a sample over the
+    budget would still train, at batch 1, past the memory the budget was set for). A bad bucket otherwise shows only
+    as a shape error at its first batch, after the probe and the cache have gone through the whole data set."""
+    m, d = cfg.model, cfg.data
+    buckets = [list(b) if OmegaConf.is_list(b) else b for b in (d.buckets or [])]
+    for i, b in enumerate(buckets):
+        if not isinstance(b, list) or len(b) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                                         for v in b):
+            raise ConfigError(f"data.buckets[{i}]={b}: each bucket is [height, width] in pixels; e.g. "
+                              "data.buckets=[[704,1280],[1280,704],[960,960]]")
+        if b[0] % m.hw_multiple or b[1] % m.hw_multiple:
+            down, up = ([_multiple_near(v, m.hw_multiple, side) for v in b] for side in (-1, 1))
+            options = f"{down} or {up}" if down != up else f"{down}"
+            raise ConfigError(f"data.buckets[{i}]={b}: height and width must be multiples of {m.hw_multiple} for "
+                              f"model={m.name}; use the nearest, e.g. {options}")
+    if d.token_budget:
+        # the base height x width trains every sample whose media size is unknown (data.probe=false) or no bucket
+        shapes = buckets if buckets and d.probe else buckets + [[d.height, d.width]]
+        for h, w in shapes:
+            tokens = _dit_tokens(d.num_frames, h, w, m.hw_multiple)
+            if tokens > d.token_budget:
+                where = f"data.buckets entry [{h}, {w}]" if [h, w] in buckets else f"data.height x data.width {h}x{w}"
+                raise ConfigError(f"data.token_budget={d.token_budget}: one sample of the {where} at "
+                                  f"data.num_frames={d.num_frames} is {tokens} DiT tokens, more than the budget; set "
+                                  f"data.token_budget >= {tokens}, or a smaller bucket or data.num_frames")
+
+
+def _multiple_near(value: int, multiple: int, side: int) -> int:
+    """The multiple of ``multiple`` (at least ``multiple``) at or below (side -1) or at or above (1) ``value``."""
+    down = max(multiple, value - value % multiple)
+    up = down if value % multiple == 0 or down > value else down + multiple
+    return down if side < 0 else up
+
+
+def _dit_tokens(frames: int, height: int, width: int, hw_multiple: int) -> int:
+    """DiT tokens of one sample without loading the model: latent frames ((F - 1) / 4 + 1, the 4x temporal VAE; one
+    frame per temporal patch) x the spatial patches, which are hw_multiple pixels a side (VAE stride x patch size)."""
+    return ((frames - 1) // 4 + 1) * (height // hw_multiple) * (width // hw_multiple)
 
 
 def check_deepspeed(cfg: DictConfig) -> None:

@@ -302,7 +302,7 @@ class WanDataModule(L.LightningDataModule):
         warnings = []
         if self.probe:
             good, bad, warnings = probe_samples(samples, self.num_frames, self.frame_stride, self.height, self.width,
-                                                workers=max(1, self.num_workers))
+                                                workers=max(1, self.num_workers), resolutions=self.resolutions)
             samples, rejects = [r.sample for r in good], rejects + bad
             sizes, frames = [(r.width, r.height) for r in good], [r.frames for r in good]
         warnings += self._long_captions(samples)

@@ -22,7 +22,8 @@ Reject reasons (``ProbeResult.reason`` / ``Reject.reason``):
 * ``unknown media type '<kind>'``
 
 Warnings (the sample stays usable): ``small <image|video> <w>x<h>: upscaled <f>x to cover <width>x<height>``
-when the media must be enlarged more than ``UPSCALE_WARN`` times to cover the target size;
+when the media must be enlarged more than ``UPSCALE_WARN`` times to cover the size it trains at (with ``resolutions``,
+the aspect bucket the datamodule assigns it; else ``width`` x ``height``);
 ``damaged after frame <n> (<error>); only the first <n> frames are readable`` for a video without a frame
 count in its header whose tail, past the frames a clip needs, does not read.
 """
@@ -30,7 +31,7 @@ count in its header whose tail, past the frames a clip needs, does not read.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -85,14 +86,19 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(text).split())
 
 
-def _upscale_warning(what: str, src_w: int, src_h: int, width: int, height: int) -> tuple[str, ...]:
+def _upscale_warning(what: str, src_w: int, src_h: int, width: int, height: int,
+                     resolutions: Sequence[tuple[int, int]] | None = None) -> tuple[str, ...]:
+    if resolutions and src_w > 0 and src_h > 0:  # the bucket this file trains at, as the datamodule assigns it
+        from wanexp.data.datamodule import nearest_resolution  # (datamodule imports this module)
+
+        height, width = nearest_resolution(src_w, src_h, [tuple(r) for r in resolutions])
     scale = max(height / max(src_h, 1), width / max(src_w, 1))  # resize_crop scales to cover, aspect kept
     if scale > UPSCALE_WARN:
         return (f"small {what} {src_w}x{src_h}: upscaled {scale:.1f}x to cover {width}x{height}",)
     return ()
 
 
-def _probe_image(sample: Sample, width: int, height: int) -> ProbeResult:
+def _probe_image(sample: Sample, width: int, height: int, resolutions=None) -> ProbeResult:
     try:
         with Image.open(sample.path) as img:
             img.verify()  # structure and checksums, no pixels
@@ -101,10 +107,12 @@ def _probe_image(sample: Sample, width: int, height: int) -> ProbeResult:
             src_w, src_h = img.size
     except _IMAGE_ERRORS as exc:
         return ProbeResult(sample, reason=f"cannot read image ({_one_line(exc)})")
-    return ProbeResult(sample, src_w, src_h, 1, warnings=_upscale_warning("image", src_w, src_h, width, height))
+    warnings = _upscale_warning("image", src_w, src_h, width, height, resolutions)
+    return ProbeResult(sample, src_w, src_h, 1, warnings=warnings)
 
 
-def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int, height: int) -> ProbeResult:
+def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int, height: int,
+                 resolutions=None) -> ProbeResult:
     needed = (num_frames - 1) * frame_stride + 1  # frames 0 .. (num_frames - 1) * frame_stride
     # The loader lowers the stride (down to 1) for a short video, as load_clip does: below num_frames it is unusable.
 
@@ -158,12 +166,14 @@ def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int,
         if decoded < needed:
             stride = (decoded - 1) // (num_frames - 1) if num_frames > 1 else frame_stride
             damage = f"short video: {decoded} frames, so frame_stride {frame_stride} is lowered to {stride}"
-    warnings = _upscale_warning("video", src_w, src_h, width, height) + ((damage,) if damage else ())
+    warnings = _upscale_warning("video", src_w, src_h, width, height, resolutions) + ((damage,) if damage else ())
     return ProbeResult(sample, src_w, src_h, frames, warnings=warnings)
 
 
-def probe_sample(sample: Sample, num_frames: int, frame_stride: int, height: int, width: int) -> ProbeResult:
+def probe_sample(sample: Sample, num_frames: int, frame_stride: int, height: int, width: int,
+                 resolutions: Sequence[tuple[int, int]] | None = None) -> ProbeResult:
     """Check that ``sample`` can give a ``num_frames`` clip at ``frame_stride`` (an image: one frame).
+    ``resolutions``: the aspect buckets as (height, width) (``data.buckets``), for the upscale warning.
 
     Never raises for a bad file: problems come back as ``ProbeResult.reason`` (see the module doc).
     """
@@ -183,9 +193,9 @@ def probe_sample(sample: Sample, num_frames: int, frame_stride: int, height: int
     if size == 0:
         return ProbeResult(sample, reason="empty file (0 bytes)")
     if sample.kind == "image":
-        return _probe_image(sample, width, height)
+        return _probe_image(sample, width, height, resolutions)
     if sample.kind == "video":
-        return _probe_video(sample, num_frames, frame_stride, width, height)
+        return _probe_video(sample, num_frames, frame_stride, width, height, resolutions)
     return ProbeResult(sample, reason=f"unknown media type {sample.kind!r}")
 
 
@@ -196,19 +206,22 @@ def probe_samples(
     height: int,
     width: int,
     workers: int | None = None,
+    resolutions: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[list[ProbeResult], list[Reject], list[ProbeWarning]]:
     """Probe ``samples`` on ``workers`` threads (default: CPU count, at most 16).
 
-    Returns the results of the usable samples (with their size and frame count), the rejects (``source`` and
-    ``path`` are the media path) and the warnings of the usable samples, each in input order.
+    ``resolutions``: the aspect buckets, as ``probe_sample`` takes them. Returns the results of the usable samples
+    (with their size and frame count), the rejects (``source`` and ``path`` are the media path) and the warnings of
+    the usable samples, each in input order.
     """
     items = list(samples)
     workers = workers or min(16, os.cpu_count() or 1)
     if workers <= 1 or len(items) <= 1:
-        results = [probe_sample(s, num_frames, frame_stride, height, width) for s in items]
+        results = [probe_sample(s, num_frames, frame_stride, height, width, resolutions) for s in items]
     else:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probe") as pool:
-            results = list(pool.map(lambda s: probe_sample(s, num_frames, frame_stride, height, width), items))
+            results = list(pool.map(lambda s: probe_sample(s, num_frames, frame_stride, height, width, resolutions),
+                                    items))
     good: list[ProbeResult] = []
     rejects: list[Reject] = []
     warnings: list[ProbeWarning] = []

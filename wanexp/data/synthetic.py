@@ -55,12 +55,13 @@ class ShapeSpec:
 
     @property
     def prompt(self) -> str:
-        """Plain-words caption of the item."""
+        """Plain-words caption of the item, short enough (at most 62 characters) that the tiny models' byte-level
+        tokenizer reads it whole at their 64 tokens (model.text_len): the demo trains no truncated caption."""
         article = "an" if self.color[0] in "aeiou" else "a"
         subject = f"{article} {self.color} {self.shape}"
         if self.direction is not None:
             subject += f" moving {self.speed} {self.direction}"
-        return f"{subject} on a {self.background} background"
+        return f"{subject} on {self.background}"
 
 
 def _color_distance(a: str, b: str) -> float:
