@@ -375,13 +375,24 @@ class WanModule(L.LightningModule):
                                 **self.run_settings(), "skipped_steps": self.skipped_steps,
                                 "rng": get_rng_state(gather=self.trainer.world_size > 1)}
 
+    def on_train_start(self) -> None:
+        open_next_epoch_after_resume(self.trainer)
+
+    def check_resume(self, saved: dict) -> None:
+        """The resume check before the fit (wanexp.train.check_resume: a refused resume writes nothing); Lightning's
+        load then does not repeat it."""
+        self._check_resume_settings(saved)
+        self._resume_checked = True
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("wanexp", {})
-        self._check_resume_settings(saved)
+        if not getattr(self, "_resume_checked", False):
+            self._check_resume_settings(saved)
         self._skipped = torch.tensor(int(saved.get("skipped_steps", 0)))
         states = saved.get("rng") or []
         if len(states) == self.trainer.world_size:  # another world size draws differently anyway
             self._rng_to_restore = states[self.global_rank]
+        mend_epoch_progress(checkpoint)
         if "state_dict" not in checkpoint:  # FSDP loads weights itself before this hook
             return
         missing = [n for n in self.trainable_names if n not in checkpoint["state_dict"]]
@@ -392,6 +403,30 @@ class WanModule(L.LightningModule):
                 f"resume: the checkpoint lacks {len(missing)} adapter weights of this run (e.g. {missing[0]}); it was "
                 "written by a run with other model/boundary/adapter settings: resume with those"
             )
+
+
+def open_next_epoch_after_resume(trainer) -> None:
+    """Resumed from a checkpoint of an epoch's last step, Lightning (2.6) closes that epoch but still counts the run
+    as restarted mid-epoch, so it does not open the next one: its epoch counters stay one behind in every later
+    checkpoint, and a resume from one of those repeats an epoch. Called at train start (after Lightning's restart
+    bookkeeping): the next epoch then starts as in an uninterrupted run."""
+    loop = trainer.fit_loop
+    epochs = loop.epoch_progress.current
+    if loop.restarted_mid_epoch and epochs.processed == epochs.ready:
+        loop.reset_restart_stage()
+
+
+def mend_epoch_progress(checkpoint: dict) -> None:
+    """A checkpoint saved at a step's end during an epoch counts that epoch as ready and started but not processed;
+    one written by a run resumed from an epoch's last step (before ``open_next_epoch_after_resume``) counts it as
+    processed too. Put such counters back, before Lightning restores its loops, so the resume continues that epoch."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    batches = (fit.get("epoch_loop.batch_progress") or {}).get("current") or {}
+    if not batches or batches.get("completed") != batches.get("processed", 0) - 1:
+        return  # not saved at a step's end
+    for counts in (fit.get("epoch_progress") or {}).values():
+        if counts.get("ready") == counts.get("processed") == counts.get("completed"):
+            counts["ready"] = counts["started"] = counts["processed"] + 1
 
 
 def _readable(spec: WanSpec, what: str, load, *args):

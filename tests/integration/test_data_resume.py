@@ -1,11 +1,15 @@
 """Exact resume of the data order: a run stopped mid-epoch and resumed sees exactly the batches an uninterrupted run
-sees, in the same order (one process and two DDP ranks); every epoch draws a new order."""
+sees, in the same order (one process and two DDP ranks); every epoch draws a new order. Stopped and resumed (chains
+over epoch ends, loader workers, aspect buckets, two DDP ranks), a run ends with the uninterrupted LoRA, bit for bit."""
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 from tests.integration.conftest import tiny_run
@@ -27,6 +31,80 @@ def test_resume_mid_epoch_continues_with_exactly_the_unseen_batches(shared_dir, 
     rest = recorded(tiny_run(shared_dir, tmp_path / "cut", ["model=tiny", *RECORD, "resume=last",
                                                            "trainer.max_steps=9", "allow_resume_changes=true"]))
     assert first + rest == full
+
+
+# Bit-identical resume: a constant schedule, so a session may stop early (trainer.max_steps) without changing the lr.
+EXACT = ["model=tiny", "optim.scheduler=constant", "callbacks.checkpoint.every_n_train_steps=1"]
+
+
+def lora(result) -> dict:
+    return {n: p.detach().clone() for n, p in result["module"].named_parameters() if p.requires_grad}
+
+
+def assert_same_lora(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shared_dir, tmp_path_factory) -> dict:
+    """12 steps without a stop (5 batches per epoch), no loader workers."""
+    return lora(tiny_run(shared_dir, tmp_path_factory.mktemp("full") / "run", [*EXACT, "trainer.max_steps=12"]))
+
+
+def test_chained_resumes_over_epoch_ends_are_bit_identical(shared_dir, tmp_path, uninterrupted):
+    """Stopped at an epoch's last step (5), resumed to the next epoch's last step (10), resumed from that resumed
+    run's checkpoint to step 11 and again to the end: the LoRA of the uninterrupted run, bit for bit."""
+    out = tmp_path / "cut"
+    for i, stop in enumerate([5, 10, 11, 12]):
+        r = tiny_run(shared_dir, out, [*EXACT, f"trainer.max_steps={stop}", *(["resume=last"] if i else [])])
+    assert_same_lora(uninterrupted, lora(r))
+
+
+def _stop_at(step: int) -> list[str]:
+    """SIGINT to this process at the end of ``step``: the run saves the next step's checkpoint and stops."""
+    return ["+callbacks.zz_signal._target_=tests.helpers.SignalAtStep", f"+callbacks.zz_signal.step={step}",
+            "+callbacks.zz_signal.signum=2"]
+
+
+def test_sigint_and_resume_with_loader_workers_are_bit_identical(shared_dir, tmp_path, uninterrupted):
+    """data.num_workers=2 (workers draw the first batches when the loader starts, before Lightning sets the epoch):
+    a SIGINT in epoch 1, resume=last, and the LoRA equals the uninterrupted run's without workers."""
+    from wanexp.errors import Interrupted
+
+    out, common = tmp_path / "cut", [*EXACT, "data.num_workers=2", "trainer.max_steps=12"]
+    with pytest.raises(Interrupted) as e:
+        tiny_run(shared_dir, out, [*common, *_stop_at(6)])
+    assert e.value.step == 7  # mid-epoch 1
+    assert_same_lora(uninterrupted, lora(tiny_run(shared_dir, out, [*common, "resume=last"])))
+
+
+def _bucketed_data(root: Path) -> Path:
+    """Landscape, portrait and square clips (and one image of each) in one metadata file."""
+    from wanexp.data.synthetic import make_demo_dataset
+
+    rows = ["video,prompt"]
+    for name, (h, w) in {"land": (96, 128), "port": (128, 96), "square": (96, 96)}.items():
+        meta = make_demo_dataset(root / name, num_videos=4, num_images=1, num_frames=9, height=h, width=w)
+        rows += [f"{name}/{line}" for line in meta.read_text().splitlines()[1:]]
+    (root / "metadata.csv").write_text("\n".join(rows) + "\n")
+    return root / "metadata.csv"
+
+
+def test_resume_with_aspect_buckets_is_bit_identical(shared_dir, tmp_path):
+    """Three bucket shapes (6 batches per epoch) and loader workers: a SIGINT in epoch 1, resume=last, the same
+    LoRA as without the stop."""
+    from wanexp.errors import Interrupted
+
+    meta = _bucketed_data(tmp_path / "data")
+    common = [*EXACT, f"data.metadata={meta}", "data.buckets=[[64,96],[96,64],[64,64]]", "data.num_workers=2",
+              "data.use_cache=false", "trainer.max_steps=9"]
+    full = tiny_run(shared_dir, tmp_path / "full", common)
+    assert len(set(full["trainer"].datamodule.dataset.shapes)) >= 3
+    with pytest.raises(Interrupted) as e:
+        tiny_run(shared_dir, tmp_path / "cut", [*common, *_stop_at(6)])
+    assert e.value.step == 7
+    assert_same_lora(lora(full), lora(tiny_run(shared_dir, tmp_path / "cut", [*common, "resume=last"])))
 
 
 @pytest.mark.slow
@@ -57,3 +135,6 @@ def test_resume_mid_epoch_under_ddp_gives_each_rank_its_unseen_batches(shared_di
         assert read(tmp_path / "cut.jsonl", rank) == read(tmp_path / "full.jsonl", rank)
     seen = [i for rank in (0, 1) for b in read(tmp_path / "full.jsonl", rank)[:4] for i in b]
     assert sorted(seen) == list(range(16))  # one epoch: every clip once, on one rank
+    for name in ("tiny_lora_comfyui.safetensors", "tiny_lora_diffusers.safetensors"):  # resumed at an epoch's end
+        full, cut = (load_file(tmp_path / run / "lora" / "final" / name) for run in ("full", "cut"))
+        assert_same_lora(full, cut)

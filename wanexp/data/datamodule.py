@@ -8,9 +8,10 @@ The batch sampler shards over ranks itself: each optimizer step takes ``world_si
 gives each rank its own slice, so ranks draw disjoint samples and the same number of batches (no collective waits on
 a rank that ran out). Per rank an epoch is sum over buckets of floor(n_bucket / (world_size x batch)) batches.
 
-Exact resume: the order of an epoch is a pure function of (seed, epoch), so the data position is two numbers. The
-datamodule stores the optimizer steps done (Lightning saves its state_dict in every checkpoint); a resumed run
-skips the batches those steps consumed in their epoch and continues with exactly the unseen samples, on every rank.
+Exact resume: the order of an epoch is a pure function of (seed, epoch), so the data position is two numbers, both
+derived from the optimizer steps done (the trainer's global step, which every checkpoint restores) when each pass over
+the loader begins: a resumed run skips the batches those steps consumed in their epoch and continues with exactly the
+unseen samples, on every rank, whatever Lightning's epoch counter says and however many loader workers prefetch.
 (A loader-level state such as torchdata's StatefulDataLoader counts the batch Lightning prefetches, so it resumes one
 batch late.)
 """
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -166,8 +168,8 @@ class EpochTagged(Sampler[list[tuple[int, int]]]):
         self.sampler = batches.sampler  # where Lightning sets the epoch
 
     def __iter__(self):
-        for batch in self.batches:
-            yield [(i, self.sampler.epoch) for i in batch]
+        for epoch, batch in self.batches.epoch_batches():
+            yield [(i, epoch) for i in batch]
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -185,14 +187,24 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.seed, self.shuffle = seed, shuffle
         self.batch_sizes = batch_sizes or {}
         self.sampler = _Epoch()
-        self.resume_at: tuple[int, int] | None = None  # (epoch, batches of it already trained): skipped once
+        self.steps_done: Callable[[], int] | None = None  # the data position (see ``follow``)
+        self.accumulate = 1
 
-    def resume(self, steps_done: int, accumulate: int) -> None:
-        """Continue after ``steps_done`` optimizer steps: Lightning steps every ``accumulate`` batches and at the end
-        of each epoch, so an epoch of N batches is ceil(N / accumulate) steps."""
-        steps_per_epoch = math.ceil(len(self) / accumulate)
-        epoch, step_in_epoch = divmod(steps_done, steps_per_epoch)
-        self.resume_at = (epoch, step_in_epoch * accumulate) if step_in_epoch else None
+    def follow(self, steps_done: Callable[[], int], accumulate: int) -> None:
+        """Take the data position from the optimizer steps done (the trainer's global step), read as each pass over
+        the loader begins: Lightning steps every ``accumulate`` batches and at the end of each epoch, so an epoch of
+        N batches is ceil(N / accumulate) steps, and ``steps_done`` gives (epoch, batches of it already trained).
+        Neither Lightning's epoch counter (``set_epoch``; after a resume from an epoch's last step it can be one
+        behind) nor the moment it is set matters: a loader with workers draws its first batches when the pass is
+        created, before Lightning sets the epoch."""
+        self.steps_done, self.accumulate = steps_done, max(1, int(accumulate))
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it already trained) where the next pass begins."""
+        if self.steps_done is None:
+            return self.sampler.epoch, 0
+        epoch, step_in_epoch = divmod(self.steps_done(), math.ceil(len(self) / self.accumulate))
+        return epoch, step_in_epoch * self.accumulate
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -203,8 +215,8 @@ class BucketBatchSampler(Sampler[list[int]]):
             groups.setdefault(k, []).append(i)
         return groups
 
-    def _global_batches(self) -> list[list[int]]:
-        rng = random.Random(self.seed + self.sampler.epoch)
+    def _global_batches(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(self.seed + epoch)
         steps = []
         for key, idx in sorted(self._groups().items()):
             per_step = self.batch_sizes.get(key, self.batch_size) * self.world
@@ -215,14 +227,16 @@ class BucketBatchSampler(Sampler[list[int]]):
             rng.shuffle(steps)
         return steps
 
-    def __iter__(self):
-        steps = self._global_batches()
-        if self.resume_at is not None and self.resume_at[0] == self.sampler.epoch:
-            steps = steps[self.resume_at[1]:]
-            self.resume_at = None
-        for step in steps:
+    def epoch_batches(self):
+        """This rank's batches from the current position on, each with its epoch: ``(epoch, batch)``."""
+        epoch, done = self.position()
+        for step in self._global_batches(epoch)[done:]:
             b = len(step) // self.world
-            yield step[self.rank * b:(self.rank + 1) * b]
+            yield epoch, step[self.rank * b:(self.rank + 1) * b]
+
+    def __iter__(self):
+        for _, batch in self.epoch_batches():
+            yield batch
 
     def __len__(self) -> int:
         return sum(len(idx) // (self.batch_sizes.get(k, self.batch_size) * self.world)
@@ -276,7 +290,8 @@ class WanDataModule(L.LightningDataModule):
         self.keys: list[tuple[str, str]] = []
         self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
         self.dataset: ClipDataset | None = None
-        self.steps_done = 0  # optimizer steps the restored checkpoint had done (0: a fresh run)
+        self.steps_done = 0  # optimizer steps the restored checkpoint had done (0: a fresh run; for the record: the
+        # loader takes its position from the trainer's restored global step)
         self.val_fraction = float(val_fraction)  # share of the media files held out of training (validation loss)
         self.val_dataset: ClipDataset | CachedDataset | None = None  # the held-out samples (never trained on)
 
@@ -447,8 +462,8 @@ class WanDataModule(L.LightningDataModule):
                 f"data={self.name}: {len(self.dataset)} samples give no full batch of {self.batch_size} per rank on "
                 f"{world} ranks; lower data.batch_size or add samples"
             )
-        if self.steps_done:
-            sampler.resume(self.steps_done, self.trainer.accumulate_grad_batches if self.trainer else 1)
+        if self.trainer is not None:  # the position is the trainer's step: a restored checkpoint's, then each pass's
+            sampler.follow(lambda: self.trainer.global_step, self.trainer.accumulate_grad_batches)
         if self.window == "random":
             sampler = EpochTagged(sampler)
         # Its own generator: the loader's worker base seed is drawn from it, not from the global RNG, whose state a
