@@ -36,7 +36,8 @@ def test_plain_multirun_grid_then_a_refused_rerun_writes_nothing(shared_dir, tmp
 
     kept = ["multirun.yaml", "summary.csv", "summary.md", "loss.png", "0/.hydra/overrides.yaml", "1/status.json"]
     before = {f: ((sweep_dir / f).read_bytes(), (sweep_dir / f).stat().st_mtime_ns) for f in kept}
-    again = run_cli([*args, "optim.lr=1e-3"], timeout=120)  # another command line: multirun.yaml would differ
+    # another command line (multirun.yaml would differ); overwrite=false: the demo experiment sets it true
+    again = run_cli([*args, "optim.lr=1e-3", "overwrite=false"], timeout=120)
     assert again.returncode == 2, again.stderr[-3000:]
     err = again.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("wanexp: error: hydra.sweep.dir=")
