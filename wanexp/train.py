@@ -17,13 +17,22 @@ from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, r
 from wanexp.errors import ConfigError, Interrupted, UserError
 from wanexp.runfolder import RunLock, clear_run_folder, remove_stale_temporaries, resume_path
 
-# The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
-warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-# The datamodule resumes the data order itself (wanexp/data/datamodule.py), which Lightning cannot see.
-warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
-# Several adapters on one base (DMD: generator + critic) is by design.
-warnings.filterwarnings("ignore", message=r".*Already found a `peft_config` attribute in the model.*")
+def quiet_warnings() -> None:
+    """Drop the library warnings a user cannot act on (each one says why); warnings about their settings stay."""
+    # The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # The datamodule resumes the data order itself (wanexp/data/datamodule.py), which Lightning cannot see.
+    warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
+    # Several adapters on one base (DMD: generator + critic) is by design.
+    warnings.filterwarnings("ignore", message=r".*Already found a `peft_config` attribute in the model.*")
+    # data.num_workers is set per data group (4 for the user's data; the demo's 0 on purpose: loader processes only
+    # slow a small CPU run), and from the cache a batch is one file read; python -m wanexp.cli.bench_loader measures
+    # what more workers give.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck.*")
+
+
+quiet_warnings()
 
 
 def instantiate_named(nodes: DictConfig | None) -> list:
