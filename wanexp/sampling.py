@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import json
-import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,12 +20,21 @@ import torch
 
 def student_scheduler(timesteps: list[float], shift: float):
     """diffusers' flow-matching Euler scheduler with stochastic sampling on fixed student steps: at each step
-    x0 = x_t - sigma v, then x_next = (1 - sigma_next) x0 + sigma_next noise (the DMD rollout of training)."""
+    x0 = x_t - sigma v, then x_next = (1 - sigma_next) x0 + sigma_next noise (the DMD rollout of training).
+
+    The pipeline calls ``step`` without a generator, so the re-noising would draw from the global one: the scheduler
+    draws from its ``noise_generator`` instead, which :func:`generate` sets to the sample's seeded generator (same
+    seed, same video)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     class StudentScheduler(FlowMatchEulerDiscreteScheduler):
+        noise_generator: torch.Generator | None = None
+
         def set_timesteps(self, num_inference_steps=None, device=None, **kwargs):
             super().set_timesteps(sigmas=[t / 1000.0 for t in timesteps], device=device)
+
+        def step(self, *args, generator=None, **kwargs):
+            return super().step(*args, generator=self.noise_generator if generator is None else generator, **kwargs)
 
     return StudentScheduler(num_train_timesteps=1000, shift=shift, stochastic_sampling=True)
 
@@ -38,23 +47,22 @@ def lora_header(path: Path) -> dict:
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Peak signal-to-noise ratio (dB) of two videos with values in [0, 1]."""
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+    """Peak signal-to-noise ratio (dB) of two videos with values in [0, 1] (torchmetrics; inf when identical)."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    return float(peak_signal_noise_ratio(a.float(), b.float(), data_range=1.0))
 
 
-def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 7) -> float:
-    """Mean SSIM over frames (F, H, W, C in [0, 1]), a uniform window, the usual constants (K1=0.01, K2=0.03)."""
-    x = a.float().permute(0, 3, 1, 2)
-    y = b.float().permute(0, 3, 1, 2)
-    window = min(window, x.shape[-1], x.shape[-2])
-    pool = torch.nn.functional.avg_pool2d
-    mx, my = pool(x, window, 1), pool(y, window, 1)
-    vx, vy = pool(x * x, window, 1) - mx**2, pool(y * y, window, 1) - my**2
-    cxy = pool(x * y, window, 1) - mx * my
-    c1, c2 = 0.01**2, 0.03**2
-    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
-    return float(s.mean())
+def ssim(a: torch.Tensor, b: torch.Tensor, chunk: int = 8) -> float:
+    """Mean SSIM over the frames of two videos (F, H, W, C in [0, 1], frames of at least 6 pixels a side):
+    torchmetrics' SSIM (Gaussian window 11x11, sigma 1.5, K1=0.01, K2=0.03, the borders mirrored). ``chunk`` frames
+    at a time: the filtered maps of a whole 704x1280 video would take several GiB."""
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
+    x, y = a.float().permute(0, 3, 1, 2), b.float().permute(0, 3, 1, 2)
+    per_frame = [structural_similarity_index_measure(x[i:i + chunk], y[i:i + chunk], data_range=1.0,
+                                                     reduction="none") for i in range(0, x.shape[0], chunk)]
+    return float(torch.cat(per_frame).mean())
 
 
 def to_uint8(video: torch.Tensor):
@@ -78,8 +86,9 @@ def recorded_timesteps(pipe):
         t = kw.get("timestep")
         record.append(float(t.flatten()[-1]))
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-               for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+    # one expert in both slots (use_routing) is hooked once
+    modules = {id(m): m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None}
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules.values()]
     try:
         yield record
     finally:
@@ -87,23 +96,143 @@ def recorded_timesteps(pipe):
             h.remove()
 
 
-def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None):
+def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None, embeds=None):
     """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
 
-    ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline."""
+    ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline.
+    ``embeds``: the (prompt, negative prompt) UMT5 embeddings, each (text_len, D), for a pipeline built without its
+    text encoder (validation reads them from the cache). The decode is tiled (:func:`tiled`)."""
     from wanexp.models.encode import decode_latents
 
     record.clear()
     g = torch.Generator(device="cpu").manual_seed(seed)
+    if hasattr(pipe.scheduler, "noise_generator"):  # a student scheduler re-noises from this sample's stream too
+        pipe.scheduler.noise_generator = g
     extra = {} if image is None else {"image": image}
-    latents = pipe(prompt=prompt, negative_prompt=negative, height=s["height"], width=s["width"],
+    if embeds is None:
+        extra.update(prompt=prompt, negative_prompt=negative)
+    else:
+        extra.update(prompt_embeds=embeds[0][None].to(device), negative_prompt_embeds=embeds[1][None].to(device))
+    latents = pipe(height=s["height"], width=s["width"],
                    num_frames=s["frames"], num_inference_steps=steps, guidance_scale=guidance, generator=g,
                    output_type="latent", max_sequence_length=s["text_len"], **extra).frames
     vae = pipe.vae
-    with torch.no_grad():
+    with torch.no_grad(), tiled(vae):
         pixels = decode_latents(vae, latents.to(device))  # (B, 3, F, H, W) in [-1, 1]
     video = ((pixels[0].permute(1, 2, 3, 0).float() + 1) / 2).clamp(0, 1).cpu()  # (F, H, W, 3)
     return latents.float().cpu(), video, list(record)
+
+
+@contextmanager
+def tiled(vae):
+    """The VAE decodes in overlapping spatial tiles inside the block (diffusers' tiling, 256-pixel tiles): a
+    704x1280 decode then needs a few GiB instead of most of a 32 GB card. Restored on exit, so the training
+    encode (online runs share the VAE) is never tiled."""
+    was = getattr(vae, "use_tiling", None)
+    if was is None:  # a VAE without tiling support decodes whole
+        yield vae
+        return
+    vae.use_tiling = True
+    try:
+        yield vae
+    finally:
+        vae.use_tiling = was
+
+
+# ---- which expert serves each sampling step -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How the Wan pipeline routes the sampling steps: ``transformer`` serves the steps with t >= 1000 *
+    ``boundary_ratio`` (every step when it is None), ``transformer_2`` the others, as diffusers' Wan pipelines do;
+    the steps on an expert in ``adapted`` run with the trained adapter on."""
+
+    transformer: str
+    transformer_2: str | None
+    boundary_ratio: float | None
+    adapted: tuple[str, ...]
+
+    @property
+    def experts(self) -> list[str]:
+        """The experts a sample needs in memory."""
+        return [e for e in (self.transformer, self.transformer_2) if e is not None]
+
+    def plan(self, timesteps) -> list[tuple[str, bool]]:
+        """(expert, adapter on) of the steps at these timesteps (0..1000)."""
+        experts = [self.transformer if self.boundary_ratio is None or t >= self.boundary_ratio * 1000
+                   else self.transformer_2 for t in timesteps]
+        return [(e, e in self.adapted) for e in experts]
+
+
+def expert_routing(experts, boundary_ratio: float | None, trained, distilled: bool) -> ExpertRouting:
+    """Which expert serves each sampling step of an adapter trained on the experts ``trained`` (the run's
+    ``spec.trained_experts(boundary)``; [] for the base model) of a model with ``experts`` (``spec.experts``) and
+    ``boundary_ratio``. ``distilled``: the objective samples on its student steps (``student_steps()`` is set: DMD).
+
+    Sampling routes as training did. Training sends a noise level to an expert by its shifted sigma (high when
+    sigma >= boundary_ratio) only when the run holds both experts (boundary=full); a one-expert run (boundary=high or
+    low) sends every noise level it trains to its one expert. Hence:
+
+    - not distilled: the usual routing by the boundary. A one-expert adapter learned only its side of the boundary, so
+      the other side runs on the other expert's base weights: boundary=low samples t >= boundary on the base high
+      expert and the rest on low + LoRA; boundary=high samples high + LoRA above, the base low expert below;
+    - distilled, one expert (boundary=high or low): the student's rollout ran every student step, whatever its
+      sigma, on that expert with the generator adapter, so every sampling step runs there with the LoRA (the
+      other expert is not needed);
+    - distilled, boundary=full: the student steps routed by the boundary, as in the rollout;
+    - a dense model (TI2V-5B): every step on it.
+    """
+    trained = tuple(trained)
+    if list(experts) == ["dense"]:
+        return ExpertRouting("dense", None, None, trained)
+    if distilled and len(trained) == 1:
+        return ExpertRouting(trained[0], None, None, trained)
+    return ExpertRouting("high", "low", boundary_ratio, trained)
+
+
+def pipeline_experts(pipe) -> dict:
+    """Expert name -> transformer of a Wan pipeline as loaded (``high``/``low`` for A14B, else ``dense``)."""
+    second = getattr(pipe, "transformer_2", None)
+    return {"dense": pipe.transformer} if second is None else {"high": pipe.transformer, "low": second}
+
+
+@contextmanager
+def use_routing(pipe, routing: ExpertRouting, modules: dict):
+    """Run ``pipe`` routed by ``routing`` (``modules``: expert name -> transformer); restored on exit. One expert
+    for every step is the pipeline's ``transformer`` with no boundary (``transformer_2`` is then never called)."""
+    saved = pipe.transformer, getattr(pipe, "transformer_2", None), pipe.config.boundary_ratio
+    pipe.transformer = modules[routing.transformer]
+    if routing.transformer_2 is not None:
+        pipe.transformer_2 = modules[routing.transformer_2]
+    pipe.register_to_config(boundary_ratio=routing.boundary_ratio)
+    try:
+        yield pipe
+    finally:
+        pipe.transformer, pipe.transformer_2 = saved[0], saved[1]
+        pipe.register_to_config(boundary_ratio=saved[2])
+
+
+@contextmanager
+def recorded_experts(modules: dict):
+    """Collect (expert name, adapter on) of each transformer call of ``modules`` (name -> transformer) into the
+    yielded list: which expert served each call, and whether a LoRA adapter was active in it then."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    record: list[tuple[str, bool]] = []
+
+    def hook_for(name, layers):
+        def hook(module, a, kw):
+            record.append((name, any(not layer.disable_adapters and
+                                     any(n in getattr(layer, "lora_A", {}) for n in layer.active_adapters)
+                                     for layer in layers)))
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(name, [x for x in m.modules() if isinstance(x, BaseTunerLayer)]),
+                                           with_kwargs=True) for name, m in modules.items()]
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ---- a pipeline around transformers already in memory -------------------------------------------------------------

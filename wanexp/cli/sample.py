@@ -7,13 +7,18 @@
 ``--run DIR`` takes the model folder, the size and the LoRA files (``DIR/lora/final``) of a wanexp run. A LoRA made by
 ``objective=dmd`` carries its student steps in its file header: it is sampled with exactly those steps (the shifted
 sigmas of training, each step predicting x0 and re-noising it to the next sigma) and no CFG. Otherwise the pipeline's
-own scheduler runs ``--steps`` steps with CFG ``--guidance``. ``--teacher`` also samples the base model (the LoRA
-off; ``--teacher-steps``/``--teacher-guidance``) with the same prompts and seeds, and reports the student-teacher gap
-(latent MSE, PSNR and SSIM of the decoded frames) in ``<out>/metrics.json``.
+own scheduler runs ``--steps`` steps with CFG ``--guidance``. The experts serve the steps as in training
+(``wanexp.sampling.expert_routing``): a distilled one-expert A14B LoRA (boundary=low or high) runs every student step
+on its expert; otherwise steps route by the boundary, the untrained side on that expert's base weights. The same
+``--seed`` gives the same video (a distilled LoRA's re-noising draws from the seed's generator). ``--teacher`` also
+samples the base model (the LoRA off, both experts routed by the boundary; ``--teacher-steps``/``--teacher-guidance``)
+with the same prompts and seeds, and reports the student-teacher gap (latent MSE, PSNR and SSIM of the decoded
+frames) in ``<out>/metrics.json``, which also lists the expert (and whether the LoRA was on) of each transformer call.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,6 +29,7 @@ from wanexp.errors import ConfigError, UserError
 # The sampling functions live in wanexp.sampling (the validation callback uses them too); these names stay here.
 from wanexp.sampling import generate as _generate
 from wanexp.sampling import lora_header, psnr, ssim, student_scheduler  # noqa: F401
+from wanexp.sampling import expert_routing, pipeline_experts, recorded_experts, recorded_timesteps, use_routing
 
 
 def _parse(argv):
@@ -53,7 +59,7 @@ def _parse(argv):
 def _settings(args) -> dict:
     """Model folder, size, text length and LoRA files from the arguments and the run folder."""
     s = {"model_path": args.model_path, "height": args.height, "width": args.width, "frames": args.frames,
-         "loras": [Path(p) for p in args.lora], "text_len": 512, "out": args.out}
+         "loras": [Path(p) for p in args.lora], "text_len": 512, "out": args.out, "boundary_ratio": None}
     if args.run:
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
@@ -65,6 +71,7 @@ def _settings(args) -> dict:
         s["height"], s["width"] = s["height"] or cfg.data.height, s["width"] or cfg.data.width
         s["frames"] = s["frames"] or cfg.data.num_frames
         s["text_len"] = int(cfg.model.text_len)
+        s["boundary_ratio"] = cfg.model.get("boundary_ratio")  # the experts' boundary the run trained with
         s["loras"] = s["loras"] or sorted((run / "lora" / "final").glob("*_diffusers.safetensors"))
         s["out"] = s["out"] or str(run / "samples")
     if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
@@ -78,6 +85,15 @@ def _settings(args) -> dict:
     s["height"], s["width"], s["frames"] = s["height"] or 480, s["width"] or 832, s["frames"] or 81
     s["out"] = Path(s["out"] or "outputs/samples")
     return s
+
+
+def _lora_expert(path: Path, header: dict, modules: dict) -> str:
+    """The expert a LoRA file adapts: its wanexp header, else its name (``*_low_noise*``: the low-noise expert)."""
+    expert = header.get("wanexp_expert") or ("low" if "_low_noise" in path.name else next(iter(modules)))
+    if expert not in modules:
+        raise ConfigError(f"--lora {path}: a LoRA of the {expert} expert, but the model folder has "
+                          f"{'/'.join(modules)}; pass --model-path of the model the LoRA was trained on")
+    return expert
 
 
 def main(argv=None) -> dict:
@@ -99,62 +115,68 @@ def _main(args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = DiffusionPipeline.from_pretrained(s["model_path"], torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
-    distilled = None
+    modules = pipeline_experts(pipe)
+    distilled, trained = None, []
     for path in s["loras"]:
         header = lora_header(path)
-        low = "_low_noise" in path.name
-        pipe.load_lora_weights(str(path), adapter_name="low" if low else "wanexp", load_into_transformer_2=low)
+        expert = _lora_expert(path, header, modules)
+        pipe.load_lora_weights(str(path), adapter_name=f"wanexp_{expert}", load_into_transformer_2=expert == "low")
+        trained.append(expert)
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
                          float(header["wanexp_student_shift"]))
+    ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.config.boundary_ratio
+    routing = expert_routing(list(modules), ratio, trained, distilled is not None)  # as the training routed
+    teacher_routing = expert_routing(list(modules), ratio, [], False)
     if distilled:  # exactly the training's student steps, no CFG
         default_scheduler = pipe.scheduler
         pipe.scheduler = student_scheduler(*distilled)
         steps, guidance = len(distilled[0]), 1.0
     else:
         steps, guidance = args.steps, args.guidance
-    record: list[float] = []  # the timesteps the transformer is called with (first sample of the batch)
-
-    def hook(module, a, kw):
-        t = kw.get("timestep")
-        record.append(float(t.flatten()[-1]))  # the last token's (a clean TI2V first frame has 0)
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-               for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
     out = s["out"]
     out.mkdir(parents=True, exist_ok=True)
     seeds = args.seed or [0]
     results = {"model_path": str(s["model_path"]), "loras": [str(p) for p in s["loras"]],
-               "distilled": bool(distilled), "steps": steps, "guidance": guidance, "samples": []}
-    for i, prompt in enumerate(args.prompt):
-        for seed in seeds:
-            lat, video, used = _generate(pipe, prompt, seed, s, steps, guidance, args.negative_prompt, device, record)
-            name = f"p{i}_s{seed}"
-            write_video(out / f"{name}.mp4", (video.numpy() * 255).round().astype("uint8"), fps=args.fps)
-            entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used}
-            if args.teacher:
-                if s["loras"]:
-                    pipe.disable_lora()
-                if distilled:
-                    pipe.scheduler = default_scheduler
-                t_lat, t_video, _ = _generate(pipe, prompt, seed, s, args.teacher_steps, args.teacher_guidance,
-                                              args.negative_prompt, device, record)
-                write_video(out / f"{name}_teacher.mp4", (t_video.numpy() * 255).round().astype("uint8"),
-                            fps=args.fps)
-                entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
-                             latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),
-                             ssim=ssim(video, t_video))
-                if s["loras"]:
-                    pipe.enable_lora()
-                if distilled:
-                    pipe.scheduler = student_scheduler(*distilled)
-            results["samples"].append(entry)
-            print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, PSNR "
-                                                     f"{entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
-                                                     if args.teacher else ""), flush=True)
-    for h in handles:
-        h.remove()
-    (out / "metrics.json").write_text(json.dumps(results, indent=2))
+               "distilled": bool(distilled), "steps": steps, "guidance": guidance,
+               "routing": dataclasses.asdict(routing), "samples": []}
+    # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), and the expert that served
+    # it with its adapter on or off
+    with recorded_timesteps(pipe) as record, recorded_experts(modules) as served:
+        for i, prompt in enumerate(args.prompt):
+            for seed in seeds:
+                served.clear()
+                with use_routing(pipe, routing, modules):
+                    lat, video, used = _generate(pipe, prompt, seed, s, steps, guidance, args.negative_prompt,
+                                                 device, record)
+                name = f"p{i}_s{seed}"
+                write_video(out / f"{name}.mp4", (video.numpy() * 255).round().astype("uint8"), fps=args.fps)
+                entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used,
+                         "experts": [list(x) for x in served], "latents": lat}
+                if args.teacher:
+                    if s["loras"]:
+                        pipe.disable_lora()
+                    if distilled:
+                        pipe.scheduler = default_scheduler
+                    with use_routing(pipe, teacher_routing, modules):
+                        t_lat, t_video, _ = _generate(pipe, prompt, seed, s, args.teacher_steps,
+                                                      args.teacher_guidance, args.negative_prompt, device, record)
+                    write_video(out / f"{name}_teacher.mp4", (t_video.numpy() * 255).round().astype("uint8"),
+                                fps=args.fps)
+                    entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
+                                 latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),
+                                 ssim=ssim(video, t_video))
+                    if s["loras"]:
+                        pipe.enable_lora()
+                    if distilled:
+                        pipe.scheduler = student_scheduler(*distilled)
+                results["samples"].append(entry)
+                print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
+                                                         f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
+                                                         if args.teacher else ""), flush=True)
+    # the latents stay in the returned results (for callers), not in metrics.json
+    saved = dict(results, samples=[{k: v for k, v in e.items() if k != "latents"} for e in results["samples"]])
+    (out / "metrics.json").write_text(json.dumps(saved, indent=2))
     return results
 
 
