@@ -3,7 +3,10 @@
 
 - A distilled LoRA (``objective=dmd``) samples on exactly its student steps with no CFG (:func:`student_scheduler`);
   anything else with the pipeline's scheduler, ``steps`` and ``guidance``.
-- :func:`generate` returns the latents, the decoded video in [0, 1] and the timesteps the transformer saw.
+- :func:`expert_routing` decides which A14B expert (adapter on or off) serves each step, as training routed them;
+  :func:`use_routing` applies it to a pipeline.
+- :func:`generate` returns the latents, the decoded video in [0, 1] and the timesteps the transformer saw; the same
+  seed gives the same sample (a student scheduler's re-noising draws from the seed's generator).
 - :func:`psnr`, :func:`ssim`: the student-teacher gap of decoded frames.
 - :func:`heldout_loss`: the flow-matching loss on held-out samples at fixed sigmas with fixed noise (deterministic:
   the same weights give the same number, so sweep points compare).
