@@ -204,6 +204,11 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
                        allow_resume_changes=bool(cfg.allow_resume_changes),
                        max_bad_steps=int(cfg.guard.max_bad_steps), seed=int(cfg.seed))
+    if trainer.global_rank == 0:  # before anything is written or loaded: can the folder hold what the run keeps?
+        from wanexp.disk import check_disk, estimate
+
+        check_disk(out, estimate(spec, adapter, objective, cfg.boundary.name,
+                                 OmegaConf.to_container(cfg.callbacks, resolve=True), int(cfg.trainer.max_steps or -1)))
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(redacted(OmegaConf.to_container(cfg, resolve=True))))

@@ -21,6 +21,7 @@ ALLOWED = {
     "rng": set(),
     "runfolder": {"errors"},
     "lora": {"errors"},
+    "disk": {"errors", "lora"},
     "optim": {"config"},
     "models": {"errors", "config", "perf", "text"},
     "objectives": {"config", "errors", "lora"},
@@ -28,8 +29,8 @@ ALLOWED = {
     "parallel": {"config", "errors"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora"},
     "sampling": {"errors", "models", "data", "lora", "objectives"},
-    "callbacks": {"errors", "sampling", "perf"},
-    "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder"},
+    "callbacks": {"errors", "sampling", "perf", "disk"},
+    "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk"},
     "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling"},
 }
 

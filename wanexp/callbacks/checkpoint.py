@@ -8,6 +8,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from wanexp.disk import disk_full_message, is_disk_full
 from wanexp.errors import UserError
 
 
@@ -30,7 +31,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
+            # torch.save's zip writer turns a failed write into RuntimeError("... unexpected pos ..."), the OSError
+            # (ENOSPC) being its __context__; any other RuntimeError is a bug and keeps its traceback
+            tmp.unlink(missing_ok=True)  # before the free space is read for the message
+            if is_disk_full(e):
+                raise CheckpointWriteError(disk_full_message(f"checkpoint {path}", path,
+                                                             "the previous checkpoint is intact")) from None
+            if not isinstance(e, OSError):
+                raise
             raise CheckpointWriteError(
                 f"cannot write checkpoint {path} ({e.strerror or e}); the previous checkpoint is intact: free space "
                 "or make the folder writable (or set paths.output_dir elsewhere), then continue with resume=last"

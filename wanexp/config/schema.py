@@ -299,6 +299,8 @@ class LoraExportConfig:
     _target_: str = "wanexp.callbacks.lora_export.LoraExport"
     output_dir: str = MISSING
     flag_above: float = knob(MISSING, gt=0.0, doc="|LoRA weight| above which an export is flagged as diverged")
+    keep_last: int = knob(MISSING, ge=-1, doc="newest N step exports kept (>= 1; -1 keeps all), plus final")
+    keep_every: Optional[int] = knob(MISSING, ge=0, doc="exports at multiples of N steps are never pruned; null: none")
 
 
 @dataclass
