@@ -196,7 +196,7 @@ def check_disk(out: Path, need: DiskNeed) -> None:
               f"{mount_point(out)}", flush=True)
         return
     if more > free:
-        raise ConfigError(f"paths.output_dir={out}: needs ~{human(more)} ({need.parts()}{already}), {human(free)} free; "
-                          f"free space or set {RETENTION_KEYS} lower")
+        raise ConfigError(f"paths.output_dir={out}: needs ~{human(more)} ({need.parts()}{already}), "
+                          f"{human(free)} free; free space or set {RETENTION_KEYS} lower")
     print(f"wanexp: disk: ~{human(need.total)} at the retention set ({need.parts()}{already}), {human(free)} free on "
           f"{mount_point(out)}", flush=True)
