@@ -1,13 +1,14 @@
 # make demo: set up .venv (first time), cache the generated clips' latents and text, train the tiny Wan2.2 from the
 # cache (CPU, about a minute).
 # make test: set up .venv (first time) and run the test suite.
+# make docs: build the documentation site (docs/, mkdocs.yml) into site/.
 # make setup: only the .venv, with wanexp installed editable (wanexp-train, wanexp-status, ... in .venv/bin).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup docs clean
 
 PACKAGE := $(VENV)/.wanexp-installed
 
@@ -30,6 +31,9 @@ demo: $(PACKAGE)
 
 test: $(PACKAGE)
 	$(PY) -m pytest -q
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf outputs .pytest_cache
