@@ -220,6 +220,11 @@ class WanModule(L.LightningModule):
         if self._negative_text is None:
             from wanexp.models.encode import encode_text
 
+            dm = getattr(self._trainer, "datamodule", None)
+            cached = dm.cached_text(self.objective.negative_prompt) if hasattr(dm, "cached_text") else None
+            if cached is not None:  # the cache command encodes it with the captions
+                self._negative_text = cached[None].to(self.device)
+                return self._negative_text
             if self.encoders is not None:
                 te, tok = self.encoders.text_encoder, self.encoders.tokenizer
             else:

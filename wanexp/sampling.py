@@ -327,6 +327,20 @@ def encode_batch(batch: dict, encoders, device) -> "object":
     return encoders(batch)
 
 
+def encode_prompts(spec, prompts: list[str], device, encoders=None) -> dict[str, torch.Tensor]:
+    """Each prompt's UMT5 embedding (text_len, D), on the CPU: with ``encoders``' text encoder, else with the one in
+    model.path, loaded for this call and freed after it."""
+    from wanexp.models.encode import encode_text
+
+    if encoders is not None:
+        te, tok = encoders.text_encoder, encoders.tokenizer
+    else:
+        te, tok = spec.load_text_encoder().to(device), spec.load_tokenizer()
+    with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
+        emb = encode_text(tok, te, list(prompts), spec.text_len)
+    return {p: e.cpu() for p, e in zip(prompts, emb)}
+
+
 def make_encoders(vae, text_encoder, tokenizer, spec):
     from wanexp.models.encode import Encoders
 

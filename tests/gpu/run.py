@@ -128,7 +128,7 @@ def watch(proc: subprocess.Popen, phase: Phase, ctx: Ctx, t0: float) -> dict:
             return {"rc": 124, "ok": False, "error": f"ran past its {phase.timeout_s} s limit"}
         if status is not None:
             state = _read(status)
-            if (state.get("step") or 0) >= phase.kill.step or elapsed > phase.kill.deadline_s:
+            if (state.get("step") or 0) >= phase.kill.step or elapsed > kill_deadline(phase):
                 _kill(proc)
                 ckpt = newest_checkpoint_step(phase.kill.run(ctx))
                 return {"rc": proc.returncode, "killed_at_step": state.get("step"), "checkpoint_step": ckpt,
@@ -225,6 +225,11 @@ def run_case(case: Case, ctx: Ctx, names: list[str] | None, gpus: list[str], env
                   flush=True)
             break
     return judge(case, ctx, phases, gpus)
+
+
+def kill_deadline(phase) -> float:
+    """The kill phase's deadline: its own, or WANEXP_KILL_DEADLINE_S (several phases in one device call)."""
+    return float(os.environ.get("WANEXP_KILL_DEADLINE_S", phase.kill.deadline_s))
 
 
 def main(argv: list[str] | None = None) -> int:

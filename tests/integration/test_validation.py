@@ -44,7 +44,7 @@ def test_videos_at_step_0_every_n_steps_and_the_end_and_a_deterministic_heldout_
     # the base model once at step 0 (a fresh LoRA is zero: no LoRA video there), the LoRA at 2, 4 and the end (5)
     assert sorted(p.relative_to(v).as_posix() for p in v.rglob("*.mp4")) == [
         "step_000000/p0_s0_base.mp4", "step_000002/p0_s0.mp4", "step_000004/p0_s0.mp4", "step_000005/p0_s0.mp4"]
-    assert all(_frames(p) == cfg.callbacks.validation.num_frames for p in v.rglob("*.mp4"))
+    assert all(_frames(p) == cfg.data.num_frames for p in v.rglob("*.mp4"))
     # val/loss logged at each validation, in status.jsonl, and read by the sweep summary
     logged = _logged(out, "val/loss")
     assert sorted(logged) == [0, 2, 4, 5] and all(x > 0 for x in logged.values())
@@ -92,11 +92,101 @@ def test_at_start_false_skips_the_step_0_validation(monkeypatch):
 
     calls = []
     monkeypatch.setattr(Validation, "_validate", lambda self, trainer, module, base=False: calls.append(base))
-    kwargs = dict(output_dir="unused", every_n_steps=2, prompts=["p"], seeds=[0], first_frame=False, height=32,
-                  width=32, num_frames=5, fps=8, steps=2, guidance=1.0, negative_prompt="", loss_sigmas=[0.5],
+    kwargs = dict(output_dir="unused", every_n_steps=2, prompts=["p"], seeds=[0], first_frame=False,
+                  fps=8, steps=2, guidance=1.0, negative_prompt="", loss_sigmas=[0.5],
                   loss_samples=0, timeout_s=60)
     fresh = SimpleNamespace(global_step=0)
     Validation(**kwargs).on_train_start(fresh, None)
     assert calls == [True]
     Validation(**kwargs, at_start=False).on_train_start(fresh, None)
     assert calls == [True]
+
+
+def test_a_run_from_the_cache_samples_with_cached_prompts_a_tiled_decode_and_never_loads_umt5(
+        shared_dir, tmp_path, monkeypatch):
+    """The cache command encodes validation's prompts and negative prompt with the captions, so a run from the cache
+    validates without the text encoder (UMT5-XXL: 11 GiB); the VAE decodes in tiles."""
+    from tests.integration.test_cache import _cfg
+    from wanexp.cli.cache import build_cache
+    from wanexp.models.spec import WanSpec
+
+    val = [*FAST, "callbacks.validation.at_start=false", "callbacks.validation.negative_prompt=blurry static"]
+    cache = tmp_path / "cache"
+    stats = build_cache(_cfg(shared_dir, cache, *val))
+    assert stats["texts"] == 10 + 2  # the captions, the validation prompt and the negative prompt
+
+    def no_text_encoder(self):
+        raise AssertionError("validation loaded the text encoder")
+
+    tiles = []
+    import diffusers
+
+    decode = diffusers.AutoencoderKLWan.decode
+    monkeypatch.setattr(WanSpec, "load_text_encoder", no_text_encoder)
+    monkeypatch.setattr(diffusers.AutoencoderKLWan, "decode",
+                        lambda self, *a, **k: tiles.append(self.use_tiling) or decode(self, *a, **k))
+    r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.cache_dir={cache}", "trainer.max_steps=2",
+                                                *val])
+    assert r["module"].encoders is None
+    assert (Path(r["output_dir"]) / "validation" / "step_000002" / "p0_s0.mp4").is_file()
+    assert tiles == [True]  # decoded tiled, and the VAE left untiled afterwards
+    assert not _callback(r)._vae.use_tiling
+
+
+def test_validation_shapes_default_to_the_first_bucket_and_can_be_every_bucket():
+    from types import SimpleNamespace
+
+    kwargs = dict(output_dir="unused", every_n_steps=2, prompts=["p"], seeds=[0], first_frame=False, fps=8, steps=2,
+                  guidance=1.0, negative_prompt="", loss_sigmas=[0.5], loss_samples=0, timeout_s=60)
+    dm = SimpleNamespace(resolutions=[(64, 96), (96, 64)], height=32, width=32, num_frames=5)
+    assert Validation(**kwargs).sizes(dm) == [{"height": 64, "width": 96, "frames": 5}]
+    assert [s["width"] for s in Validation(**kwargs, shapes="buckets").sizes(dm)] == [96, 64]
+    assert Validation(**kwargs, shapes=[[32, 64, 9]]).sizes(dm) == [{"height": 32, "width": 64, "frames": 9}]
+    flat = SimpleNamespace(resolutions=None, height=32, width=48, num_frames=5)
+    assert Validation(**kwargs).sizes(flat) == [{"height": 32, "width": 48, "frames": 5}]
+    from wanexp.errors import ConfigError
+
+    for bad in ([[32, 64, 8]], "all", [[32]]):
+        with pytest.raises(ConfigError, match="callbacks.validation.shapes"):
+            Validation(**kwargs, shapes=bad)
+
+
+@pytest.mark.parametrize("strategy, student, kib, refused", [
+    ("DDPStrategy", None, 12, True),  # both experts (2 x 6 KiB of bf16) over 90 % of a 12 KiB "card": refused
+    ("DDPStrategy", None, 16, False),  # they fit
+    ("FSDPStrategy", None, 12, False),  # sharded over the ranks
+    ("DDPStrategy", (999, 500), 12, False),  # a distilled one-expert adapter never needs the other expert
+])
+def test_a_one_expert_a14b_run_that_cannot_hold_both_experts_for_validation_stops_at_start(
+        tmp_path, monkeypatch, strategy, student, kib, refused):
+    """Under DDP rank 0 samples with the whole other expert (26.6 GiB for A14B): on a GPU that cannot hold both, the
+    run stops in setup (before configure_model loads any weight) with one line saying what to set."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from wanexp.errors import ConfigError
+    from wanexp.objectives.base import StudentSteps
+
+    for folder in ("transformer", "transformer_2"):  # 6 KiB of bf16 weights each, read from the headers only
+        (tmp_path / folder).mkdir()
+        save_file({"a": torch.zeros(2, 1024, dtype=torch.bfloat16), "b": torch.zeros(1024, dtype=torch.bfloat16)},
+                  str(tmp_path / folder / "m.safetensors"))
+    from wanexp.models.spec import WanSpec
+
+    spec = SimpleNamespace(experts=["high", "low"], boundary_ratio=0.9, path=tmp_path)
+    spec.load_bytes = lambda experts, encoders: WanSpec.load_bytes(spec, experts, encoders)
+    objective = SimpleNamespace(student_steps=lambda: StudentSteps(student, 5.0) if student else None)
+    module = SimpleNamespace(spec=spec, expert_names=["low"], objective=objective, boundary_name="low")
+    trainer = SimpleNamespace(strategy=type(strategy, (), {})(), world_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=kib * 2**10))
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    cb = Validation(output_dir=str(tmp_path), every_n_steps=2, prompts=["p"], seeds=[0], first_frame=False, fps=8,
+                    steps=2, guidance=1.0, negative_prompt="", loss_sigmas=[0.5], loss_samples=0, timeout_s=60)
+    if refused:
+        with pytest.raises(ConfigError, match="set parallel=fsdp.*callbacks.validation.prompts=\\[\\]"):
+            cb._check_other_expert_fits(trainer, module)
+    else:
+        cb._check_other_expert_fits(trainer, module)

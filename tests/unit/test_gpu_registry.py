@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.gpu import registry, run
-from tests.gpu.registry import CAP_GIB, CASES, USER_JOB, USER_STEPS, Case, Check, Ctx, KillAt, Phase
+from tests.gpu.registry import CAP_GIB, CASES, USER_JOB, USER_STEPS, Case, Check, Ctx, KillAt, Phase, default_cadence
 
 REPO = registry.REPO
 
@@ -86,6 +86,7 @@ def test_thresholds_pass_a_good_run_and_read_its_numbers(tmp_path):
     m = result["metrics"]
     assert m["peak_mem_gib"] == 21.0  # the killed session's peak counts too
     assert m["validations"] == 3 and m["val_share"] == pytest.approx(15.0 / 1400.0)  # both sessions' seconds
+    assert m["val_share_at_default"] == pytest.approx(5.0 / (default_cadence() * 0.4))  # one call per cadence
     assert m["lora_final_files"] == 2 and m["run_disk_gib"] > 0
     assert run.summary_line(result).startswith("PASS user_job_5b_28g")
 
@@ -93,7 +94,7 @@ def test_thresholds_pass_a_good_run_and_read_its_numbers(tmp_path):
 @pytest.mark.parametrize("bad, key", [
     ({"losses": (0.5, float("nan"), 0.3)}, "metrics.losses_finite"),
     ({"peak": CAP_GIB + 0.5}, "metrics.peak_mem_gib"),
-    ({"val_seconds": (40.0, 45.0, 50.0)}, "metrics.val_share"),
+    ({"val_seconds": (40.0, 45.0, 50.0)}, "metrics.val_share_at_default"),  # 45 s / (2000 x 0.4 s) = 5.6 %
     ({"state": "failed", "step": 700}, "metrics.state"),
 ])
 def test_a_failing_result_fails(tmp_path, bad, key):

@@ -39,20 +39,19 @@ from wanexp.errors import ConfigError
 
 class Validation(Callback):
     def __init__(self, output_dir: str, every_n_steps: int, prompts: list[str], seeds: list[int], first_frame: bool,
-                 height: int, width: int, num_frames: int, fps: int, steps: int, guidance: float,
-                 negative_prompt: str, loss_sigmas: list[float], loss_samples: int, timeout_s: int,
-                 at_start: bool = True):
-        """The arguments are ``callbacks.validation`` (config.schema.ValidationConfig)."""
+                 fps: int, steps: int, guidance: float, negative_prompt: str, loss_sigmas: list[float],
+                 loss_samples: int, timeout_s: int, at_start: bool = True, shapes=None):
+        """The arguments are ``callbacks.validation`` (config.schema.ValidationConfig). ``shapes``: null (the data's
+        first bucket at ``data.num_frames``), ``buckets`` (every bucket), or a list of [height, width] or
+        [height, width, frames]."""
         bad = [s for s in loss_sigmas if not 0.0 <= float(s) <= 1.0]
         if bad:
             raise ConfigError(f"callbacks.validation.loss_sigmas={list(loss_sigmas)}: {bad[0]} is not in [0, 1]")
-        if (num_frames - 1) % 4:
-            raise ConfigError(f"callbacks.validation.num_frames={num_frames}: must be 4k+1 (e.g. 17, 81)")
+        self.shapes = _check_shapes(shapes)
         self.dir = Path(output_dir) / "validation"
         self.every = int(every_n_steps)
         self.prompts, self.seeds = list(prompts), [int(s) for s in seeds] or [0]
         self.first_frame = bool(first_frame)
-        self.size = {"height": int(height), "width": int(width), "frames": int(num_frames)}
         self.fps, self.steps, self.guidance = int(fps), int(steps), float(guidance)
         self.negative_prompt = negative_prompt
         self.loss_sigmas = [float(s) for s in loss_sigmas]
@@ -60,9 +59,18 @@ class Validation(Callback):
         self.timeout_s = int(timeout_s)
         self.at_start = bool(at_start)  # step 0 of a fresh run: the base model's videos and the step-0 numbers
         self._done: int | None = None  # the step last validated
-        self._teacher: dict | None = None  # (prompt index, seed) -> (latents, video) of the base model
+        self._teacher: dict | None = None  # (prompt index, seed, shape) -> (latents, video) of the base model
         self._group = None  # a gloo group with a long timeout, for the ranks that wait
+        self._embeds: dict[str, torch.Tensor] = {}  # prompt -> UMT5 embedding (text_len, D) on the CPU, made once
+        self._vae = None  # a run from the cache: the VAE from model.path, loaded at the first call, kept on the CPU
         self.results: list[dict] = []  # what each validation produced (also DIR/validation/step_N/metrics.json)
+
+    def sizes(self, dm) -> list[dict]:
+        """The shapes sampled: {height, width, frames} each (see ``shapes``)."""
+        buckets = [tuple(r) for r in (getattr(dm, "resolutions", None) or [(dm.height, dm.width)])]
+        chosen = buckets[:1] if self.shapes is None else buckets if self.shapes == "buckets" else self.shapes
+        return [{"height": int(c[0]), "width": int(c[1]), "frames": int(c[2]) if len(c) > 2 else int(dm.num_frames)}
+                for c in chosen]
 
     # ---- when ----------------------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage) -> None:
@@ -71,6 +79,8 @@ class Validation(Callback):
             from datetime import timedelta
 
             self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        if self.every and self.prompts:  # before configure_model: a run that cannot validate stops before it loads
+            self._check_other_expert_fits(trainer, pl_module)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.every and self.at_start and trainer.global_step == 0:  # fresh run: base model once, step-0 numbers
@@ -144,33 +154,30 @@ class Validation(Callback):
     def _run(self, trainer, pl_module, step: int, base: bool) -> dict:
         from wanexp.sampling import heldout_loss
 
-        spec, objective = pl_module.spec, pl_module.objective
-        modules = list(pl_module.transformers.values())
-        export = objective.export
         out: dict = {"step": step, "metrics": {}, "videos": {}, "timesteps": {}}
         dm = trainer.datamodule
-        own = pl_module.encoders
-        loaded = None
-        needs_pixels = getattr(dm, "val_dataset", None) is not None and not getattr(dm, "cached", False)
-        if own is None and ((self.prompts) or (self.loss_samples and needs_pixels)):
-            loaded = _load_encoders(spec, pl_module.device)
-        encoders = own if own is not None else loaded
+        own = pl_module.encoders  # an online run's encoders; a run from the cache has none
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the training step's cached blocks back to the allocator's free pool
         try:
             if self.loss_samples and getattr(dm, "val_dataset", None) is not None:
                 from wanexp.sampling import adapter, encode_batch
 
+                if own is None and not getattr(dm, "cached", False):  # held-out pixels need the encoders
+                    own = _load_encoders(pl_module.spec, pl_module.device)
                 lo, hi = pl_module.sigma_range
                 sigmas = [s for s in self.loss_sigmas if lo <= s <= hi] or \
                     [lo + (hi - lo) * (k + 0.5) / 5 for k in range(5)]
-                batches = (encode_batch(b, encoders, pl_module.device) for b in dm.val_batches(self.loss_samples))
-                with adapter(modules, export), trainer.precision_plugin.forward_context():
+                batches = (encode_batch(b, own, pl_module.device) for b in dm.val_batches(self.loss_samples))
+                with adapter(list(pl_module.transformers.values()), pl_module.objective.export), \
+                        trainer.precision_plugin.forward_context():
                     loss = heldout_loss(pl_module.denoiser, batches, sigmas, seed=0)
                 out["metrics"].update({f"val/{k}": float(v) for k, v in loss.items() if k != "samples"})
                 out["loss_samples"] = loss.get("samples", 0)
             if self.prompts:
-                self._sample(trainer, pl_module, step, base, encoders, out)
+                self._sample(trainer, pl_module, step, base, own, out)
         finally:
-            del loaded
+            own = None
             import gc
 
             # an FSDP2-sharded module sits in a reference cycle (its state refers back to it): without a collection
@@ -179,6 +186,57 @@ class Validation(Callback):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return out
+
+    # ---- what a sample needs: text embeddings, the VAE, the experts ----------------------------------------------
+    def _embeddings(self, trainer, pl_module, encoders) -> dict[str, torch.Tensor]:
+        """Every prompt's and the negative prompt's UMT5 embedding, made once per run: from the cache (the cache
+        command encodes them with the captions), else with the run's text encoder, else with the text encoder
+        loaded from model.path for this one call. Kept on the CPU: UMT5-XXL never stays on the GPU for validation."""
+        missing = [p for p in dict.fromkeys([*self.prompts, self.negative_prompt]) if p not in self._embeds]
+        dm = trainer.datamodule
+        for prompt in list(missing):
+            cached = dm.cached_text(prompt) if hasattr(dm, "cached_text") else None
+            if cached is not None:
+                self._embeds[prompt] = cached
+                missing.remove(prompt)
+        if missing:
+            from wanexp.sampling import encode_prompts
+
+            if encoders is None and trainer.global_rank == 0:
+                print(f"wanexp: validation: encoding {len(missing)} prompt(s) with the text encoder from model.path "
+                      "once (not in the cache; wanexp-cache with the same overrides adds them)", flush=True)
+            self._embeds.update(encode_prompts(pl_module.spec, missing, pl_module.device, encoders))
+        return self._embeds
+
+    def _vae_on(self, pl_module, encoders):
+        """The VAE on the device for this call: the run's own, or (from the cache) model.path's, loaded once."""
+        if encoders is not None:
+            return encoders.vae
+        if self._vae is None:
+            self._vae = pl_module.spec.load_vae()
+        return self._vae.to(pl_module.device)
+
+    def _check_other_expert_fits(self, trainer, pl_module) -> None:
+        """A one-expert A14B run samples with the other expert too (unless its adapter is distilled: every student
+        step then runs on the trained expert). With replicated weights rank 0 holds both experts whole: on a GPU
+        that cannot, stop at the start with one line instead of running out of memory at the first validation."""
+        spec = pl_module.spec
+        other = _other_experts(spec, list(pl_module.expert_names),
+                               pl_module.objective)
+        strategy = type(trainer.strategy).__name__.lower()
+        if not other or not torch.cuda.is_available() or "fsdp" in strategy:
+            return
+        dev = torch.device("cuda", torch.cuda.current_device())
+        usable = torch.cuda.get_device_properties(dev).total_memory
+        frac = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        usable = usable * (frac(dev) if frac is not None else 1.0)
+        need = spec.load_bytes(spec.experts, encoders=False)  # both experts' weight files
+        if need > 0.9 * usable:
+            raise ConfigError(
+                f"validation videos of a boundary={pl_module.boundary_name} run need both A14B experts on rank 0 "
+                f"({need / 2**30:.1f} GiB of weights; this GPU has {usable / 2**30:.1f} GiB): set parallel=fsdp "
+                "(the other expert is sharded over the ranks), or callbacks.validation.prompts=[] (held-out loss "
+                "only), or callbacks.validation.every_n_steps=0")
 
     def _sample(self, trainer, pl_module, step, base, encoders, out) -> None:
         from wanexp.sampling import (
@@ -198,69 +256,83 @@ class Validation(Callback):
         dev = pl_module.device
         modules = list(pl_module.transformers.values())
         experts = dict(pl_module.transformers.items())
+        student = objective.student_steps()
         extra = {}
-        if set(spec.experts) == {"high", "low"} and len(experts) == 1:  # one-expert A14B: the other from model.path
-            other = "low" if "high" in experts else "high"
+        for other in _other_experts(spec, list(experts), objective):  # the base expert for its share of the steps
             extra[other], out["other_expert"] = _other_expert(trainer, pl_module, other)
+        embeds = self._embeddings(trainer, pl_module, encoders)
+        sizes = self.sizes(trainer.datamodule)
         image = spec.needs_image_latent or (self.first_frame and spec.draws_first_frame)
-        images: list = [None] * len(self.prompts)
+        images: dict = {}
         if image:
-            frames = trainer.datamodule.first_frames(len(self.prompts), self.size["height"], self.size["width"])
-            if not frames:
-                print("wanexp: validation videos skipped: image-to-video needs a first frame and the data has none",
-                      flush=True)
-                return
-            images = [first_frame_image(frames[i % len(frames)]) for i in range(len(self.prompts))]
+            for sz in sizes:
+                frames = trainer.datamodule.first_frames(len(self.prompts), sz["height"], sz["width"])
+                if not frames:
+                    print("wanexp: validation videos skipped: image-to-video needs a first frame and the data has "
+                          "none", flush=True)
+                    return
+                images.update({(i, _tag(sz)): first_frame_image(frames[i % len(frames)])
+                               for i in range(len(self.prompts))})
         default = load_scheduler(spec.path)
-        pipe = build_pipeline(spec, {**experts, **extra}, encoders.vae, encoders.text_encoder, encoders.tokenizer,
-                              default, image)
-        s = dict(self.size, text_len=spec.text_len)
-        distilled = getattr(objective, "student_timesteps", None)
+        vae = self._vae_on(pl_module, encoders)
+        pipe = build_pipeline(spec, {**experts, **extra}, vae, None, None, default, image)
         folder = self.dir / f"step_{step:06d}"
         write = trainer.global_rank == 0
+        named = len(sizes) > 1  # several shapes: the shape is part of each video's name
         gaps = []
+
+        def each():
+            for sz in sizes:
+                s = dict(sz, text_len=spec.text_len)
+                for i, prompt in enumerate(self.prompts):
+                    for seed in self.seeds:
+                        name = f"p{i}_s{seed}" + (f"_{_tag(sz)}" if named else "")
+                        yield (i, seed, _tag(sz)), name, prompt, s, images.get((i, _tag(sz)))
+
         try:
             with recorded_timesteps(pipe) as record:
-                teacher_now = distilled is not None and self._teacher is None
+                teacher_now = student is not None and self._teacher is None
                 if base or teacher_now:  # the base model (adapters off): logged at step 0, a DMD run's teacher
                     pipe.scheduler = default
                     teacher = {}
                     with adapter(modules, None):
-                        for i, prompt in enumerate(self.prompts):
-                            for seed in self.seeds:
-                                lat, video, _ = generate(pipe, prompt, seed, s, self.steps, self.guidance,
-                                                         self.negative_prompt, dev, record, images[i])
-                                teacher[(i, seed)] = (lat, video)
-                                if base and write:
-                                    f = folder / f"p{i}_s{seed}_base.mp4"
-                                    write_mp4(f, video, self.fps)
-                                    out["videos"][f"val/base/p{i}_s{seed}"] = (str(f), f"base: {prompt}")
-                    if distilled is not None:
+                        for key, name, prompt, s, img in each():
+                            lat, video, _ = generate(pipe, prompt, key[1], s, self.steps, self.guidance,
+                                                     self.negative_prompt, dev, record, img,
+                                                     embeds=(embeds[prompt], embeds[self.negative_prompt]))
+                            teacher[key] = (lat, video)
+                            if base and write:
+                                f = folder / f"{name}_base.mp4"
+                                write_mp4(f, video, self.fps)
+                                out["videos"][f"val/base/{name}"] = (str(f), f"base: {prompt}")
+                    if student is not None:
                         self._teacher = teacher
-                lora_moved = step > 0 or distilled is not None or getattr(pl_module.adapter, "init_from", None)
+                lora_moved = step > 0 or student is not None or getattr(pl_module.adapter, "init_from", None)
                 if not lora_moved:  # a fresh LoRA is zero: its step-0 videos would be the base model's
                     return
-                if distilled is not None:  # exactly the training's student steps, no CFG
-                    pipe.scheduler = student_scheduler(distilled, objective.student_shift)
-                    steps, guidance = len(distilled), 1.0
+                if student is not None:  # exactly the training's student steps, no CFG
+                    pipe.scheduler = student_scheduler(list(student.timesteps), student.shift)
+                    steps, guidance = len(student.timesteps), 1.0
                 else:
                     pipe.scheduler, steps, guidance = default, self.steps, self.guidance
                 with adapter(modules, objective.export):
-                    for i, prompt in enumerate(self.prompts):
-                        for seed in self.seeds:
-                            lat, video, used = generate(pipe, prompt, seed, s, steps, guidance, self.negative_prompt,
-                                                        dev, record, images[i])
-                            out["timesteps"][f"p{i}_s{seed}"] = used
-                            if write:
-                                f = folder / f"p{i}_s{seed}.mp4"
-                                write_mp4(f, video, self.fps)
-                                out["videos"][f"val/video/p{i}_s{seed}"] = (str(f), prompt)
-                            if distilled is not None:
-                                t_lat, t_video = self._teacher[(i, seed)]
-                                gaps.append((float(((lat - t_lat) ** 2).mean()), psnr(video, t_video),
-                                             ssim(video, t_video)))
+                    for key, name, prompt, s, img in each():
+                        lat, video, used = generate(pipe, prompt, key[1], s, steps, guidance, self.negative_prompt,
+                                                    dev, record, img,
+                                                    embeds=(embeds[prompt], embeds[self.negative_prompt]))
+                        out["timesteps"][name] = used
+                        if write:
+                            f = folder / f"{name}.mp4"
+                            write_mp4(f, video, self.fps)
+                            out["videos"][f"val/video/{name}"] = (str(f), prompt)
+                        if student is not None:
+                            t_lat, t_video = self._teacher[key]
+                            gaps.append((float(((lat - t_lat) ** 2).mean()), psnr(video, t_video),
+                                         ssim(video, t_video)))
         finally:
             del pipe, extra
+            if encoders is None:
+                vae.to("cpu")  # kept for the next call, off the GPU
         if gaps:
             n = len(gaps)
             out["metrics"].update({"val/teacher_latent_mse": sum(g[0] for g in gaps) / n,
@@ -268,11 +340,43 @@ class Validation(Callback):
                                    "val/teacher_ssim": sum(g[2] for g in gaps) / n})
 
 
+def _tag(size: dict) -> str:
+    return f"{size['height']}x{size['width']}x{size['frames']}"
+
+
+def _check_shapes(shapes):
+    """``callbacks.validation.shapes``: null, ``buckets``, or [[h, w], ...] / [[h, w, frames], ...]."""
+    if shapes is None or shapes == "buckets":
+        return shapes
+    ok = isinstance(shapes, (list, tuple)) and shapes and all(
+        isinstance(c, (list, tuple)) and len(c) in (2, 3) and all(isinstance(x, int) and x > 0 for x in c)
+        for c in shapes)
+    if not ok:
+        raise ConfigError(f"callbacks.validation.shapes={shapes}: null (the first bucket), buckets (every bucket), or "
+                          "a list of [height, width] or [height, width, frames], e.g. [[704,1280],[1280,704,17]]")
+    bad = [c for c in shapes if len(c) == 3 and (c[2] - 1) % 4]
+    if bad:
+        raise ConfigError(f"callbacks.validation.shapes: {list(bad[0])} has {bad[0][2]} frames; frames must be 4k+1 "
+                          "(e.g. 17, 81)")
+    return [tuple(c) for c in shapes]
+
+
+def _other_experts(spec, trained: list[str], objective) -> list[str]:
+    """The experts a sample needs besides the trained ones, routed as training routed (sampling.expert_routing): a
+    one-expert A14B adapter's other expert serves the steps its noise level routes there, unless the adapter is
+    distilled (every student step then runs on the expert it was trained on)."""
+    from wanexp.sampling import expert_routing
+
+    routing = expert_routing(spec.experts, spec.boundary_ratio, trained, objective.student_steps() is not None)
+    return [e for e in routing.experts if e not in trained]
+
+
 def _other_expert(trainer, pl_module, name: str):
     """The expert a one-expert A14B run does not train, frozen, for its share of the sampling steps. Under FSDP2
     (every rank samples) it is sharded like the trained one, loaded in the same host-memory turns as the base: each
     GPU holds 1/world of it (the whole 14B expert, 26.6 GiB in bf16, on every GPU otherwise). With replicated weights
-    rank 0 samples alone and holds it whole. Returns the expert and what this rank holds of it (metrics.json)."""
+    rank 0 samples alone and holds it whole (checked to fit at the start). Returns the expert and what this rank
+    holds of it (metrics.json)."""
     spec = pl_module.spec
     sharded = any(hasattr(p, "full_tensor") for p in pl_module.parameters())
     shard = getattr(trainer.strategy, "shard_transformer", None) if sharded else None
@@ -296,7 +400,8 @@ def _other_expert(trainer, pl_module, name: str):
 
 
 def _load_encoders(spec, device):
-    """The VAE, text encoder and tokenizer from model.path, for one validation (a run from the cache has none)."""
+    """The VAE, text encoder and tokenizer from model.path, for one held-out loss of a run trained online from
+    pixels without its own encoders."""
     from wanexp.sampling import make_encoders
 
     return make_encoders(spec.load_vae().to(device), spec.load_text_encoder().to(device), spec.load_tokenizer(), spec)

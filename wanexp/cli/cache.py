@@ -46,6 +46,21 @@ def _rank() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
+def extra_prompts(cfg: DictConfig) -> list[str]:
+    """Prompts a run encodes besides its captions: validation's prompts and negative prompt (when it samples
+    videos) and the objective's negative prompt (objectives with CFG)."""
+    from omegaconf import OmegaConf
+
+    v = OmegaConf.select(cfg, "callbacks.validation", default=None)
+    found = []
+    if OmegaConf.is_dict(v) and v.get("every_n_steps") and v.get("prompts"):
+        found += [*v.prompts, v.negative_prompt]
+    negative = OmegaConf.select(cfg, "objective.negative_prompt", default=None)
+    if negative is not None:
+        found.append(negative)
+    return list(dict.fromkeys(str(p) for p in found))
+
+
 def build_cache(cfg: DictConfig) -> dict:
     """Fill ``data.cache_dir`` for this config. Returns counts (written, skipped, rejected, bytes)."""
     from omegaconf import open_dict
@@ -74,10 +89,16 @@ def build_cache(cfg: DictConfig) -> dict:
             latents.setdefault(lkey, (lkey, sample, shape, start))
         if tkey not in index:
             texts.setdefault(tkey, (tkey, sample.prompt))
+    wanted = {k for pair in keys for k in pair}
+    for prompt in extra_prompts(cfg):  # validation's prompts and the negative prompts: training never loads UMT5
+        tkey = dm.text_cache_key(prompt)
+        wanted.add(tkey)
+        if tkey not in index:
+            texts.setdefault(tkey, (tkey, prompt))
     rank, world, local = _rank()
     todo_latents = sorted(latents.values(), key=lambda t: t[0])[rank::world]
     todo_texts = sorted(texts.values())[rank::world]
-    skipped = len({k for pair in keys for k in pair}) - len(latents) - len(texts)
+    skipped = len(wanted) - len(latents) - len(texts)
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(device)

@@ -340,9 +340,7 @@ class ValidationConfig:
     prompts: List[str] = knob(MISSING)  # sampled with every seed; empty: no videos
     seeds: List[int] = knob(MISSING)
     first_frame: bool = knob(MISSING, doc="TI2V: sample image-to-video from held-out clips' first frames (I2V always)")
-    height: int = knob(MISSING, ge=1)
-    width: int = knob(MISSING, ge=1)
-    num_frames: int = knob(MISSING, ge=1, doc="4k+1")
+    shapes: Any = None  # null: the data's first bucket; "buckets": every bucket; or [[h, w], [h, w, frames], ...]
     fps: int = knob(MISSING, ge=1)
     steps: int = knob(MISSING, ge=1, doc="sampling steps of the base model and of a LoRA that is not distilled")
     guidance: float = knob(MISSING, ge=1.0, doc="CFG of the base model and of a LoRA that is not distilled")

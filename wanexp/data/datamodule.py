@@ -57,6 +57,13 @@ def check_sequence_split(shapes, vae_stride: tuple[int, int, int], patch: tuple[
                                 "num_frames (or data.buckets) or another sp_size")
 
 
+def padded_text(text: torch.Tensor, text_len: int) -> torch.Tensor:
+    """A cached embedding (its real tokens only) zero-padded to the text length, as online encoding feeds the DiT."""
+    padded = text.new_zeros((text_len, text.shape[-1]))
+    padded[: text.shape[0]] = text
+    return padded
+
+
 def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
     """The (height, width) in ``resolutions`` whose aspect ratio is closest to ``width / height`` (log distance)."""
     aspect = math.log(width / height)
@@ -138,10 +145,8 @@ class CachedDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         lkey, tkey = self.keys[i]
         item = self.index.load(lkey)
-        text = self.index.load(tkey)["text"]
-        padded = text.new_zeros((self.text_len, text.shape[-1]))
-        padded[: text.shape[0]] = text
-        return dict(item, text=padded, prompt=self.samples[i].prompt, index=i)
+        text = padded_text(self.index.load(tkey)["text"], self.text_len)
+        return dict(item, text=text, prompt=self.samples[i].prompt, index=i)
 
 
 class _Epoch:
@@ -287,6 +292,7 @@ class WanDataModule(L.LightningDataModule):
         self.cache_dir, self.use_cache, self.encoders = (Path(cache_dir) if cache_dir else None), use_cache, encoders
         self.cache_shard_size, self.cache_dtype = cache_shard_size, cache_dtype
         self.cached = False  # every sample's latents and text are in the cache: training never runs the encoders
+        self._text_id: str | None = None  # the text encoder + tokenizer part of a text cache key (computed once)
         self.keys: list[tuple[str, str]] = []
         self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
         self.dataset: ClipDataset | None = None
@@ -429,9 +435,24 @@ class WanDataModule(L.LightningDataModule):
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
         e = self.encoders
         vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"], self.cache_dtype])
-        text_id = folder_identity(e["text_encoder"], e["text_dtype"]) + "+" + folder_identity(e["tokenizer"])
         return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e["image_latent"]),
-                 text_key(text_id, e["text_len"], s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
+                 self.text_cache_key(s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
+
+    def text_cache_key(self, prompt: str) -> str:
+        """The cache key of a prompt's UMT5 embedding (training captions and validation prompts alike)."""
+        e = self.encoders
+        if self._text_id is None:
+            self._text_id = folder_identity(e["text_encoder"], e["text_dtype"]) + "+" + folder_identity(e["tokenizer"])
+        return text_key(self._text_id, e["text_len"], prompt)
+
+    def cached_text(self, prompt: str) -> torch.Tensor | None:
+        """A prompt's embedding (text_len, D) from the cache, zero-padded as the DiT sees it; None if not cached."""
+        if not self.encoders or self.cache_dir is None or not self.cache_dir.is_dir():
+            return None
+        key, index = self.text_cache_key(prompt), CacheIndex(self.cache_dir)
+        if key not in index:
+            return None
+        return padded_text(index.load(key)["text"], self.encoders["text_len"])
 
     def bucket_batch_sizes(self) -> dict | None:
         """With ``token_budget``: each bucket's per-device batch, budget // (DiT tokens of one sample), at least 1."""

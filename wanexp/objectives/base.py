@@ -19,6 +19,14 @@ class ObjectiveOutput:
     adapter: str | None = None  # several adapters: the one the loss's graph ran under (backward runs under it too)
 
 
+@dataclass(frozen=True)
+class StudentSteps:
+    """A distilled adapter's sampling: these timesteps (1..1000, decreasing) shifted by ``shift``, guidance 1."""
+
+    timesteps: tuple[int, ...]
+    shift: float
+
+
 class Objective:
     """Base class. ``adapters``: the adapter names it needs on every trained expert; ``export``: the one to export.
 
@@ -47,6 +55,12 @@ class Objective:
     def export_metadata(self) -> dict[str, str]:
         """Written into the exported LoRA files' headers (e.g. how a distilled LoRA must be sampled)."""
         return {"wanexp_objective": self.name}
+
+    def student_steps(self) -> "StudentSteps | None":
+        """How the exported adapter is sampled (validation, wanexp-sample): a distilled adapter on exactly its
+        student steps, without CFG, every step on the expert it was trained on; None (the default): the model's own
+        scheduler, steps and guidance, each step on the expert its noise level routes to."""
+        return None
 
     def optimizer_settings(self) -> dict[str, dict]:
         """Per trained adapter: optimizer overrides (lr, weight_decay, eps, betas) and ``clip`` (max grad norm)."""

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from wanexp.lora import use_adapter
-from wanexp.objectives.base import Objective, ObjectiveOutput
+from wanexp.objectives.base import Objective, ObjectiveOutput, StudentSteps
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 from wanexp.objectives.timesteps import shift_sigma
 
@@ -63,6 +63,9 @@ class DMD(Objective):
 
     def optimizer_settings(self) -> dict[str, dict]:
         return self.settings
+
+    def student_steps(self) -> StudentSteps:
+        return StudentSteps(tuple(self.student_timesteps), self.student_shift)
 
     def export_metadata(self) -> dict[str, str]:
         """wanexp.cli.sample samples a LoRA with these headers on exactly the student's steps."""
