@@ -1,5 +1,5 @@
 # make demo: set up .venv (first time), cache the generated clips' latents and text, train the tiny Wan2.2 from the
-# cache (CPU, about a minute).
+# cache (CPU, about 30 s; the first call also sets up .venv: about 2.5 minutes with a warm pip cache).
 # make test: set up .venv (first time) and run the test suite.
 # make docs: build the documentation site (docs/, mkdocs.yml) into site/.
 # make setup: only the .venv, with wanexp installed editable (wanexp-train, wanexp-status, ... in .venv/bin).

@@ -17,6 +17,8 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 MAX_README_LINES = 200
 # tests/unit/test_x.py or tests/unit/test_x.py::test_name (a [param] suffix allowed)
 NODE_ID = re.compile(r"\b(tests/[\w/]+\.py)(?:::(\w+)(?:\[[^\]`\s]*\])?)?")
+# a repository file named in the text (placeholders such as <name>.py do not match)
+REPO_FILE = re.compile(r"\b((?:tests|wanexp|conf|sweeps|benchmarks)/[\w/.-]*?\.(?:py|sh|yaml|md))\b")
 GPU_CASE = re.compile(r"python -m tests\.gpu\.run (\w+)")
 README_LINK = re.compile(r"\]\((docs/[\w-]+\.md)(?:#([\w-]+))?\)")
 
@@ -68,6 +70,12 @@ def test_every_cited_test_exists():
             elif name and not re.search(rf"^\s*(async )?def {name}\(", file.read_text(), re.M):
                 missing.append(f"{doc}: {path}::{name} (no such test)")
     assert not missing, "docs cite tests that do not exist:\n" + "\n".join(sorted(missing))
+
+
+def test_every_cited_repository_file_exists():
+    missing = sorted({f"{doc}: {path}" for doc, text in cited_texts().items() for path in REPO_FILE.findall(text)
+                      if not (ROOT / path).exists()})
+    assert not missing, "docs name files that are not in the repository:\n" + "\n".join(missing)
 
 
 def test_every_cited_gpu_case_is_in_the_registry():
