@@ -31,21 +31,26 @@ class RunLock:
         self._thread: threading.Thread | None = None
         self.info = {"pid": os.getpid(), "host": socket.gethostname(),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self._created: list[Path] = []  # what acquire() created (a refused run removes it again: see discard)
+        self.started = False  # set once the run writes its config: from then on its folder is kept
 
     def acquire(self) -> None:
         import fcntl
 
+        folders = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._created = [self.path, *folders] if not self.path.exists() else folders  # innermost first
             f = open(self.path, "a+")
         except OSError as e:
-            raise ConfigError(f"paths.output_dir={self.path.parent}: cannot write there ({e.strerror or e}); pick a "
-                              "writable folder (paths.output_dir or paths.root_dir)") from None
+            why = "a file, not a folder" if self.path.parent.is_file() else f"cannot write there ({e.strerror or e})"
+            raise ConfigError(f"paths.output_dir={self.path.parent}: {why}; pick a writable folder (paths.output_dir "
+                              "or paths.root_dir)") from None
         os_lock = True
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = self._holder(f)
+            holder = self._holder(f) or {}
             f.close()
             raise self._live_error(holder) from None
         except OSError as e:  # e.g. a shared filesystem mounted without lock support: the heartbeat decides alone
@@ -53,6 +58,10 @@ class RunLock:
                 raise
             os_lock = False
         holder = self._holder(f)
+        if holder is None:  # an unreadable record nobody is rewriting (a holder killed mid-write): stale
+            print(f"wanexp: warning: taking over the stale lock of {self.path.parent}: its record is unreadable "
+                  "(a holder killed while writing it)", flush=True)
+            holder = {}
         if holder:  # the last holder did not release: dead, or alive where the OS lock cannot see it
             age = time.time() - holder.get("heartbeat", 0)
             same_host = holder.get("host") == self.info["host"]
@@ -68,7 +77,18 @@ class RunLock:
         self._thread = threading.Thread(target=self._heartbeat, name="wanexp-lock-heartbeat", daemon=True)
         self._thread.start()
 
-    def release(self) -> None:
+    def release(self, discard: bool = False) -> None:
+        """Unlock; ``discard``: the run was refused before it started, so what acquire() created (the .lock file,
+        the run folder and its parents, each only where empty) is removed again: a refused run leaves nothing."""
+        self._release()
+        if discard:
+            for p in self._created:  # the .lock first, then the folders from the innermost
+                try:
+                    p.rmdir() if p.is_dir() else p.unlink()
+                except OSError:  # not empty (someone wrote there meanwhile), or already gone: keep it
+                    pass
+
+    def _release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -96,13 +116,19 @@ class RunLock:
                 pass
 
     @staticmethod
-    def _holder(f) -> dict:
-        f.seek(0)
-        text = f.read().strip()
-        try:
-            return json.loads(text) if text else {}
-        except json.JSONDecodeError:  # caught mid-write by its heartbeat: someone holds it
-            return {"pid": "?", "host": "?", "heartbeat": time.time()}
+    def _holder(f, tries: int = 5) -> dict | None:
+        """The holder's record: {} when there is none, None when it stays unreadable. A live holder rewrites it
+        whole within microseconds (its heartbeat), so a record caught mid-write reads whole a moment later."""
+        for attempt in range(tries):
+            f.seek(0)
+            text = f.read().strip()
+            try:
+                holder = json.loads(text) if text else {}
+                return holder if isinstance(holder, dict) else None
+            except json.JSONDecodeError:
+                if attempt + 1 < tries:
+                    time.sleep(0.05)
+        return None
 
     def _live_error(self, holder: dict) -> ConfigError:
         return ConfigError(f"paths.output_dir={self.path.parent} is in use by a live run (pid {holder.get('pid', '?')} "
@@ -163,3 +189,50 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
         else:
             p.unlink(missing_ok=True)
     return found
+
+
+DEEPSPEED_POINTER = "wanexp-deepspeed-checkpoint"  # the format of parallel=deepspeed's .ckpt files (parallel/zero.py)
+
+
+def checkpoint_kind(path, parallel: str) -> str:
+    """What a ``resume=`` file is, checked by its bytes before anything loads: ``"torch"`` (a Lightning checkpoint:
+    torch.save's zip with its ``data.pkl``) or ``"deepspeed"`` (parallel=deepspeed's pointer file or folder).
+    Anything else (the run's config.yaml, a LoRA file, an empty or truncated file) is one line naming the file and
+    what to pass."""
+    import zipfile
+
+    p = Path(path)
+    fix = "pass a .ckpt file of the run's checkpoints/ folder, or resume=last (resume=auto)"
+    if p.is_dir():
+        if parallel == "deepspeed":
+            return "deepspeed"
+        raise ConfigError(f"resume={p}: is a folder, not a checkpoint file; {fix}")
+    size = p.stat().st_size
+    if size == 0:
+        raise ConfigError(f"resume={p}: the file is empty (0 bytes; a copy or save that did not finish); {fix}")
+    with open(p, "rb") as f:
+        head = f.read(4096)
+    if DEEPSPEED_POINTER.encode() in head:
+        if parallel != "deepspeed":
+            raise ConfigError(f"resume={p}: a checkpoint written under parallel=deepspeed; resume it with "
+                              "parallel=deepspeed (a checkpoint resumes under the parallel setting that wrote it)")
+        return "deepspeed"
+    entries = []
+    if zipfile.is_zipfile(p):
+        try:
+            with zipfile.ZipFile(p) as z:
+                entries = z.namelist()
+        except (zipfile.BadZipFile, OSError):
+            entries = []
+    if any(e.endswith("/data.pkl") or e == "data.pkl" for e in entries):
+        return "torch"
+    if p.name.endswith(".safetensors"):
+        what = "a safetensors file (a LoRA export, not a training checkpoint; to start a new run from a LoRA pass " \
+               "adapter.init_from=FILE)"
+    elif head.lstrip()[:1] in (b"{", b"#") or p.suffix in (".yaml", ".yml", ".json", ".txt"):
+        what = "a text file, not a checkpoint"
+    elif entries or head[:2] == b"PK":
+        what = "a zip file without a checkpoint's data.pkl (truncated, or not written by torch.save)"
+    else:
+        what = f"not a Lightning checkpoint ({size} bytes that are not torch.save's zip; truncated or another format)"
+    raise ConfigError(f"resume={p}: {what}; {fix}")

@@ -15,7 +15,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
 from wanexp.errors import ConfigError, Interrupted, UserError
-from wanexp.runfolder import RunLock, clear_run_folder, remove_stale_temporaries, resume_path
+from wanexp.config.rules import switched_off
+from wanexp.runfolder import RunLock, checkpoint_kind, clear_run_folder, remove_stale_temporaries, resume_path
+
 
 def quiet_warnings() -> None:
     """Drop the library warnings a user cannot act on (each one says why); warnings about their settings stay."""
@@ -36,8 +38,8 @@ quiet_warnings()
 
 
 def instantiate_named(nodes: DictConfig | None) -> list:
-    """The generic swap point: one object per named node with a ``_target_`` (a null node is switched off)."""
-    return [build(node) for node in (nodes or {}).values() if node is not None]
+    """The generic swap point: one object per named node with a ``_target_`` (a null or false node is off)."""
+    return [build(node) for node in (nodes or {}).values() if not switched_off(node)]
 
 
 def build(node: DictConfig, **kwargs):
@@ -84,9 +86,67 @@ def build_trainer(cfg: DictConfig, out: Path):
                         callbacks=callbacks, default_root_dir=str(out),
                         enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
                         use_distributed_sampler=False, enable_model_summary=False)
-    for lg in loggers:
-        lg.log_hyperparams(redacted(OmegaConf.to_container(cfg, resolve=True)))
     return trainer
+
+
+def start_services(trainer) -> None:
+    """Start the loggers that reach a service (W&B: a login or network failure refuses the run, before the run
+    folder is cleared or written)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for lg in trainer.loggers:
+        if isinstance(lg, WandbLogger):
+            lg.experiment
+
+
+def log_config(trainer, cfg: DictConfig) -> None:
+    """The run's config to every logger (CSV: logs/version_N/hparams.yaml; W&B: the run's config)."""
+    for lg in trainer.loggers:
+        lg.log_hyperparams(redacted(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def check_resume(module, ckpt: str, parallel: str) -> None:
+    """The checkpoint of a resume agrees with this run's settings (the module's own check), read before the run
+    writes anything, so that a refused resume leaves its run folder as it was. Only the saved settings are read
+    (memory-mapped); a DeepSpeed checkpoint is checked when Lightning loads it."""
+    if checkpoint_kind(ckpt, parallel) != "torch":
+        return
+    import torch
+
+    fix = "pass another .ckpt of the run's checkpoints/ folder, or resume=last"
+    try:
+        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a damaged zip entry, or content torch.load refuses to unpickle
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"resume={ckpt}: cannot read the checkpoint ({reason}); {fix}") from None
+    if not isinstance(checkpoint, dict) or "wanexp" not in checkpoint:
+        raise ConfigError(f"resume={ckpt}: not a checkpoint of a wanexp run (it holds no run settings); {fix}")
+    module.check_resume(checkpoint["wanexp"])
+
+
+def launcher_devices(cfg: DictConfig, environ=os.environ) -> None:
+    """Under torchrun, Lightning takes the ranks from the launcher and needs trainer.devices x trainer.num_nodes to
+    match its world: devices=auto (or -1) becomes torchrun's processes per node; a count that differs is one line."""
+    if "TORCHELASTIC_RUN_ID" not in environ or "LOCAL_WORLD_SIZE" not in environ:
+        return
+    local = int(environ["LOCAL_WORLD_SIZE"])
+    world = int(environ.get("WORLD_SIZE", local))
+    nodes = max(1, world // max(1, local))
+    t = cfg.trainer
+    devices = OmegaConf.to_container(t.devices) if OmegaConf.is_list(t.devices) else t.devices
+    if str(devices).strip() in ("auto", "-1"):
+        with open_dict(cfg):
+            t.devices = local
+    else:
+        count = len(devices) if isinstance(devices, list) else \
+            len(devices.strip(",").split(",")) if isinstance(devices, str) else int(devices)
+        if count != local:
+            raise ConfigError(f"trainer.devices={devices} under torchrun with {local} processes per node "
+                              f"(LOCAL_WORLD_SIZE={local}): each process drives one device; set "
+                              f"trainer.devices={local} (or trainer.devices=auto)")
+    if int(t.num_nodes) != nodes:
+        raise ConfigError(f"trainer.num_nodes={t.num_nodes} under torchrun with WORLD_SIZE={world} and {local} "
+                          f"processes per node: set trainer.num_nodes={nodes}")
 
 
 SECRET_KEYS = ("api_key", "apikey", "token", "password", "secret")
@@ -116,6 +176,7 @@ def launch_rank() -> int:
 def run(cfg: DictConfig) -> dict:
     """Train one run described by a composed config. Returns paths of what it wrote."""
     # Checks and light components first: a bad run fails in seconds, before Lightning or any weight loads.
+    launcher_devices(cfg)
     check_config(cfg)
     for key, value in (cfg.parallel.env or {}).items():  # before CUDA/NCCL start; children inherit it
         os.environ.setdefault(str(key), str(value))
@@ -131,6 +192,9 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
         cfg.paths.output_dir = str(out)  # every callback and logger writes under this absolute folder
+    found = resume_path(cfg.resume, out)  # resume=last with no checkpoint, or not a checkpoint: before any write
+    if found is not None:
+        checkpoint_kind(found, cfg.parallel.name)
     lock = None
     if launch_rank() == 0:
         lock = RunLock(out, cfg.guard.lock_stale_s)
@@ -140,13 +204,13 @@ def run(cfg: DictConfig) -> dict:
             print(f"wanexp: removed {len(stale)} temporary file(s) of an interrupted write in {out} "
                   f"(e.g. {stale[0].name})", flush=True)
     try:
-        return _fit(cfg, spec, adapter, objective, out)
+        return _fit(cfg, spec, adapter, objective, out, lock)
     finally:
-        if lock is not None:
-            lock.release()
+        if lock is not None:  # refused before it started (no config.yaml written): the lock it made goes too
+            lock.release(discard=not lock.started)
 
 
-def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
+def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | None = None) -> dict:
     import lightning as L
 
     from wanexp.callbacks.lora_export import LoraExport
@@ -171,8 +235,6 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
     if cfg.resume == "auto" and launch_rank() == 0:
         print(f"wanexp: resume=auto: {f'continuing from {Path(ckpt).resolve()}' if ckpt else 'no checkpoint yet, starting fresh'}",
               flush=True)
-    if cfg.overwrite and ckpt is None and launch_rank() == 0:
-        clear_run_folder(out)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     with open_dict(cfg):
         if objective.manual:  # several adapters, each step trains one: the objective clips per adapter
@@ -204,14 +266,23 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path) -> dict:
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
                        allow_resume_changes=bool(cfg.allow_resume_changes),
                        max_bad_steps=int(cfg.guard.max_bad_steps), seed=int(cfg.seed))
+    if ckpt is not None:
+        check_resume(module, ckpt, cfg.parallel.name)
     if trainer.global_rank == 0:  # before anything is written or loaded: can the folder hold what the run keeps?
         from wanexp.disk import check_disk, estimate
 
         check_disk(out, estimate(spec, adapter, objective, cfg.boundary.name,
                                  OmegaConf.to_container(cfg.callbacks, resolve=True), int(cfg.trainer.max_steps or -1)))
+    # Every check passed: the run starts here. Until now it wrote nothing into the run folder.
+    start_services(trainer)
+    if cfg.overwrite and ckpt is None and trainer.global_rank == 0:
+        clear_run_folder(out)
+    log_config(trainer, cfg)
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(redacted(OmegaConf.to_container(cfg, resolve=True))))
+    if lock is not None:
+        lock.started = True
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)  # nothing is unpickled
     if trainer.checkpoint_callback is None:  # checkpointing switched off: one checkpoint at the end
         trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # collective: every rank calls it
@@ -341,6 +412,8 @@ def _finish_wandb(failed: bool) -> None:
     mod = sys.modules.get("wandb")
     run = getattr(mod, "run", None) if mod is not None else None
     if run is None:
+        if failed and mod is not None:  # e.g. a run W&B could not start: its exit lines now, before wanexp's line
+            _wandb_teardown(mod)
         return
     error = sys.exc_info()[1] if failed else None
     code = 1 if failed else 0
@@ -357,3 +430,13 @@ def _finish_wandb(failed: bool) -> None:
             run.summary["wanexp/state"] = "failed" if failed else "finished"
     finally:
         mod.finish(exit_code=code)
+        if failed:
+            _wandb_teardown(mod)
+
+
+def _wandb_teardown(mod) -> None:
+    """W&B prints its last lines (where its logs are) when it shuts down, at exit by default: shut it down now, so
+    that wanexp's one line, printed after this, is the last line of a failed run."""
+    teardown = getattr(mod, "teardown", None)
+    if teardown is not None:
+        teardown()

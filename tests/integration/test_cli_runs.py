@@ -192,3 +192,64 @@ def test_corrupt_clip_in_a_worker_fails_with_one_line(shared_dir, tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
     assert "2 of 2 samples rejected" in errors[0] and "broken.mp4: cannot open video" in errors[0], errors[0]
+
+
+def _main(monkeypatch, capsys, args: list[str]) -> tuple[int, list[str]]:
+    """``python train.py ARGS`` in this process (wanexp.train.main with sys.argv patched): exit code, stderr lines."""
+    import sys
+
+    from wanexp.train import main
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.delenv("HYDRA_FULL_ERROR")  # main sets it for Hydra; restored unset after the test
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() if p.is_file() else b"/" for p in sorted(root.rglob("*"))}
+
+
+def _bad_cli_rows(tmp_path) -> list[tuple[list[str], str]]:
+    """One row per place run() refuses (the values' own checks: tests/unit/test_config.py)."""
+    from tests.unit.test_config import _resume_files
+
+    lora, needle = _resume_files(tmp_path)["lora"]
+    (tmp_path / "a_file").write_text("not a folder")
+    return [
+        (["trainer.devices=abc"], "trainer.devices=abc: must be auto, a device count"),  # config checks
+        ([f"resume={lora}"], needle),  # the files a run needs
+        (["paths.output_dir=" + str(tmp_path / "a_file")], f"paths.output_dir={tmp_path}/a_file: a file, not a folder"),
+        (["resume=last"], "holds no checkpoint yet; start it fresh (resume=null)"),  # the run folder
+    ]
+
+
+def _broken_clips(tmp_path) -> Path:
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    (clips / "broken.mp4").write_bytes(bytes(range(256)) * 64)
+    (clips / "meta.csv").write_text("video,prompt\nbroken.mp4,a broken clip\n")
+    return clips / "meta.csv"
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(shared_dir, tmp_path, monkeypatch, capsys):
+    """Each bad input through the CLI's entry (in process): exit code 2, one line on stderr, and nothing written:
+    no run folder, no .hydra/ (also none in the working folder), no .lock."""
+    monkeypatch.chdir(tmp_path)
+    rows = _bad_cli_rows(tmp_path)
+    before = _tree(tmp_path)
+    common = ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+              f"paths.output_dir={tmp_path}/run", "callbacks.progress=null"]
+    for args, needle in rows:
+        code, err = _main(monkeypatch, capsys, [*common, *args])
+        assert code == 2 and len(err) == 1 and err[0].startswith("wanexp: error: ") and needle in err[0], (args, err)
+        assert _tree(tmp_path) == before, (args, set(_tree(tmp_path)) ^ set(before))
+    # refused by the data checks, once the run folder is locked: the lock goes, the rejects report stays
+    meta = _broken_clips(tmp_path)
+    before = _tree(tmp_path)
+    code, err = _main(monkeypatch, capsys, [*common, f"data.metadata={meta}", "data.generate=null"])
+    assert code == 2 and len(err) == 1 and "1 of 1 samples rejected" in err[0], err
+    assert set(_tree(tmp_path)) - set(before) == {"run", "run/rejects.jsonl"}

@@ -237,3 +237,109 @@ def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights
     assert not [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     metrics = sorted((out / "logs").glob("version_*/metrics.csv"))
     assert len(metrics) >= 2  # every session kept its own metrics (none deleted or overwritten)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+@pytest.mark.parametrize("change,needle", [
+    (["adapter.rank=8"], "resume: adapter.rank=4 in the checkpoint, 8 now: the checkpoint's weights have another "
+                         "layout; resume with its settings, or start a new run (another run_name)"),
+    (["optim.lr=5e-3"], "resume: optim.lr=0.01 in the checkpoint, 0.005 now; resume with the checkpoint's settings, "
+                        "or pass allow_resume_changes=true"),
+    (["resume=CONFIG"], "/config.yaml: a text file, not a checkpoint; pass a .ckpt file"),
+], ids=["rank", "lr", "config.yaml"])
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(trained, tmp_path, capsys, change, needle):
+    """An interrupted run resumed with other settings (or from a file that is no checkpoint) is refused with one
+    line, and its status.json, config.yaml, logs/ and checkpoints stay as they were (no new logs/version_N)."""
+    import shutil
+
+    from tests.conftest import compose_cfg
+    from wanexp.train import cli
+
+    src = trained("tiny")
+    out = tmp_path / "run"
+    shutil.copytree(src["output_dir"], out, symlinks=True)
+    status = json.loads((out / "status.json").read_text())
+    (out / "status.json").write_text(json.dumps(dict(status, state="interrupted", step=2)))
+    overrides = [o.replace("CONFIG", str(out / "config.yaml")) for o in change]
+    if not any(o.startswith("resume=") for o in overrides):
+        overrides.append("resume=last")
+    cfg = compose_cfg([*_tiny_overrides(src["cfg"], out), *overrides])
+    before = _snapshot(out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli(cfg)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("wanexp: error: ") and needle in err[0], err
+    after = _snapshot(out)
+    rewritten = {"rejects.jsonl", ".lock"}  # the data check's report, written again the same; the lock, used
+    assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}
+    assert {k: v for k, v in after.items() if k not in rewritten} == \
+        {k: v for k, v in before.items() if k not in rewritten}
+    assert sorted(p.name for p in (out / "logs").iterdir()) == \
+        sorted(p.name for p in (Path(src["output_dir"]) / "logs").iterdir())  # no new logs/version_N
+
+
+def _tiny_overrides(cfg, out: Path) -> list[str]:
+    """The overrides of tests/integration/conftest.py:tiny_run for layout 'tiny', with the run folder moved."""
+    return ["experiment=demo", f"paths.tiny_model_dir={cfg.paths.tiny_model_dir}",
+            f"paths.data_dir={cfg.paths.data_dir}", f"paths.output_dir={out}", "trainer.max_steps=4",
+            "callbacks.checkpoint.every_n_train_steps=2", "trainer.log_every_n_steps=1", "callbacks.progress=null",
+            "adapter.rank=4", "adapter.alpha=2", "optim.lr=1e-2", "optim.warmup_steps=0", "model=tiny"]
+
+
+def test_wanexps_error_is_the_last_line_after_wandbs_own(monkeypatch, capsys):
+    """W&B prints its closing lines when it shuts down (at exit, unless told earlier): a failed run shuts it down
+    first, so that wanexp's one line is the last line of the output."""
+    import sys
+    import types
+
+    import wanexp.train as train
+    from wanexp.callbacks.wandb_logger import WandbLoginError
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.run = None  # W&B could not start the run (no network)
+
+    def teardown(exit_code=None):
+        calls.append("teardown")
+        print("wandb: Find logs at: DIR/wandb/run-x/logs", file=sys.stderr, flush=True)
+
+    fake.teardown = teardown
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def refused(cfg):
+        raise WandbLoginError("logger=wandb: W&B could not start the run (context deadline exceeded); log in")
+
+    monkeypatch.setattr(train, "run", refused)
+    with pytest.raises(SystemExit) as e:
+        train.cli(compose_cfg_light())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and calls == ["teardown"]
+    assert err[-1].startswith("wanexp: error: logger=wandb: W&B could not start the run") and "wandb: Find" in err[0]
+    # a run that started: finished as failed (exit code 2), then shut down, then the line
+    run = types.SimpleNamespace(summary={})
+    fake.run = run
+    fake.finish = lambda exit_code: calls.append(f"finish {exit_code}")
+    calls.clear()
+    with pytest.raises(SystemExit):
+        train.cli(compose_cfg_light())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert calls == ["finish 2", "teardown"] and err[-1].startswith("wanexp: error: ")
+    assert run.summary["wanexp/state"] == "failed"
+
+
+def test_the_wandb_logger_writes_nothing_until_its_run_starts(tmp_path):
+    from wanexp.callbacks.wandb_logger import RunWandbLogger
+
+    RunWandbLogger(save_dir=str(tmp_path / "run"), mode="offline")  # built with the trainer, before the checks end
+    assert not (tmp_path / "run").exists()
+
+
+def compose_cfg_light():
+    from tests.conftest import compose_cfg
+
+    return compose_cfg(["model.path=/m"])

@@ -303,3 +303,160 @@ def test_each_default_exists_once():
 
     assert list(missing(OmegaConf.to_container(compose_cfg([])))) == ["model.path"]
     OmegaConf.to_container(compose_cfg(["model.path=/m"]), resolve=True, throw_on_missing=True)
+
+
+# ---- user errors that used to be tracebacks: one line each, before anything loads --------------------------------
+_BASE: list = []
+
+
+def _base(**values):
+    """The default run (composed once) with values set as the command line would: dotted key -> value."""
+    import copy
+
+    if not _BASE:
+        _BASE.append(compose_cfg(["model.path=/somewhere"]))
+    cfg = copy.deepcopy(_BASE[0])
+    for key, value in values.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, force_add=True)
+    return cfg
+
+
+LINE_ERRORS = [
+    ({"trainer__devices": "abc"}, "trainer.devices=abc: must be auto, a device count (N >= 1; -1: all of them) or a "
+                                  "list of GPU indices (e.g. [0,1])"),
+    ({"trainer__devices": 0}, "trainer.devices=0: must be auto"),
+    ({"trainer__devices": []}, "trainer.devices=[]: must be auto"),
+    ({"callbacks__progress": "abc"}, "callbacks.progress=abc: must be a node with a _target_ (the class to "
+                                     "instantiate), or null (or false) to turn it off"),
+    ({"callbacks__checkpoint": True}, "callbacks.checkpoint=True: must be a node with a _target_"),
+]
+
+
+@pytest.mark.parametrize("values,message", LINE_ERRORS, ids=[str(v) for v, _ in LINE_ERRORS])
+def test_more_bad_values_are_one_line(values, message):
+    with pytest.raises(ConfigError) as e:
+        check_config(_base(**values))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_device_settings_lightning_takes_pass():
+    for devices in ("auto", 1, -1, [0, 1], "0,1", "1,", 4):
+        check_config(_base(trainer__devices=devices))
+
+
+def test_false_or_zero_turns_a_named_callback_or_logger_off(monkeypatch):
+    """callbacks.NAME=false (or 0) is off, as null is: neither checked nor built."""
+    import wanexp.train as train
+
+    cfg = compose_cfg(["model.path=/somewhere", "callbacks.progress=false", "callbacks.checkpoint=false",
+                       "callbacks.validation=0", "logger.csv=false"])
+    check_config(cfg)
+    monkeypatch.setattr(train, "build", lambda node: node._target_.rpartition(".")[2])  # what would be built
+    built = set(train.instantiate_named(cfg.callbacks))
+    assert "StepProgressBar" not in built and "RunCheckpoint" not in built and "Validation" not in built
+    assert {"LoraExport", "RunStatus", "Preemption"} <= built
+    assert train.instantiate_named(cfg.logger) == []
+
+
+LOGGERS = [  # every logger the README names, and Lightning's others: the package each needs and its install line
+    ("wandb", "wanexp.callbacks.wandb_logger.RunWandbLogger", ["wandb"], "pip install wandb"),
+    ("tb", "lightning.pytorch.loggers.TensorBoardLogger", ["tensorboard", "tensorboardX"], "pip install tensorboard"),
+    ("mlflow", "lightning.pytorch.loggers.MLFlowLogger", ["mlflow"], "pip install mlflow"),
+    ("comet", "lightning.pytorch.loggers.CometLogger", ["comet_ml"], "pip install comet-ml"),
+    ("neptune", "lightning.pytorch.loggers.NeptuneLogger", ["neptune"], "pip install neptune"),
+]
+
+
+@pytest.mark.parametrize("name,target,packages,install", LOGGERS, ids=[x[0] for x in LOGGERS])
+def test_a_logger_without_its_package_names_the_install(name, target, packages, install, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in packages else real(n, *a))
+    cfg = _base(**{f"logger__{name}": {"_target_": target, "save_dir": "/tmp/logs"}})
+    with pytest.raises(ConfigError, match=rf"^logger.{name}: \w+ needs the {packages[0]} package, which is not "
+                                          rf"installed; {install}, or use logger=csv$"):
+        check_config(cfg)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if all(real(p) is None for p in packages):
+        return  # not installed here either: the check above is the one that counts
+    check_config(cfg)  # installed: accepted
+
+
+def test_the_tensorboard_logger_of_the_readme_without_tensorboard_is_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("tensorboard") else real(n, *a))
+    cfg = compose_cfg(["model.path=/somewhere", "+logger.tb._target_=lightning.pytorch.loggers.TensorBoardLogger",
+                       "+logger.tb.save_dir=outputs/tb"])
+    with pytest.raises(ConfigError, match="logger.tb: TensorBoardLogger needs the tensorboard package, which is not "
+                                          "installed; pip install tensorboard, or use logger=csv"):
+        check_config(cfg)
+
+
+def _resume_files(tmp_path):
+    """What users pass to resume= by mistake: the run's config.yaml, a LoRA file, an empty or truncated .ckpt."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.yaml").write_text("run_name: demo\nseed: 42\n")
+    save_file({"lora_A.weight": torch.zeros(2, 2)}, tmp_path / "demo_lora_diffusers.safetensors")
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    torch.save({"state_dict": {"w": torch.zeros(64, 64)}, "wanexp": {}}, tmp_path / "whole.ckpt")
+    (tmp_path / "cut.ckpt").write_bytes((tmp_path / "whole.ckpt").read_bytes()[:1000])
+    return {"config": (tmp_path / "config.yaml", "a text file, not a checkpoint"),
+            "lora": (tmp_path / "demo_lora_diffusers.safetensors", "a LoRA export, not a training checkpoint; to "
+                     "start a new run from a LoRA pass adapter.init_from=FILE"),
+            "empty": (tmp_path / "empty.ckpt", "the file is empty (0 bytes"),
+            "cut": (tmp_path / "cut.ckpt", "truncated")}
+
+
+@pytest.mark.parametrize("which", ["config", "lora", "empty", "cut"])
+def test_resume_from_a_file_that_is_no_checkpoint_is_one_line(tmp_path, which):
+    from wanexp.runfolder import checkpoint_kind
+
+    path, needle = _resume_files(tmp_path)[which]
+    meta = tmp_path / "meta.csv"
+    meta.write_text("video,prompt\na.mp4,x\n")
+    with pytest.raises(ConfigError) as e:
+        check_paths(_base(data__metadata=str(meta), resume=str(path)))
+    msg = str(e.value)
+    assert msg.startswith(f"resume={path}: ") and needle in msg and "\n" not in msg, msg
+    assert "pass a .ckpt file of the run's checkpoints/ folder, or resume=last" in msg
+    assert checkpoint_kind(tmp_path / "whole.ckpt", "ddp") == "torch"
+
+
+def test_torchrun_sets_the_device_count_or_says_what_to_set():
+    """Under torchrun (its environment, not launched here) Lightning needs devices x num_nodes = WORLD_SIZE."""
+    from wanexp.train import launcher_devices
+
+    def decide(env, *overrides):
+        cfg = _base(**{k.replace(".", "__"): OmegaConf.from_dotlist([o]).trainer[k.split(".")[1]]
+                       for o in overrides for k in [o.split("=")[0]]})
+        launcher_devices(cfg, env)
+        return cfg.trainer.devices, cfg.trainer.num_nodes
+
+    two = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    assert decide({}, "trainer.devices=1") == (1, 1)  # not under torchrun: as configured
+    assert decide(two) == (2, 1)  # trainer.devices=auto (the default): torchrun's processes per node
+    assert decide(two, "trainer.devices=-1") == (2, 1)
+    assert decide(two, "trainer.devices=2") == (2, 1)
+    assert decide(two, "trainer.devices=[0,1]") == ([0, 1], 1)
+    with pytest.raises(ConfigError, match=r"trainer.devices=1 under torchrun with 2 processes per node "
+                                          r"\(LOCAL_WORLD_SIZE=2\): .*; set trainer.devices=2 "
+                                          r"\(or trainer.devices=auto\)"):
+        decide(two, "trainer.devices=1")  # e.g. experiment=demo's
+    nodes = dict(two, WORLD_SIZE="8")
+    with pytest.raises(ConfigError, match=r"trainer.num_nodes=1 under torchrun with WORLD_SIZE=8 and 2 processes per "
+                                          r"node: set trainer.num_nodes=4"):
+        decide(nodes)
+    assert decide(nodes, "trainer.num_nodes=4") == (2, 4)
+
+
+def test_hydra_writes_no_run_folder_of_a_single_run():
+    """A single run: Hydra's job folder is the working folder and it writes no .hydra/ (wanexp makes the run folder
+    after its checks); a multirun point keeps its .hydra/ (the sweep summary reads it)."""
+    run = compose(["model.path=/m"], return_hydra_config=True).hydra
+    assert run.run.dir == "." and run.output_subdir is None and not run.job.chdir
+    assert compose(["model.path=/m", "sweep=rank_lr"], return_hydra_config=True).hydra.output_subdir == ".hydra"

@@ -95,3 +95,50 @@ def test_secrets_are_redacted_from_what_a_run_writes():
     cfg = {"logger": {"wandb": {"project": "p", "api_key": "abc123"}}, "hub": [{"HF_TOKEN": "xyz"}], "lr": 1e-4}
     assert redacted(cfg) == {"logger": {"wandb": {"project": "p", "api_key": "***"}}, "hub": [{"HF_TOKEN": "***"}],
                              "lr": 1e-4}
+
+
+def test_a_truncated_lock_record_with_the_os_lock_free_is_taken_over(tmp_path, capsys):
+    """A holder killed while writing its record leaves e.g. '{"pid": 4': no live run holds the OS lock, so the
+    folder is not blocked forever; a live holder (OS lock held) with such a record still refuses."""
+    (tmp_path / ".lock").write_text('{"pid": 4')
+    f = open(tmp_path / ".lock")
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(ConfigError, match=r"is in use by a live run \(pid \? on \?"):
+            RunLock(tmp_path, 600).acquire()
+    finally:
+        f.close()
+    lock = RunLock(tmp_path, 600)
+    lock.acquire()
+    out = capsys.readouterr().out
+    assert "taking over the stale lock" in out and "its record is unreadable" in out, out
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_refused_run_removes_the_lock_and_folders_it_created(tmp_path):
+    """release(discard=True): what acquire() created goes (the .lock, the new folders), what was there stays."""
+    new = tmp_path / "a" / "b" / "run"
+    lock = RunLock(new, 600)
+    lock.acquire()
+    lock.release(discard=True)
+    assert list(tmp_path.iterdir()) == []
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".lock").write_text("")
+    (old / "status.json").write_text("{}")
+    lock = RunLock(old, 600)
+    lock.acquire()
+    lock.release(discard=True)
+    assert sorted(p.name for p in old.iterdir()) == [".lock", "status.json"]
+    kept = tmp_path / "kept"
+    lock = RunLock(kept, 600)
+    lock.acquire()
+    (kept / "rejects.jsonl").write_text("")  # written meanwhile: the folder stays, the lock goes
+    lock.release(discard=True)
+    assert [p.name for p in kept.iterdir()] == ["rejects.jsonl"]
+    lock = RunLock(tmp_path / "started", 600)
+    lock.acquire()
+    lock.started = True
+    lock.release(discard=not lock.started)
+    assert (tmp_path / "started" / ".lock").is_file()

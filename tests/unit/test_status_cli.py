@@ -140,6 +140,7 @@ def test_wandb_logger_leaves_unset_values_to_the_environment(tmp_path, monkeypat
     lg = RunWandbLogger(save_dir=str(tmp_path), name="r", tags=["a"], mode="offline", group="g", project=None)
     assert lg._wandb_init["project"] == "wanexp" and lg._wandb_init["mode"] == "offline"
     assert lg._wandb_init["group"] == "g" and lg._wandb_init["tags"] == ["a"]
+    (tmp_path / "wandb").mkdir(exist_ok=True)  # the logger makes it only when its run starts
     (tmp_path / "wandb" / "wanexp-run-id").write_text("abc123")
     assert RunWandbLogger(save_dir=str(tmp_path), name="r", resume_from="last")._wandb_init["id"] == "abc123"
     assert RunWandbLogger(save_dir=str(tmp_path), name="r", resume_from=None)._wandb_init["id"] is None

@@ -43,7 +43,6 @@ class RunWandbLogger(WandbLogger):
         run_id = None
         if resume_from is not None and self._id_file.is_file():
             run_id = self._id_file.read_text().strip() or None
-        (self.run_folder / "wandb").mkdir(parents=True, exist_ok=True)  # wandb.init(dir=...) needs it to exist
         init = {k: v for k, v in dict(entity=entity, group=group, tags=list(tags) if tags else None, mode=mode).items()
                 if v is not None}  # left out: W&B reads its WANDB_* variable
         super().__init__(name=name, save_dir=str(self.run_folder), project=project or os.environ.get("WANDB_PROJECT")
@@ -54,6 +53,8 @@ class RunWandbLogger(WandbLogger):
     @property
     def experiment(self):
         started = self._experiment is not None
+        if not started and rank_zero_only.rank == 0:  # wandb.init(dir=...) needs it; made when the run starts
+            (self.run_folder / "wandb").mkdir(parents=True, exist_ok=True)
         try:
             run = super().experiment
         except UserError:

@@ -102,10 +102,34 @@ def check_rules(cfg: DictConfig) -> None:
         if str(t.precision).startswith("16"):
             raise ConfigError(f"objective=dmd with trainer.precision={t.precision}: the fp16 grad scaler is not "
                               "supported with DMD's two optimizers; use bf16-mixed (or 32)")
+    check_devices(t.devices)
     for group in ("logger", "callbacks"):
         for name, node in (cfg[group] or {}).items():
-            if node is not None:
+            if not switched_off(node):
                 _check_target(f"{group}.{name}", node)
+
+
+def switched_off(node) -> bool:
+    """A named logger or callback set to null or false (0 too) is off."""
+    return node is None or (isinstance(node, (bool, int)) and not node)
+
+
+def check_devices(devices) -> None:
+    """trainer.devices as Lightning takes it: auto, a count (-1: all), or GPU indices (a list or "0,1")."""
+    value = OmegaConf.to_container(devices) if OmegaConf.is_list(devices) else devices
+    if isinstance(value, list):
+        ok = bool(value) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    elif isinstance(value, bool):
+        ok = False
+    elif isinstance(value, int):
+        ok = value >= 1 or value == -1
+    else:
+        text = str(value).strip()
+        indices = text.strip(",").split(",")
+        ok = text in ("auto", "-1") or bool(text) and all(i.strip().isdigit() for i in indices)
+    if not ok:
+        raise ConfigError(f"trainer.devices={value}: must be auto, a device count (N >= 1; -1: all of them) or a "
+                          "list of GPU indices (e.g. [0,1])")
 
 
 def check_buckets(cfg: DictConfig) -> None:
@@ -149,7 +173,6 @@ def _dit_tokens(frames: int, height: int, width: int, hw_multiple: int) -> int:
     frame per temporal patch) x the spatial patches, which are hw_multiple pixels a side (VAE stride x patch size)."""
     return ((frames - 1) // 4 + 1) * (height // hw_multiple) * (width // hw_multiple)
 
-
 def check_deepspeed(cfg: DictConfig) -> None:
     """parallel=deepspeed: what DeepSpeed through Lightning can train (one optimizer; every rank runs the same
     modules), and that the package is there."""
@@ -176,6 +199,9 @@ def check_deepspeed(cfg: DictConfig) -> None:
 
 def _check_target(key: str, node: DictConfig) -> None:
     """A swap point's _target_ must name an installed package (checked without importing it)."""
+    if not OmegaConf.is_dict(node):
+        raise ConfigError(f"{key}={node}: must be a node with a _target_ (the class to instantiate), or null (or "
+                          f"false) to turn it off")
     target = node.get("_target_")
     if not target:
         raise ConfigError(f"{key}: has no _target_; give the class to instantiate (e.g. {key}._target_=pkg.Class) "
@@ -183,8 +209,20 @@ def _check_target(key: str, node: DictConfig) -> None:
     top = str(target).split(".")[0]
     if importlib.util.find_spec(top) is None:
         raise ConfigError(f"{key}._target_={target}: package {top!r} is not installed; install it or change {key}")
-    if "WandbLogger" in str(target) and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"{key}: the wandb package is not installed; pip install wandb, or use logger=csv")
+    for cls, (packages, install) in LOGGER_PACKAGES.items():
+        if str(target).endswith(cls) and all(importlib.util.find_spec(p) is None for p in packages):
+            raise ConfigError(f"{key}: {cls} needs the {packages[0]} package, which is not installed; {install}, or "
+                              "use logger=csv")
+
+
+# Lightning's loggers import their package only when built: each one's package (any of them) and its install line.
+LOGGER_PACKAGES = {
+    "WandbLogger": (("wandb",), "pip install wandb"),
+    "TensorBoardLogger": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
+    "MLFlowLogger": (("mlflow",), "pip install mlflow"),
+    "CometLogger": (("comet_ml",), "pip install comet-ml"),
+    "NeptuneLogger": (("neptune",), "pip install neptune"),
+}
 
 
 def check_paths(cfg: DictConfig) -> None:
@@ -207,6 +245,10 @@ def check_paths(cfg: DictConfig) -> None:
             f"paths.output_dir={out} already holds checkpoints of an earlier run; pass resume=last to continue it, "
             "a new run_name (or paths.output_dir), or overwrite=true to replace it"
         )
-    if cfg.resume not in (None, "last", "auto") and not Path(cfg.resume).is_file():
-        raise ConfigError(f"resume={cfg.resume}: checkpoint file not found; pass a .ckpt path, resume=last, "
-                          "resume=auto, or resume=null")
+    if cfg.resume not in (None, "last", "auto"):
+        if not Path(cfg.resume).exists():
+            raise ConfigError(f"resume={cfg.resume}: checkpoint file not found; pass a .ckpt path, resume=last, "
+                              "resume=auto, or resume=null")
+        from wanexp.runfolder import checkpoint_kind
+
+        checkpoint_kind(cfg.resume, cfg.parallel.name)  # its bytes: a checkpoint, not config.yaml or a LoRA file
