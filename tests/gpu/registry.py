@@ -176,12 +176,16 @@ def run_metrics(run: Path, sessions: list[dict] | None = None) -> dict:
         "val_share": (sum(val_seconds) / elapsed) if elapsed else None,
         # the share at the default cadence (the case validates more often to see several calls in a short run):
         # one validation's mean seconds per (default every_n_steps x the median step)
-        "val_share_at_default": (statistics.mean(val_seconds) / (default_cadence() * statistics.median(times[1:])))
-        if vals and len(times) > 1 else None,
+        "val_share_at_default": share_at_default(val_seconds, statistics.median(times[1:]) if len(times) > 1 else None),
         "run_disk_gib": disk_gib(run) if run.is_dir() else None,
         "checkpoints_gib": disk_gib(run / "checkpoints") if (run / "checkpoints").is_dir() else None,
         "lora_final": lora, "lora_final_files": len(lora),
     }
+
+
+def share_at_default(val_seconds: list[float], step_s: float | None) -> float | None:
+    """Validation's share of the run at the shipped cadence: one call's mean seconds / (every_n_steps x step)."""
+    return statistics.mean(val_seconds) / (default_cadence() * step_s) if val_seconds and step_s else None
 
 
 def default_cadence() -> int:

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.gpu.registry import CASES, REPO, Case, Ctx, Phase, evaluate, newest_checkpoint_step
+from tests.gpu.registry import CASES, REPO, Case, Ctx, Phase, evaluate, newest_checkpoint_step, share_at_default
 
 SITE = os.environ.get("WANEXP_SITE", "/tmp/site")  # where setup_env.sh installs the carried wheels
 LOG_TAIL = 400  # lines of each phase's log copied to <out>/<case>/
@@ -161,7 +161,7 @@ def judge(case: Case, ctx: Ctx, phases: dict, gpus: list[str]) -> dict:
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -244,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", type=Path, default=None, metavar="DIR",
                     help="also append each case's row to DIR/<model>_<hw>_<date>.md (e.g. benchmarks)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs present (default: nvidia-smi)")
+    ap.add_argument("--rejudge", type=Path, default=None, metavar="JSON",
+                    help="judge a stored <case>.json again against today's checks and shipped defaults (no GPU)")
     args = ap.parse_args(argv)
+    if args.rejudge is not None:
+        return rejudge(args.rejudge, args.out.resolve(), args.record)
     if args.list:
         for c in CASES.values():
             phases = ", ".join(f"{p.name} ~{p.minutes:g} min" for p in c.phases)
@@ -275,6 +279,24 @@ def main(argv: list[str] | None = None) -> int:
         return run_cases(args, ctx, names, gpus)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def rejudge(stored: Path, out: Path, record: Path | None) -> int:
+    """A stored result judged again: the metrics derived from the shipped defaults (the validation share at the
+    default cadence) recomputed from its measured numbers, then today's checks. Writes ``<out>/<case>.json``."""
+    result = json.loads(stored.read_text())
+    case = CASES[result["case"]]
+    m = result.get("metrics", {})
+    if m.get("validation_s"):
+        m["val_share_at_default"] = share_at_default(m["validation_s"], m.get("median_step_s"))
+    result["verdict"], result["checks"] = evaluate(case, result)
+    result["rejudged"] = {"date": datetime.date.today().isoformat(), "commit": _commit()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{case.name}.json").write_text(json.dumps(result, indent=2, default=str))
+    if record is not None:
+        print(f"recorded in {record_row(case, result, record)}")
+    print(summary_line(result), flush=True)
+    return 1 if result["verdict"] == "FAIL" else 0
 
 
 def run_cases(args, ctx: Ctx, names: list[str] | None, gpus: list[str]) -> int:

@@ -94,7 +94,7 @@ def test_thresholds_pass_a_good_run_and_read_its_numbers(tmp_path):
 @pytest.mark.parametrize("bad, key", [
     ({"losses": (0.5, float("nan"), 0.3)}, "metrics.losses_finite"),
     ({"peak": CAP_GIB + 0.5}, "metrics.peak_mem_gib"),
-    ({"val_seconds": (40.0, 45.0, 50.0)}, "metrics.val_share_at_default"),  # 45 s / (2000 x 0.4 s) = 5.6 %
+    ({"val_seconds": (55.0, 60.0, 65.0)}, "metrics.val_share_at_default"),  # 60 s / (2500 x 0.4 s) = 6 %
     ({"state": "failed", "step": 700}, "metrics.state"),
 ])
 def test_a_failing_result_fails(tmp_path, bad, key):
@@ -183,3 +183,16 @@ def test_skip_and_bad_names(runner, monkeypatch, capsys):
 def test_hw_slug():
     assert run.hw_slug(["NVIDIA H100 80GB HBM3"]) == "h100"
     assert run.hw_slug(["NVIDIA H200"] * 2) == "h200x2" and run.hw_slug([]) == "cpu"
+
+
+def test_rejudge_recomputes_the_share_at_the_shipped_cadence(tmp_path):
+    """A stored result judged again: its validation share is recomputed at today's default cadence from the measured
+    seconds and step time (the stored figure was computed at another default)."""
+    result = judged(tmp_path)
+    step = result["metrics"]["median_step_s"]
+    result["metrics"].update(validation_s=[0.04 * default_cadence() * step] * 3, val_share_at_default=0.5)
+    stored = tmp_path / "stored.json"
+    stored.write_text(json.dumps(result))
+    assert run.main(["--rejudge", str(stored), "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "user_job_5b_28g.json").read_text())
+    assert again["metrics"]["val_share_at_default"] == pytest.approx(0.04) and again["verdict"] == "PASS"
