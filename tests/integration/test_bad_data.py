@@ -68,7 +68,7 @@ def test_a_run_skips_every_bad_row_and_lists_it(shared_dir, tmp_path, messy_data
 def test_mostly_broken_data_stops_before_training(shared_dir, tmp_path, messy_data):
     from wanexp.errors import MetadataError
 
-    with pytest.raises(MetadataError, match=r"9 of 20 samples rejected, more than data.max_reject_fraction=0.05 "
+    with pytest.raises(MetadataError, match=r"9 of 21 samples rejected, more than data.max_reject_fraction=0.05 "
                                             r"\(first: .*; all in .*rejects.jsonl\)"):
         tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.metadata={messy_data}/metadata.csv",
                                                 "data.generate=null"])
