@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2] / "wanexp"
 ALLOWED = {
     "errors": set(),
     "text": set(),
-    "config": {"errors"},
+    "config": {"errors", "runfolder"},  # runfolder is a leaf (errors only): check_paths reads a resume= file's bytes
     "perf": set(),
     "rng": set(),
     "runfolder": {"errors"},
