@@ -1,6 +1,6 @@
 """Time one LoRA training step three ways on the same card, and check that wanexp's step computes the plain function.
 
-    plain         the plain loop of ../shared/performance.md, as users write it: diffusers WanTransformer3DModel in
+    plain         the plain loop of docs/performance.md, as users write it: diffusers WanTransformer3DModel in
                   bf16, peft LoRA (rank r, alpha = r) on to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2 with fp32
                   LoRA parameters, the forward under torch.autocast(bf16), fp32 MSE, torch.optim.AdamW(params, lr)
                   (PyTorch's default implementation: foreach, not fused), eager, one timestep per sample.
@@ -45,7 +45,7 @@ import torch
 
 from wanexp.perf import transformer_step_flops
 
-PEAK_TFLOPS = 790.0  # a large bf16 matmul on one H100 (../shared/performance.md)
+PEAK_TFLOPS = 790.0  # a large bf16 matmul on one H100 (docs/performance.md)
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 CHECK_SEED = 1234
 LAYOUT = {  # --model: (latent channels, spatial VAE stride, per-token timesteps, expert folder)
