@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -119,6 +120,8 @@ class CacheWriter:
         tensors = {f"{key}.{n}": t for key, ts, _ in self.pending for n, t in ts.items()}
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt", "wanexp_cache": self.kind})
+        # safetensors creates its file 0600; a shard is as readable as the cache folder the umask made (shared caches)
+        os.chmod(tmp, stat.S_IMODE(self.root.stat().st_mode) & 0o666)
         os.replace(tmp, self.root / name)
         lines = [json.dumps({"key": key, "kind": self.kind, "shard": name, "tensors": sorted(ts), **meta})
                  for key, ts, meta in self.pending]
