@@ -1,6 +1,6 @@
 """The LightningModule: wires a model spec, an adapter, an objective and an optimizer. It never branches on the model.
 
-    spec       what differs between Wan2.2 layouts (wanexp/models/spec.py): loading, conditioning, expert routing
+    spec       what differs between Wan2.2 layouts (wanexp/models/wan22/spec.py): loading, conditioning, expert routing
     adapter    what is trained on the frozen base of each expert (wanexp/lora.py: LoraAdapter)
     objective  the loss and its metrics, given an encoded batch and the denoiser (wanexp/objectives/)
     optimizer  a factory from the `optim` group + the schedule settings (wanexp/optim.py)
@@ -16,7 +16,7 @@ from torch import nn
 from wanexp.errors import DivergedError
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encode import cached_batch
-from wanexp.models.spec import WanSpec
+from wanexp.models.wan22.spec import WanSpec
 from wanexp.objectives.base import Objective
 from wanexp.optim import build_optimizer, lr_lambda
 

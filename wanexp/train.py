@@ -59,7 +59,7 @@ def prepare_model_folder(spec, boundary: str) -> None:
     """The model folder a run needs: a tiny model is built into it first (only those have ``build``), then every
     component the run loads is checked (one line naming what is missing)."""
     if spec.build:
-        from wanexp.models.build import ensure_tiny_model
+        from wanexp.models.wan22.build import ensure_tiny_model
 
         ensure_tiny_model(spec)
     spec.check_folder(spec.trained_experts(boundary))

@@ -31,7 +31,8 @@ def main() -> None:
     from diffusers import WanTransformer3DModel
 
     from wanexp.lora import add_lora
-    from wanexp.models import fast, sequence
+    from wanexp.models import sequence
+    from wanexp.models.wan22 import fast
 
     gpu = torch.cuda.is_available()  # on CPU (a dry run of this script on a tiny model): gloo, fp32
     dist.init_process_group("nccl" if gpu else "gloo")

@@ -18,7 +18,7 @@ from tests.conftest import ROOT, compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.cli.cache import build_cache
 from wanexp.data.cache import CacheIndex
-from wanexp.models.build import ensure_tiny_model
+from wanexp.models.wan22.build import ensure_tiny_model
 from wanexp.models.encode import encode_text, encode_video
 from wanexp.train import build
 

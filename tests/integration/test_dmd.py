@@ -11,7 +11,7 @@ from torch import nn
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.lora import use_adapter
-from wanexp.models.build import ensure_tiny_model
+from wanexp.models.wan22.build import ensure_tiny_model
 from wanexp.models.denoiser import Prediction
 from wanexp.models.encode import EncodedBatch
 from wanexp.objectives.dmd import DMD
@@ -149,7 +149,7 @@ def test_compiled_blocks_stay_compiled_through_both_phases_and_two_bucket_shapes
     (Dynamo's eager backend: the same guards and entries as inductor's, without its kernel compile.)"""
     from functools import partial
 
-    from wanexp.models import fast
+    from wanexp.models.wan22 import fast
 
     monkeypatch.setattr(fast, "compile_blocks", partial(fast.compile_blocks, backend="eager"))
     torch._dynamo.reset()

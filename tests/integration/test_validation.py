@@ -108,7 +108,7 @@ def test_a_run_from_the_cache_samples_with_cached_prompts_a_tiled_decode_and_nev
     validates without the text encoder (UMT5-XXL: 11 GiB); the VAE decodes in tiles."""
     from tests.integration.test_cache import _cfg
     from wanexp.cli.cache import build_cache
-    from wanexp.models.spec import WanSpec
+    from wanexp.models.wan22.spec import WanSpec
 
     val = [*FAST, "callbacks.validation.at_start=false", "callbacks.validation.negative_prompt=blurry static"]
     cache = tmp_path / "cache"
@@ -172,7 +172,7 @@ def test_a_one_expert_a14b_run_that_cannot_hold_both_experts_for_validation_stop
         (tmp_path / folder).mkdir()
         save_file({"a": torch.zeros(2, 1024, dtype=torch.bfloat16), "b": torch.zeros(1024, dtype=torch.bfloat16)},
                   str(tmp_path / folder / "m.safetensors"))
-    from wanexp.models.spec import WanSpec
+    from wanexp.models.wan22.spec import WanSpec
 
     spec = SimpleNamespace(experts=["high", "low"], boundary_ratio=0.9, path=tmp_path)
     spec.load_bytes = lambda experts, encoders: WanSpec.load_bytes(spec, experts, encoders)

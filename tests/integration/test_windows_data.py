@@ -9,7 +9,7 @@ from tests.conftest import compose_cfg
 from wanexp.cli.cache import build_cache
 from wanexp.data.media import write_video
 from wanexp.errors import ConfigError
-from wanexp.models.build import ensure_tiny_model
+from wanexp.models.wan22.build import ensure_tiny_model
 from wanexp.train import build
 
 

@@ -8,7 +8,7 @@ import torch
 from wanexp.data.datamodule import BucketBatchSampler
 from wanexp.models.encode import clean_prompt, encode_text
 from tests.conftest import compose_cfg
-from wanexp.models.spec import route
+from wanexp.models.wan22.spec import route
 from wanexp.train import build
 
 
@@ -52,7 +52,7 @@ def test_ti2v_images_never_condition_on_a_first_frame():
 def tiny_text(tmp_path_factory):
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from wanexp.models.build import build_tokenizer
+    from wanexp.models.wan22.build import build_tokenizer
 
     torch.manual_seed(0)
     tok = build_tokenizer(tmp_path_factory.mktemp("tok"), 32)

@@ -195,7 +195,7 @@ def test_every_demo_caption_fits_the_tiny_models_text_length(tmp_path: Path) -> 
 
     from tests.conftest import CONF
     from wanexp.data.synthetic import SHAPES, SPEEDS, ShapeSpec
-    from wanexp.models.build import build_tokenizer
+    from wanexp.models.wan22.build import build_tokenizer
     from wanexp.text import clean_prompt
 
     text_len = OmegaConf.load(CONF / "model" / "tiny.yaml").text_len

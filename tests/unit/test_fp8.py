@@ -80,7 +80,7 @@ def test_a_v100_skips_compile_and_refuses_fp8(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100S-PCIE-32GB")
-    from wanexp.models import fast
+    from wanexp.models.wan22 import fast
 
     assert fast.compile_supported() == (False, "Tesla V100S-PCIE-32GB (compute capability 7.0) is below Triton's 8.0")
     ok, why = fp8.fp8_supported()

@@ -6,8 +6,8 @@ import torch
 
 from tests.conftest import compose_cfg
 from wanexp.errors import ConfigError
-from wanexp.models import fast
-from wanexp.models.build import ensure_tiny_model
+from wanexp.models.wan22 import fast
+from wanexp.models.wan22.build import ensure_tiny_model
 from wanexp.train import build
 
 

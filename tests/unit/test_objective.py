@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wanexp.models import conditioning
+from wanexp.models.wan22 import conditioning
 from wanexp.objectives.flow_matching import add_noise, masked_mse, velocity_target
 from wanexp.objectives.timesteps import sample_sigmas, shift_sigma, unshift_sigma
 

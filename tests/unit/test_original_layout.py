@@ -1,4 +1,4 @@
-"""Converting the ORIGINAL Wan-AI release layout into a diffusers-format folder (wanexp.models.original, cli/convert).
+"""Converting the ORIGINAL Wan-AI release layout into a diffusers-format folder (models/wan22/original.py, cli/convert).
 
 Tiny random diffusers models are written in the original layout by the helpers below, converted, and loaded back
 through ``WanSpec.load_*``. The helpers' diffusers -> original names are written here independently of the code under
@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import ROOT, compose_cfg
 from wanexp.errors import ConfigError
-from wanexp.models import original
-from wanexp.models.build import build_components, build_tokenizer
+from wanexp.models.wan22 import original
+from wanexp.models.wan22.build import build_components, build_tokenizer
 from wanexp.train import build
 
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"

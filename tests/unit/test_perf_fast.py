@@ -1,4 +1,4 @@
-"""The fast forwards of wanexp/models/fast.py compute diffusers' function: same output, same LoRA gradients.
+"""The fast forwards of wanexp/models/wan22/fast.py compute diffusers' function: same output, same LoRA gradients.
 
 Tiny random Wan DiTs in fp32 on the CPU, with peft LoRA on the default targets (B randomised so every LoRA tensor
 gets a gradient); the stock diffusers forward on a copy of the same weights is the reference.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from wanexp.lora import add_lora
-from wanexp.models import conditioning, fast
+from wanexp.models.wan22 import conditioning, fast
 
 TINY = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2, text_dim=32, freq_dim=32)
 TARGETS = ["q", "k", "v", "o", "ffn.0", "ffn.2"]

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.unit.test_perf_fast import tiny_transformer
-from wanexp.models import fast, sequence
+from wanexp.models import sequence
+from wanexp.models.wan22 import fast
 
 CASES = {  # name: (per-token timestep, activation checkpointing, heads)
     "t2v": (False, False, 2),
@@ -134,11 +135,13 @@ def test_indivisible_shapes_fail_with_one_line():
 def test_each_data_parallel_rank_draws_its_own_noise_and_a_sequence_group_shares_it():
     from types import SimpleNamespace
 
+    from wanexp.context import RunContext
     from wanexp.module import WanModule
 
     def seed_after_setup(rank: int, sp: int) -> int:
         torch.manual_seed(7)  # what seed_everything(7) left on every rank
-        fake = SimpleNamespace(seed=7, trainer=SimpleNamespace(global_rank=rank, strategy=SimpleNamespace(sp_size=sp)))
+        fake = SimpleNamespace(seed=7, run_context=RunContext(sp_size=sp),
+                               trainer=SimpleNamespace(global_rank=rank, world_size=4))
         WanModule.setup(fake, "fit")
         return torch.initial_seed()
 

@@ -4,7 +4,7 @@
     python -m wanexp.cli.convert --src /models/Wan2.2-T2V-A14B --dst /models/Wan2.2-T2V-A14B-diffusers --model t2v14b
 
 Then set ``model.path`` to the --dst folder. Needs RAM for the largest component (a 14B expert in bf16: ~29 GB) and
-disk for a full copy of the weights. See wanexp/models/original.py for where each name mapping comes from.
+disk for a full copy of the weights. See wanexp/models/wan22/original.py for where each name mapping comes from.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from wanexp.errors import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from wanexp.models.original import CLI_MODELS
+    from wanexp.models.wan22.original import CLI_MODELS
 
     p = argparse.ArgumentParser(prog="python -m wanexp.cli.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--src", required=True, help="original Wan-AI folder (config.json / high_noise_model/, *.pth, "
@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from wanexp.models.original import CLI_MODELS, convert_original
+    from wanexp.models.wan22.original import CLI_MODELS, convert_original
 
     try:
         lines = convert_original(args.src, args.dst, CLI_MODELS[args.model], vae_config=args.vae_config,

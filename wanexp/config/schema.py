@@ -45,7 +45,7 @@ def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=
 # ---- model, boundary -------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    _target_: str = MISSING  # the spec class (wanexp.models.spec.*)
+    _target_: str = MISSING  # the spec class (wanexp.models.wan22.spec.*)
     name: str = MISSING
     path: str = MISSING  # local diffusers-format folder
     dtype: str = knob(MISSING, choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from wanexp.models.encode import EncodedBatch
-from wanexp.models.spec import WanSpec, route
+from wanexp.models.wan22.spec import WanSpec, route
 from wanexp.perf import transformer_step_flops
 
 

@@ -94,7 +94,7 @@ def convert_blocks(transformer: nn.Module) -> int:
 
 def fp8_supported() -> tuple[bool, str]:
     """Whether this machine runs the FP8 GEMM: a GPU of compute capability >= 8.9, or no GPU (the CPU kernel)."""
-    from wanexp.models.fast import gpu_capability_below
+    from wanexp.models.wan22.fast import gpu_capability_below
 
     gpu = gpu_capability_below((8, 9))
     return (False, f"{gpu} has no FP8 GEMM (8.9+: Ada, Hopper)") if gpu else (True, "")

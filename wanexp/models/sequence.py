@@ -4,7 +4,7 @@ The ranks form a 2-D grid (data x sequence): ranks ``[k*N, (k+1)*N)`` are sequen
 all-to-alls stay inside a node) and see the same samples, noise and timesteps; data sharding, the effective batch,
 samples/s and FLOP accounting use the data-parallel size ``world / N``.
 
-Inside the transformer (wanexp/models/fast.py's forward) each rank keeps ``tokens / N`` consecutive tokens after the
+Inside the transformer (models/wan22/fast.py's forward) each rank keeps ``tokens / N`` consecutive tokens after the
 patch embedding: modulation, feed-forward, cross-attention (queries local, the text keys whole) and the LoRA layers
 run on the local tokens only. Self-attention swaps the split: an all-to-all turns (local tokens, all heads) into (all
 tokens, heads / N), attention runs per head over the whole sequence, and a second all-to-all turns it back. The
@@ -158,7 +158,7 @@ def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) ->
 
 
 def enable(transformer, sp: SequenceGroup) -> None:
-    """Set Ulysses self-attention on every block of a loaded transformer (with wanexp's forward: models/fast.py)."""
+    """Set Ulysses self-attention on every block of a loaded transformer (wanexp's forward: models/wan22/fast.py)."""
     check_heads(transformer.config.num_attention_heads, sp.size)
     transformer._wanexp_sp = sp
     for block in transformer.blocks:

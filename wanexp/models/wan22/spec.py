@@ -14,7 +14,7 @@ import torch
 
 from wanexp.config.schema import DTYPES
 from wanexp.errors import ConfigError
-from wanexp.models import conditioning, fast
+from wanexp.models.wan22 import conditioning, fast
 
 # Which diffusers subfolder holds each expert.
 EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
@@ -30,7 +30,7 @@ class WanSpec:
     patch: tuple[int, int, int] = (1, 2, 2)
     pipeline_class: str = "WanPipeline"
     needs_image_latent: bool = False
-    # Building tiny random models (models/build.py): the VAE's layout and extra pipeline arguments.
+    # Building tiny random models (models/wan22/build.py): the VAE's layout and extra pipeline arguments.
     vae_layout: dict = {"z_dim": 16}
     pipeline_extras: dict = {}
 
@@ -71,10 +71,10 @@ class WanSpec:
         self.attention_backend = attention_backend
         self.first_frame_cond = first_frame_cond
         self.build = build
-        self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (models/fast.py)
+        self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (fast.py)
         self.compile = compile  # torch.compile each transformer block (regional compilation)
-        self.compile_checkpoint = compile_checkpoint  # the checkpoint inside the compiled graph (models/fast.py)
-        self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs (models/fast.py)
+        self.compile_checkpoint = compile_checkpoint  # the checkpoint inside the compiled graph (fast.py)
+        self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs (fast.py)
         self.fp8 = fp8  # frozen block linears in FP8 after the adapters are added (models/fp8.py)
         if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
@@ -108,7 +108,7 @@ class WanSpec:
         if not p.is_dir():
             raise ConfigError(f"model.path={p}: folder not found; {hint}")
         if not (p / "model_index.json").is_file():
-            from wanexp.models.original import convert_command, detect_layout, is_original_layout
+            from wanexp.models.wan22.original import convert_command, detect_layout, is_original_layout
 
             if is_original_layout(p):
                 layout = detect_layout(p) or self.layout

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from wanexp.models.spec import WanSpec
+from wanexp.models.wan22.spec import WanSpec
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 

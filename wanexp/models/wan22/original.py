@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from wanexp.errors import ConfigError
-from wanexp.models.spec import I2VA14BSpec, T2VA14BSpec, TI2VSpec, WanSpec
+from wanexp.models.wan22.spec import I2VA14BSpec, T2VA14BSpec, TI2VSpec, WanSpec
 
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 TOKENIZER_DIR = "google/umt5-xxl"
