@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import operator
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +20,14 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
+# tests/gpu files that no case's command names: the runner and the registry, what the builds read, the machine setup
+PARTS = {
+    "__init__.py": "the package",
+    "registry.py": "the cases",
+    "run.py": "the runner (python -m tests.gpu.run)",
+    "real_sizes.yaml": "the real-size build sections build_random_model.py reads",
+    "setup_env.sh": "installs the carried wheels once per machine (run.py's prepare_env)",
+}
 CAP_GIB = 28  # the user's 32 GB cards, less what the driver, CUDA context and other processes take
 
 
@@ -144,10 +153,11 @@ def disk_gib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30
 
 
-def run_metrics(run: Path, sessions: list[dict] | None = None) -> dict:
+def run_metrics(run: Path, sessions: list[dict] | None = None, skip: int = 1) -> dict:
     """Losses, step times, peak memory, validation time and disk of a run folder (all its sessions: metrics.csv of
     every logs/version_*, validation/step_*/metrics.json, status.json). ``sessions``: status.json as each earlier
-    session left it (a killed session's is overwritten by the next), for the time and memory they add."""
+    session left it (a killed session's is overwritten by the next), for the time and memory they add. ``skip``: the
+    first logged step times left out of the median (compilation, first loads)."""
     rows = [r for f in sorted(run.glob("logs/version_*/metrics.csv")) for r in csv.DictReader(f.open())]
 
     def col(name: str) -> list[float]:
@@ -168,7 +178,7 @@ def run_metrics(run: Path, sessions: list[dict] | None = None) -> dict:
         "skipped_steps": status.get("skipped_steps"),
         "loss_count": len(losses), "losses_finite": bool(losses) and all(map(_finite, losses)),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-        "median_step_s": statistics.median(times[1:]) if len(times) > 1 else None,
+        "median_step_s": statistics.median(times[skip:]) if len(times) > skip else None,
         "peak_mem_gib": max(peaks) if peaks else None,
         "validations": len(vals), "validation_s": val_seconds,
         "validation_total_s": sum(val_seconds) if vals else 0.0,
@@ -180,6 +190,7 @@ def run_metrics(run: Path, sessions: list[dict] | None = None) -> dict:
         "run_disk_gib": disk_gib(run) if run.is_dir() else None,
         "checkpoints_gib": disk_gib(run / "checkpoints") if (run / "checkpoints").is_dir() else None,
         "lora_final": lora, "lora_final_files": len(lora),
+        "optimizer_fused": (status.get("optimizer") or {}).get("fused"),
     }
 
 
@@ -327,54 +338,570 @@ LOADER_JOB = Case(
 )
 
 
-# ---- the device scripts (each writes its own files into the case's out folder) ------------------------------------
-def script(name: str, gpus: int, path: str, minutes: float, about: str, env: dict | None = None,
-           checks: tuple[Check, ...] = (), collect: Callable[[Ctx, dict], dict] | None = None,
-           record: tuple[str, ...] = ()) -> Case:
-    """A case that runs one tests/gpu/*.sh (it sources setup_env.sh; $OUT is the case's out folder). The scripts
-    exit non-zero when one of their runs fails."""
+# ---- parts shared by the cases below --------------------------------------------------------------------------------
+def dit_dir(ctx: Ctx) -> Path:
+    return ctx.work / "ti2v5b"  # the real-size TI2V-5B DiT alone (build_transformer.py): what the bench loads
+
+
+def light_dir(ctx: Ctx) -> Path:
+    return ctx.work / "ti2v5b_light"  # the real-size TI2V-5B DiT with light encoders (real_sizes.yaml ti2v5b_light)
+
+
+def a14b_dir(ctx: Ctx) -> Path:
+    return ctx.work / "i2v14b_light"  # both real-size I2V-A14B experts with light encoders
+
+
+BUILD_DIT = Phase("build_dit", lambda ctx: [ctx.python, "tests/gpu/build_transformer.py", "--model", "ti2v5b",
+                                            "--path", str(dit_dir(ctx))], minutes=2)
+BUILD_LIGHT = Phase("build_light", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "ti2v5b",
+                                                "--entry", "ti2v5b_light", "--path", str(light_dir(ctx))], minutes=3)
+
+
+def light_data(ctx: Ctx) -> list[str]:
+    """The real-size 5B from the cache of 48 generated 704x1280x17 clips (no epoch boundary in a short run)."""
+    return ["model=ti2v5b", f"model.path={light_dir(ctx)}", "data=synthetic", f"paths.data_dir={ctx.work / 'data5'}",
+            "data.height=704", "data.width=1280", "data.num_frames=17", "data.batch_size=1", "data.num_workers=4",
+            "data.generate.height=704", "data.generate.width=1280", "data.generate.num_frames=17",
+            "data.generate.num_videos=48", "data.generate.num_images=0", f"paths.cache_dir={ctx.work / 'cache5'}",
+            "trainer.precision=bf16-mixed"]
+
+
+CACHE_LIGHT = Phase("cache_light", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *light_data(ctx),
+                                                f"paths.output_dir={ctx.run_dir('cache_light')}"], minutes=3)
+
+
+def tiny_data(ctx: Ctx, precision: str = "bf16-mixed", dtype: str = "bf16") -> list[str]:
+    """The demo experiment's tiny model and clips on the GPU, bf16 base weights (or ``dtype``)."""
+    return ["experiment=demo", "trainer.accelerator=gpu", f"trainer.precision={precision}", f"model.dtype={dtype}",
+            "trainer.log_every_n_steps=1", f"paths.tiny_model_dir={ctx.work / 'tiny'}",
+            f"paths.data_dir={ctx.work / 'data_tiny'}"]
+
+
+def train(name: str, gpus: int, steps: int, data: Callable[[Ctx], list[str]], *extra: str, minutes: float = 3,
+          phase: str | None = None, fresh: bool = True, env: dict | None = None) -> Phase:
+    """``python train.py`` into run folder ``name`` on ``gpus`` GPUs (the first ones), ``steps`` steps, no validation,
+    a checkpoint only where ``extra`` asks; ``fresh=False`` keeps the folder (a resume)."""
+    visible = ",".join(map(str, range(gpus)))
+
     def argv(ctx: Ctx) -> list[str]:
-        return ["bash", path]
-
-    base = {"WANEXP_GPU_WORK": "{work}", "OUT": "{out}/" + name, "DEADLINE": "570"}
-    phase = Phase("run", argv, minutes=minutes, env={**base, **(env or {})})
-    return Case(name=name, gpus=gpus, model="ti2v5b", about=about, phases=(phase,),
-                checks=(Check("phases.run.rc", "==", 0, None, "the script exits 0"), *checks),
-                collect=collect or (lambda ctx, phases: {}), record=record)
+        return [ctx.python, "train.py", *data(ctx), f"trainer.devices={gpus}", f"trainer.max_steps={steps}",
+                "callbacks.progress=null", "callbacks.validation.every_n_steps=0",
+                f"paths.output_dir={ctx.run_dir(name)}", f"run_name={name}", *extra]
+    return Phase(phase or name, argv, minutes=minutes, env={"CUDA_VISIBLE_DEVICES": visible, **(env or {})},
+                 fresh=(lambda ctx: [ctx.run_dir(name)]) if fresh else None)
 
 
-def strategy_rows(name: str) -> Callable[[Ctx, dict], dict]:
+def bench(name: str, case: str, *args: str, model: Callable[[Ctx], Path] = dit_dir, cap: int | None = None,
+          minutes: float = 4) -> Phase:
+    """``wanexp.cli.bench`` on one GPU; its JSON is ``<out>/<case>/<name>.json`` (removed first: the bench appends).
+    ``cap``: the process capped at that many GiB (tests/gpu/capped.py)."""
+    def argv(ctx: Ctx) -> list[str]:
+        head = ["tests/gpu/capped.py", str(cap), "wanexp.cli.bench"] if cap else ["-m", "wanexp.cli.bench"]
+        return [ctx.python, *head, "--model-path", str(model(ctx)), *args, "--json", str(bench_json(ctx, case, name))]
+    return Phase(name, argv, minutes=minutes, env={"CUDA_VISIBLE_DEVICES": "0"},
+                 fresh=lambda ctx: [bench_json(ctx, case, name)])
+
+
+def bench_json(ctx: Ctx, case: str, name: str) -> Path:
+    return ctx.out / case / f"{name}.json"
+
+
+def _slug(label: str) -> str:
+    """'wanexp [model.fp8=true]' -> 'wanexp_model_fp8_true' (a key the dotted checks can name)."""
+    return re.sub(r"\W+", "_", label).strip("_")
+
+
+def bench_metrics(path: Path) -> dict:
+    """One bench JSON (its last run): per path (slugged) the median and back-to-back seconds, peak GiB, the speedup
+    against the plain per-token loop and ``vs_wanexp`` (wanexp's default step time / this path's), the numerics
+    verdict and, per path, the largest output and LoRA-gradient errors against the plain loop."""
+    runs = json.loads(path.read_text()) if path.is_file() else []
+    if not runs:
+        return {}
+    run = runs[-1]
+    rows = {_slug(r["path"]): r for r in run.get("results", [])}
+    base = rows.get("wanexp", {}).get("median_s")
+    out: dict = {"numerics_ok": run.get("numerics_ok"), "tokens": run.get("tokens"), "device": run.get("device")}
+    for key, r in rows.items():
+        out[key] = {"median_s": r.get("median_s"), "back_to_back_s": r.get("back_to_back_s"),
+                    "peak_gib": r.get("peak_gib"), "speedup": r.get("speedup_vs_plain_tokens"),
+                    "vs_wanexp": base / r["median_s"] if base and r.get("median_s") else None}
+    for c in run.get("numerics", []):
+        row = out.setdefault(_slug(c["path"]), {})
+        row["out_rel_err"] = max(row.get("out_rel_err", 0.0), c["out_rel_err"])
+        row["grad_rel_err"] = max(row.get("grad_rel_err", 0.0), c["grad_rel_err_all"])
+    return out
+
+
+def bench_results(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
     def collect(ctx: Ctx, phases: dict) -> dict:
-        f = ctx.out / name / "strategy.jsonl"
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
-        bad = [r["name"] for r in rows if r.get("rc") != 0 or not r.get("finite")]
-        return {"rows": len(rows), "rows_failed": bad,
-                "median_step_s": {r["name"]: r.get("median_step_s") for r in rows},
-                "peak_gib": {r["name"]: r.get("peak_gib") for r in rows}}
+        return {n: bench_metrics(bench_json(ctx, case, n)) for n in names}
     return collect
 
 
-SCRIPTS = (
-    script("perf_5b", 1, "tests/gpu/perf_check.sh", 8, "wanexp.cli.bench on real-size DiTs: the plain loops, wanexp's "
-           "step, numerics vs the plain loop, knob variants (PERF_CASES)", {"PERF_CASES": "short ckpt"}),
-    script("fp8_5b", 1, "tests/gpu/fp8_check.sh", 5, "model.fp8=true against the default step, TI2V-5B 704x1280x17 "
-           "(compute capability >= 8.9)"),
-    script("budget_5b_30g", 1, "tests/gpu/budget_check.sh", 6, "model.memory_budget_gib at 4,400 and 27,280 tokens, "
-           "the process capped at 30 GiB"),
-    script("gap_5b", 1, "tests/gpu/gap_check.sh", 7, "python train.py from the cache against the bench's step "
-           "(GAP_HOST=1, GAP_PROBE=1 add parts)"),
-    script("strategy_5b_2gpu", 2, "tests/gpu/strategy_check.sh", 9, "the strategy table's 5B rows on 1 and 2 GPUs "
-           "(STRAT_ONLY picks rows; STRAT_CASES=a14b... the A14B rows)",
-           {"STRAT_CASES": "5b", "STRAT_GPUS": "1 2", "STRAT_ONLY": "^5b_(ddp_[12]|fsdp_2)$"},
-           checks=(Check("metrics.rows", ">=", 1, None, "rows written"),
-                   Check("metrics.rows_failed", "==", [], None, "every row exits 0 with finite losses")),
-           collect=strategy_rows("strategy_5b_2gpu"), record=("median_step_s", "peak_gib")),
-    script("seams_tiny_2gpu", 2, "tests/gpu/seams_check.sh", 3, "the tiny model through train.py: single, DDP and "
-           "FSDP2; fused AdamW; DDP and FSDP2 export the same LoRA tensors"),
-    script("deepspeed_2gpu", 2, "tests/gpu/deepspeed_check.sh", 9, "DeepSpeed ZeRO-2/3 (+ offload) on the tiny "
-           "model with a resume (DS_CASES='tiny 5b' adds TI2V-5B; needs the deepspeed wheel)", {"DS_CASES": "tiny"}),
-    script("distill_2gpu", 2, "tests/gpu/distill_check.sh", 8, "FSDP2 + compile (tiny), 16-mixed fp16 (tiny), "
-           "objective=dmd (tiny), DMD step time and memory on the real-size 5B DiT"),
+def runs(**folders: str) -> Callable[[Ctx, dict], dict]:
+    """Reads run folders back: ``key=run_name`` gives ``metrics.<key>`` (run_metrics, 3 warm-up steps left out of the
+    median step: compilation, first loads)."""
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        return {key: run_metrics(ctx.run_dir(name), skip=3) for key, name in folders.items()}
+    return collect
+
+
+def both(*collects: Callable[[Ctx, dict], dict]) -> Callable[[Ctx, dict], dict]:
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        return {k: v for c in collects for k, v in c(ctx, phases).items()}
+    return collect
+
+
+def finished(key: str, steps: int, after: str | None = None) -> tuple[Check, ...]:
+    """Run ``key`` finished every step with finite losses and wrote its LoRA files."""
+    return (Check(f"metrics.{key}.state", "==", "finished", after or key, f"{key}: status.json says finished"),
+            Check(f"metrics.{key}.final_step", ">=", steps, after or key, f"{key}: every optimizer step ran"),
+            Check(f"metrics.{key}.losses_finite", "==", True, after or key, f"{key}: all logged losses finite"),
+            Check(f"metrics.{key}.lora_final_files", ">=", 1, after or key, f"{key}: LoRA files in lora/final"))
+
+
+def in_sync(key: str) -> Check:
+    return Check(f"metrics.{key}.replicas_in_sync", "==", True, key, f"{key}: every rank holds the same LoRA weights")
+
+
+def log_value(ctx: Ctx, case: str, phase: str, pattern: str) -> float | None:
+    """The last number ``pattern`` (a regex with one group) matches in a phase's log."""
+    log = ctx.work / "logs" / case / f"{phase}.log"
+    found = re.findall(pattern, log.read_text(errors="replace")) if log.is_file() else []
+    return float(found[-1]) if found else None
+
+
+TIMER = ["+callbacks.timer._target_=tests.helpers.StepTimer", "+callbacks.timer.start=20",
+         "+callbacks.timer.steps=20", "trainer.log_every_n_steps=10", "callbacks.checkpoint.every_n_train_steps=1000"]
+TIMER_MS = r"wanexp-timer: steps \d+-\d+ mean ([\d.]+) ms"
+
+
+# ---- the step benchmark (docs/performance.md): real-size DiTs, one GPU ----------------------------------------------
+PERF = "perf_5b"
+KNOBS = "model.compile=false;model.fast_modulation=false;model.attention_backend=_native_cudnn;" \
+        "model.attention_backend=_native_flash"
+PERF_JOB = Case(
+    name=PERF, gpus=1, model="ti2v5b",
+    about="wanexp.cli.bench on the real-size TI2V-5B DiT: the plain loops, wanexp's step and its numerics at 4,400 "
+          "tokens without and with checkpointing (knob variants, profiled; the fp32 function) and at 27,280 tokens",
+    phases=(BUILD_DIT,
+            bench("short", PERF, "--frames", "17", "--warmup", "3", "--steps", "6", "--profile",
+                  "plain_tokens,wanexp", "--variants", KNOBS, minutes=5),
+            bench("ckpt", PERF, "--frames", "17", "--ckpt", "--warmup", "3", "--steps", "6", "--fp32-floor"),
+            bench("long", PERF, "--frames", "121", "--ckpt", "--warmup", "1", "--steps", "3", "--profile", minutes=5)),
+    checks=(
+        *(Check(f"metrics.{p}.numerics_ok", "==", True, p, f"{p}: wanexp computes the plain loop's function")
+          for p in ("short", "ckpt", "long")),
+        Check("metrics.short.wanexp.speedup", ">=", 1.4, "short", "vs the plain per-token loop (1.67x, H100)"),
+        Check("metrics.ckpt.wanexp.speedup", ">=", 1.5, "ckpt", "vs the plain per-token loop (1.87x, H100)"),
+        Check("metrics.ckpt.wanexp.peak_gib", "<=", 14, "ckpt", "12.4 GiB measured (H100)"),
+        Check("metrics.long.wanexp.speedup", ">=", 1.25, "long", "vs the plain per-token loop (1.42x, H100)"),
+        Check("metrics.long.wanexp.peak_gib", "<=", 26, "long", "23.3 GiB measured (H100)"),
+    ),
+    collect=bench_results(PERF, "short", "ckpt", "long"),
+    record=tuple(f"{p}.wanexp.{k}" for p in ("short", "ckpt", "long") for k in ("median_s", "speedup", "peak_gib")),
 )
 
-CASES: dict[str, Case] = {c.name: c for c in (USER_JOB, V100_JOB, PCIE_JOB, LOADER_JOB, *SCRIPTS)}
+A14B_DIT = "perf_a14b"
+A14B_DIT_JOB = Case(
+    name=A14B_DIT, gpus=1, model="a14b",
+    about="wanexp.cli.bench on one real-size A14B expert (T2V-A14B's DiT) at 480x832x81 (32,760 tokens), ckpt; "
+          "the build takes ~28 GB of disk (the 5B DiT folder is removed first)",
+    phases=(Phase("build_dit", lambda ctx: [ctx.python, "tests/gpu/build_transformer.py", "--model", "t2v14b",
+                                            "--path", str(ctx.work / "t2v14b")], minutes=5,
+                  fresh=lambda ctx: [dit_dir(ctx)]),
+            bench("bench", A14B_DIT, "--model", "t2v14b", "--height", "480", "--width", "832", "--frames", "81",
+                  "--ckpt", "--warmup", "1", "--steps", "2", model=lambda ctx: ctx.work / "t2v14b", minutes=6)),
+    checks=(Check("metrics.bench.numerics_ok", "==", True, None, "wanexp computes the plain loop's function"),
+            Check("metrics.bench.wanexp.speedup", ">=", 1.15, None, "vs the plain loop (1.28x, H100)"),
+            Check("metrics.bench.wanexp.peak_gib", "<=", 56, None, "53.3 GiB measured (H100)")),
+    collect=bench_results(A14B_DIT, "bench"),
+    record=("bench.wanexp.median_s", "bench.wanexp.speedup", "bench.wanexp.peak_gib"),
+)
+
+FP8 = "fp8_5b"
+FP8_VARIANT = "wanexp_model_fp8_true"
+FP8_JOB = Case(
+    name=FP8, gpus=1, model="ti2v5b",
+    about="model.fp8=true against the default step on the real-size TI2V-5B DiT at 704x1280x17, without and with "
+          "checkpointing (compute capability >= 8.9); FP8's error is measured, not held to bf16's tolerance",
+    phases=(BUILD_DIT,
+            *(bench(name, FP8, *ckpt, "--paths", "plain_tokens,wanexp", "--variants", "model.fp8=true",
+                    "--warmup", "3", "--steps", "8") for name, ckpt in (("fp8", ()), ("fp8_ckpt", ("--ckpt",))))),
+    checks=(*(Check(f"metrics.{p}.numerics_ok", "==", True, p, f"{p}: the bf16 step computes the plain loop's "
+                    "function") for p in ("fp8", "fp8_ckpt")),
+            Check(f"metrics.fp8.{FP8_VARIANT}.out_rel_err", "<=", 0.05, "fp8", "output error 2.2e-2 measured (H100)"),
+            Check(f"metrics.fp8.{FP8_VARIANT}.grad_rel_err", "<=", 0.075, "fp8", "LoRA grads 3.7e-2 measured"),
+            Check(f"metrics.fp8.{FP8_VARIANT}.vs_wanexp", ">=", 0.95, "fp8", "no slower than bf16 (2.5 % faster)"),
+            Check("metrics.fp8.fp8_saves_gib", ">=", 3, "fp8", "FP8 base weights save memory (4.5 GiB measured)"),
+            Check("metrics.fp8_ckpt.fp8_saves_gib", ">=", 3, "fp8_ckpt", "and with checkpointing")),
+    collect=lambda ctx, phases: {n: fp8_saving(bench_metrics(bench_json(ctx, FP8, n))) for n in ("fp8", "fp8_ckpt")},
+    record=tuple(f"{p}.{k}" for p in ("fp8", "fp8_ckpt") for k in ("wanexp.median_s", f"{FP8_VARIANT}.median_s",
+                                                                 "fp8_saves_gib", f"{FP8_VARIANT}.out_rel_err")),
+)
+
+
+def fp8_saving(m: dict) -> dict:
+    peaks = [m.get(k, {}).get("peak_gib") for k in ("wanexp", FP8_VARIANT)]
+    return {**m, "fp8_saves_gib": peaks[0] - peaks[1] if None not in peaks else None}
+
+
+BUDGET = "budget_5b_30g"
+BUDGETS = "model.memory_budget_gib=30;model.memory_budget_gib=20"
+BUDGET_JOB = Case(
+    name=BUDGET, gpus=1, model="ti2v5b",
+    about="model.memory_budget_gib (checkpoint only the blocks a budget needs) against every block checkpointed, "
+          "the bench's step on the real-size TI2V-5B DiT at 4,400 and 27,280 tokens, the process capped at 30 GiB",
+    phases=(BUILD_DIT,
+            bench("short", BUDGET, "--frames", "17", "--ckpt", "--paths", "wanexp", "--no-check", "--warmup", "3",
+                  "--steps", "6", "--variants", BUDGETS, cap=30),
+            bench("long", BUDGET, "--frames", "121", "--ckpt", "--paths", "wanexp", "--no-check", "--warmup", "1",
+                  "--steps", "3", "--variants", "model.memory_budget_gib=30", cap=30, minutes=5)),
+    checks=(Check("phases.short.rc", "==", 0, "short", "4,400 tokens: no out-of-memory under the 30 GiB cap"),
+            Check("metrics.short.wanexp_model_memory_budget_gib_30.peak_gib", "<=", 30, "short", "within budget 30"),
+            Check("metrics.short.wanexp_model_memory_budget_gib_20.peak_gib", "<=", 20, "short", "within budget 20"),
+            Check("metrics.short.wanexp_model_memory_budget_gib_30.vs_wanexp", ">=", 1.05, "short",
+                  "fewer blocks checkpointed: faster than every block (8 of 30 kept)"),
+            Check("phases.long.rc", "==", 0, "long", "27,280 tokens: no out-of-memory under the 30 GiB cap"),
+            Check("metrics.long.wanexp_model_memory_budget_gib_30.peak_gib", "<=", 30, "long", "within budget 30"),
+            Check("metrics.long.wanexp_model_memory_budget_gib_30.vs_wanexp", ">=", 0.98, "long",
+                  "no slower than every block checkpointed (3.73 s against 3.76 s)")),
+    collect=bench_results(BUDGET, "short", "long"),
+    record=tuple(f"{p}.{k}.{m}" for p in ("short", "long") for k in ("wanexp", "wanexp_model_memory_budget_gib_30")
+                 for m in ("median_s", "peak_gib")),
+)
+
+
+# ---- train.py against the bench's step (docs/performance.md) ------------------------------------------------------
+GAP = "gap_5b"
+
+
+def gap_metrics(ctx: Ctx, phases: dict) -> dict:
+    b = bench_metrics(bench_json(ctx, GAP, "bench"))
+    ms = log_value(ctx, GAP, "train", TIMER_MS)
+    step = b.get("wanexp", {}).get("median_s")
+    probe = {k: log_value(ctx, GAP, "probe", rf"probe: {k} ([\d.]+) ms")
+             for k in ("fit_default", "manual_fixed_synced", "manual_fixed", "manual_loader", "fit_bare",
+                       "fit_no_workers")}
+    return {"bench": b, "train_ms": ms, "train_over_bench": ms / (1000 * step) if ms and step else None,
+            "probe_ms": probe}
+
+
+GAP_JOB = Case(
+    name=GAP, gpus=1, model="ti2v5b",
+    about="the user's default python train.py (DDP, every default callback, 4 workers) from the cache on the real-size "
+          "TI2V-5B (light encoders), steps 21-40 timed by tests.helpers.StepTimer, against the bench's step (and "
+          "with the eager checkpoint); the probe phase: train.py's loop and loops without Lightning in one process",
+    phases=(BUILD_LIGHT, CACHE_LIGHT,
+            train("train_ddp", 1, 41, light_data, *TIMER, "parallel=ddp", phase="train", minutes=4),
+            bench("bench", GAP, "--frames", "17", "--ckpt", "--paths", "wanexp", "--variants",
+                  "model.compile_checkpoint=false", "--warmup", "3", "--steps", "10",
+                  model=light_dir),
+            Phase("probe", lambda ctx: [ctx.python, "tests/gpu/gap_probe.py", *light_data(ctx), "parallel=single",
+                                        "trainer.devices=1", f"paths.output_dir={ctx.run_dir('probe')}",
+                                        "run_name=probe"], minutes=6, env={"CUDA_VISIBLE_DEVICES": "0"},
+                  fresh=lambda ctx: [ctx.run_dir("probe")])),
+    checks=(Check("metrics.train_over_bench", "<=", 1.05, "bench", "train.py within 5 % of the bench's step "
+                  "(336.5 against 333 ms, H100)"),
+            Check("metrics.bench.numerics_ok", "==", True, "bench", "the bench's step computes the plain function"),
+            Check("metrics.probe_ms.fit_default", "present", None, "probe", "train.py's loop in the probe"),
+            Check("metrics.probe_ms.manual_fixed", "present", None, "probe", "the loop without Lightning")),
+    collect=gap_metrics, record=("train_ms", "bench.wanexp.median_s", "train_over_bench", "probe_ms"),
+)
+
+HOST = "host_gap_5b"
+
+
+def host_data(ctx: Ctx, workers: int = 4) -> list[str]:
+    """The 5B's depth and LoRA layout at tiny widths (real_sizes.yaml host30) on 64x64x5 clips: a step's wall time is
+    the host's time to issue it."""
+    return ["model=ti2v5b", f"model.path={ctx.work / 'host30'}", "data=synthetic",
+            f"paths.data_dir={ctx.work / 'datah'}",
+            "data.height=64", "data.width=64", "data.num_frames=5", "data.batch_size=1", f"data.num_workers={workers}",
+            "data.generate.height=64", "data.generate.width=64", "data.generate.num_frames=5",
+            "data.generate.num_videos=48", "data.generate.num_images=0", f"paths.cache_dir={ctx.work / 'cacheh'}",
+            "trainer.precision=bf16-mixed"]
+
+
+def host_metrics(ctx: Ctx, phases: dict) -> dict:
+    step = bench_metrics(bench_json(ctx, HOST, "bench")).get("wanexp", {}).get("median_s")
+    out = {"bench_ms": 1000 * step if step else None}
+    for p in ("train", "train_no_workers"):
+        out[f"{p}_ms"] = ms = log_value(ctx, HOST, p, TIMER_MS)
+        out[f"{p}_over_bench"] = ms / out["bench_ms"] if ms and step else None
+    return out
+
+
+HOST_JOB = Case(
+    name=HOST, gpus=1, model="ti2v5b",
+    about="the host's time per step: the 5B's 30 blocks at tiny widths (host30, 64x64x5), the bench's step against "
+          "python train.py (Lightning, loader, callbacks) with and without loader processes",
+    phases=(Phase("build", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "ti2v5b",
+                                        "--entry", "host30", "--path", str(ctx.work / "host30"), "--dtype", "fp32"],
+                  minutes=1),
+            Phase("cache", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *host_data(ctx),
+                                        f"paths.output_dir={ctx.run_dir('cache_host')}"], minutes=2),
+            bench("bench", HOST, "--height", "64", "--width", "64", "--frames", "5", "--text-len", "64", "--ckpt",
+                  "--paths", "wanexp", "--no-check", "--warmup", "5", "--steps", "20",
+                  model=lambda ctx: ctx.work / "host30", minutes=2),
+            train("host_train", 1, 41, host_data, *TIMER, "parallel=single", phase="train", minutes=2),
+            train("host_train_nw", 1, 41, lambda ctx: host_data(ctx, workers=0), *TIMER, "parallel=single",
+                  phase="train_no_workers", minutes=2)),
+    checks=(Check("metrics.train_over_bench", "<=", 1.2, "train", "the training loop's host time within 20 % of the "
+                  "bench's (302 against 271 ms, H100 host)"),
+            Check("metrics.train_no_workers_ms", "present", None, "train_no_workers", "without loader processes")),
+    collect=host_metrics, record=("bench_ms", "train_ms", "train_no_workers_ms"),
+)
+
+
+# ---- strategies through python train.py (docs/multi-gpu.md): real-size DiTs, light encoders, from the cache --------
+STEPS5 = 14
+STRAT2 = "strategy_5b_2gpu"
+
+
+def strategy_metrics(folders: dict, scale: tuple[tuple[str, str, int], ...] = (),
+                     sp_json: bool = False) -> Callable[[Ctx, dict], dict]:
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        m = runs(**folders)(ctx, phases)
+        for key, base, n in scale:
+            a, b = m.get(base, {}).get("median_step_s"), m.get(key, {}).get("median_step_s")
+            m[f"{key}_scaling"] = n * a / b if a and b else None
+        if sp_json:
+            m["sp_numerics"] = _json(ctx.out / STRAT2 / "sp_numerics.json")
+            m["bench"] = bench_metrics(bench_json(ctx, STRAT2, "bench"))
+        return m
+    return collect
+
+
+def _s5(name: str, gpus: int, *extra: str, steps: int = STEPS5, minutes: float = 2.5) -> Phase:
+    return train(f"5b_{name}", gpus, steps, light_data, "trainer.log_every_n_steps=1",
+                 "callbacks.checkpoint.every_n_train_steps=1000", *extra, phase=name, minutes=minutes)
+
+
+STRAT2_RUNS = {"ddp_1": "5b_ddp_1", "single_1": "5b_single_1", "ddp_2": "5b_ddp_2", "fsdp_2": "5b_fsdp_2",
+               "fsdp_sp2_2": "5b_fsdp_sp2_2", "ds2_2": "5b_ds2_2", "ds3_2": "5b_ds3_2", "dmd_1": "5b_dmd_1",
+               "ddp_1_log10": "5b_ddp_1_log10"}
+STRAT2_JOB = Case(
+    name=STRAT2, gpus=2, model="ti2v5b",
+    about="the strategy table's 5B rows (704x1280x17, from the cache): the bench's step, sp numerics (sp=2 vs one "
+          "GPU), ddp and single on 1 GPU, ddp, fsdp, fsdp+sp2, DeepSpeed ZeRO-2/3 on 2, objective=dmd, logging "
+          "every 10 steps; DeepSpeed needs its wheel",
+    phases=(BUILD_LIGHT, CACHE_LIGHT,
+            bench("bench", STRAT2, "--frames", "17", "--ckpt", "--paths", "wanexp", "--no-check", "--warmup", "3",
+                  "--steps", "10", model=light_dir, minutes=2),
+            Phase("sp_numerics", lambda ctx: [ctx.python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                              "tests/gpu/sp_numerics.py",
+                                              "--path", str(light_dir(ctx)), "--ckpt",
+                                              "--json", str(ctx.out / STRAT2 / "sp_numerics.json")],
+                  minutes=3, env={"CUDA_VISIBLE_DEVICES": "0,1"}),
+            _s5("ddp_1", 1, "parallel=ddp"), _s5("single_1", 1, "parallel=single"), _s5("ddp_2", 2, "parallel=ddp"),
+            _s5("fsdp_2", 2, "parallel=fsdp"), _s5("fsdp_sp2_2", 2, "parallel=fsdp", "parallel.sp_size=2"),
+            _s5("ds2_2", 2, "parallel=deepspeed", "parallel.strategy.stage=2"),
+            _s5("ds3_2", 2, "parallel=deepspeed", "parallel.strategy.stage=3", "model.compile=false", minutes=4),
+            _s5("dmd_1", 1, "parallel=ddp", "objective=dmd", steps=12),
+            train("5b_ddp_1_log10", 1, 44, light_data, "parallel=ddp", "trainer.log_every_n_steps=10",
+                  "callbacks.checkpoint.every_n_train_steps=1000", phase="ddp_1_log10", minutes=3)),
+    checks=(Check("metrics.sp_numerics.pass", "==", True, "sp_numerics", "sp=2 loss within 1e-2, LoRA grads 5e-2"),
+            *(c for key in STRAT2_RUNS for c in finished(key, 12 if key == "dmd_1" else STEPS5)),
+            in_sync("ddp_2"), in_sync("ds2_2"),
+            Check("metrics.ddp_2_scaling", ">=", 1.8, "ddp_2", "samples/s on 2 GPUs over 1 (1.95x, H100)"),
+            Check("metrics.ddp_1.peak_mem_gib", "<=", 14, "ddp_1", "12.7 GiB measured (H100)"),
+            Check("metrics.fsdp_2.peak_mem_gib", "<=", 10, "fsdp_2", "FSDP shards the base: 7.7 GiB (H200)")),
+    collect=strategy_metrics(STRAT2_RUNS, (("ddp_2", "ddp_1", 2), ("fsdp_2", "ddp_1", 2), ("ds2_2", "ddp_1", 2)),
+                             sp_json=True),
+    record=(*(f"{k}.median_step_s" for k in STRAT2_RUNS), "ddp_2_scaling", "fsdp_2_scaling", "ds2_2_scaling",
+            "fsdp_2.peak_mem_gib", "sp_numerics.grad_rel_err_max"),
+)
+
+STRAT4 = "strategy_5b_4gpu"
+STRAT4_JOB = Case(
+    name=STRAT4, gpus=4, model="ti2v5b",
+    about="the strategy table's 4-GPU 5B rows: ddp on 1 and 4 GPUs (scaling), fsdp on 4",
+    phases=(BUILD_LIGHT, CACHE_LIGHT, _s5("ddp_1", 1, "parallel=ddp"), _s5("ddp_4", 4, "parallel=ddp"),
+            _s5("fsdp_4", 4, "parallel=fsdp")),
+    checks=(*finished("ddp_1", STEPS5), *finished("ddp_4", STEPS5), *finished("fsdp_4", STEPS5), in_sync("ddp_4"),
+            Check("metrics.ddp_4_scaling", ">=", 3.6, "ddp_4", "samples/s on 4 GPUs over 1 (3.91-4.17x)")),
+    collect=strategy_metrics({"ddp_1": "5b_ddp_1", "ddp_4": "5b_ddp_4", "fsdp_4": "5b_fsdp_4"},
+                             (("ddp_4", "ddp_1", 4), ("fsdp_4", "ddp_1", 4))),
+    record=("ddp_1.median_step_s", "ddp_4.median_step_s", "ddp_4_scaling", "fsdp_4_scaling", "fsdp_4.peak_mem_gib"),
+)
+
+
+def a14b_data(ctx: Ctx, height: int = 480, width: int = 832, boundary: str = "high") -> list[str]:
+    """I2V-A14B (one expert: boundary=high; both: full) at HxWx81 from the cache, eager blocks."""
+    folder = "data14" if height == 480 else f"data14_{height}"
+    return ["model=i2v14b", f"model.path={a14b_dir(ctx)}", "data=synthetic", f"paths.data_dir={ctx.work / folder}",
+            f"data.height={height}", f"data.width={width}", "data.num_frames=81", "data.batch_size=1",
+            "data.num_workers=2", f"data.generate.height={height}", f"data.generate.width={width}",
+            "data.generate.num_frames=81", f"data.generate.num_videos={8 if height == 480 else 4}",
+            "data.generate.num_images=0", f"paths.cache_dir={ctx.work / 'cache14'}", "trainer.precision=bf16-mixed",
+            "model.compile=false", f"boundary={boundary}", "trainer.log_every_n_steps=1"]
+
+
+def a14b_720(ctx: Ctx) -> list[str]:
+    return a14b_data(ctx, 720, 1280)
+
+
+BUILD_A14B = Phase("build_a14b", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "i2v14b",
+                                              "--entry", "i2v14b_light", "--path", str(a14b_dir(ctx))], minutes=8,
+                   fresh=lambda ctx: [light_dir(ctx), dit_dir(ctx)])  # the two experts take ~57 GB of disk
+CACHE_A14B = Phase("cache_a14b", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *a14b_data(ctx),
+                                              f"paths.output_dir={ctx.run_dir('cache14')}"], minutes=4)
+STRAT_A14B = "strategy_a14b_2gpu"
+STRAT_A14B_JOB = Case(
+    name=STRAT_A14B, gpus=2, model="a14b",
+    about="I2V-A14B at 480x832x81 (32,760 tokens) with FSDP on 2 GPUs: the high-noise expert (checkpoint at step 2, "
+          "then resume=last to step 5), both experts (boundary=full), objective=dmd on the high expert",
+    phases=(BUILD_A14B, CACHE_A14B,
+            train("a14b_high_fsdp_2", 2, 4, a14b_data, "parallel=fsdp", "callbacks.checkpoint.every_n_train_steps=2",
+                  phase="fsdp_2", minutes=5),
+            train("a14b_high_fsdp_2", 2, 5, a14b_data, "parallel=fsdp", "callbacks.checkpoint.every_n_train_steps=2",
+                  "resume=last", "allow_resume_changes=true",
+                  phase="resume", fresh=False, minutes=4),
+            train("a14b_full_fsdp_2", 2, 4, lambda ctx: a14b_data(ctx, boundary="full"), "parallel=fsdp",
+                  phase="full_fsdp_2",
+                  minutes=6),
+            train("a14b_high_dmd_fsdp_2", 2, 6, a14b_data, "parallel=fsdp", "objective=dmd", phase="dmd_fsdp_2",
+                  minutes=7)),
+    checks=(*finished("fsdp_2", 5, "resume"), *finished("full_fsdp_2", 4), *finished("dmd_fsdp_2", 6),
+            Check("phases.fsdp_2.rc", "==", 0, "fsdp_2", "the first 4 steps, checkpoints at 2 and 4"),
+            Check("metrics.fsdp_2.peak_mem_gib", "<=", 42, "resume", "38.7 GiB per GPU measured (H100)")),
+    collect=runs(fsdp_2="a14b_high_fsdp_2", full_fsdp_2="a14b_full_fsdp_2", dmd_fsdp_2="a14b_high_dmd_fsdp_2"),
+    record=tuple(f"{k}.{m}" for k in ("fsdp_2", "full_fsdp_2", "dmd_fsdp_2")
+                 for m in ("median_step_s", "peak_mem_gib")),
+)
+
+STRAT_A14B4 = "strategy_a14b_4gpu"
+STRAT_A14B4_JOB = Case(
+    name=STRAT_A14B4, gpus=4, model="a14b",
+    about="the A14B high-noise expert with FSDP on 4 GPUs at 480x832x81, and at 720x1280x81 (75,600 tokens) with "
+          "fsdp + sp=2 on 2 and on 4 GPUs (dp 2)",
+    phases=(BUILD_A14B, CACHE_A14B,
+            train("a14b_high_fsdp_4", 4, 4, a14b_data, "parallel=fsdp", phase="fsdp_4", minutes=5),
+            Phase("cache_720", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *a14b_720(ctx),
+                                            f"paths.output_dir={ctx.run_dir('cache720')}"], minutes=4),
+            train("a14b720_high_fsdp_sp2_2", 2, 3, a14b_720, "parallel=fsdp", "parallel.sp_size=2",
+                  phase="sp2_720_2", minutes=6),
+            train("a14b720_high_fsdp_sp2_4", 4, 3, a14b_720, "parallel=fsdp", "parallel.sp_size=2",
+                  phase="sp2_720_4", minutes=6)),
+    checks=(*finished("fsdp_4", 4), *finished("sp2_720_2", 3), *finished("sp2_720_4", 3),
+            Check("metrics.sp2_720_2.peak_mem_gib", "<=", 48, "sp2_720_2", "43.0 GiB per GPU measured (H100)")),
+    collect=runs(fsdp_4="a14b_high_fsdp_4", sp2_720_2="a14b720_high_fsdp_sp2_2", sp2_720_4="a14b720_high_fsdp_sp2_4"),
+    record=tuple(f"{k}.{m}" for k in ("fsdp_4", "sp2_720_2", "sp2_720_4") for m in ("median_step_s", "peak_mem_gib")),
+)
+
+
+# ---- the tiny model through train.py on GPUs: the component seams, DeepSpeed, distillation, fp16 -------------------
+def compare_lora(name: str, run_a: str, run_b: str, export: str) -> Phase:
+    """tests/gpu/compare_lora.py: two runs' LoRA exports hold the same modules, shapes and metadata, B trained."""
+    return Phase(name, lambda ctx: [ctx.python, "tests/gpu/compare_lora.py", str(ctx.run_dir(run_a) / "lora" / export),
+                                    str(ctx.run_dir(run_b) / "lora" / export)], minutes=0.5)
+
+
+SEAMS = "seams_tiny_2gpu"
+SEAMS_JOB = Case(
+    name=SEAMS, gpus=2, model="tiny",
+    about="the tiny model through python train.py on one GPU and with DDP and FSDP2 on two (bf16 base, bf16-mixed): "
+          "the strategies build from their _target_, AdamW runs fused, DDP and FSDP2 export the same LoRA tensors",
+    phases=(*(train(f"tiny_{p}", n, 4, tiny_data, f"parallel={p}", "callbacks.checkpoint.every_n_train_steps=2",
+                    phase=p, minutes=1) for p, n in (("single", 1), ("ddp", 2), ("fsdp", 2))),
+            compare_lora("compare", "tiny_ddp", "tiny_fsdp", "final")),
+    checks=(*(c for p in ("single", "ddp", "fsdp") for c in finished(p, 4)),
+            *(Check(f"metrics.{p}.optimizer_fused", "==", True, p, f"{p}: AdamW fused on the GPU")
+              for p in ("single", "ddp", "fsdp")),
+            Check("metrics.ddp.world_size", "==", 2, "ddp", "two ranks"), in_sync("ddp"), in_sync("fsdp"),
+            Check("phases.compare.rc", "==", 0, "compare", "DDP and FSDP2 export the same LoRA tensors")),
+    collect=runs(single="tiny_single", ddp="tiny_ddp", fsdp="tiny_fsdp"),
+    record=tuple(f"{k}.final_step" for k in ("single", "ddp", "fsdp")),
+)
+
+DS = "deepspeed_2gpu"
+ZERO = {"zero2": ("parallel.strategy.stage=2",), "zero3": ("parallel.strategy.stage=3",),
+        "zero2_offload": ("parallel.strategy.stage=2", "parallel.strategy.offload_optimizer=true")}
+
+
+def _ds_tiny(name: str, steps: int, *extra: str, resume: bool = False) -> Phase:
+    run = f"ds_tiny_{name}"
+    return train(run, 2, steps, tiny_data, "trainer.gradient_clip_val=1.0",
+                 "callbacks.checkpoint.every_n_train_steps=2",
+                 "optim.scheduler=constant", *extra, *(("resume=last",) if resume else ()),
+                 phase=name + ("_resume" if resume else ""), fresh=not resume, minutes=1.5)
+
+
+DS_JOB = Case(
+    name=DS, gpus=2, model="tiny",
+    about="DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-2 with the optimizer offloaded on the tiny model (2 GPUs, bf16, "
+          "clipping): 4 steps (checkpoint + LoRA at 2 and 4), then resume=last to step 6; ZeRO-2's LoRA against "
+          "DDP's (needs the deepspeed wheel)",
+    phases=(_ds_tiny("ddp", 4, "parallel=ddp"),
+            *(p for z, extra in ZERO.items() for p in (_ds_tiny(z, 4, "parallel=deepspeed", *extra),
+                                                       _ds_tiny(z, 6, "parallel=deepspeed", *extra, resume=True))),
+            compare_lora("compare", "ds_tiny_ddp", "ds_tiny_zero2", "step_000004")),
+    checks=(*finished("ddp", 4), *(c for z in ZERO for c in finished(z, 6, f"{z}_resume")),
+            *(Check(f"phases.{z}.rc", "==", 0, z, f"{z}: the first 4 steps") for z in ZERO),
+            *(in_sync(z) for z in ZERO),
+            Check("phases.compare.rc", "==", 0, "compare", "ZeRO-2 and DDP export the same LoRA tensors at step 4")),
+    collect=runs(ddp="ds_tiny_ddp", **{z: f"ds_tiny_{z}" for z in ZERO}),
+    record=tuple(f"{z}.{m}" for z in ZERO for m in ("final_step", "peak_mem_gib")),
+)
+
+DS5 = "deepspeed_5b_2gpu"
+DS5_RUNS = {f"zero{s}_x{g}": (s, g) for s in (2, 3) for g in (1, 2)}
+DS5_JOB = Case(
+    name=DS5, gpus=2, model="ti2v5b",
+    about="DeepSpeed ZeRO-2 and ZeRO-3 on the real-size TI2V-5B (light encoders, from the cache) at 704x1280x17 on 1 "
+          "and 2 GPUs, 6 steps each (ZeRO-3 eager: it refuses compiled blocks)",
+    phases=(BUILD_LIGHT, CACHE_LIGHT,
+            *(train(f"ds5b_{k}", g, 6, light_data, "parallel=deepspeed", f"parallel.strategy.stage={s}",
+                    "trainer.log_every_n_steps=1", "callbacks.checkpoint.every_n_train_steps=3",
+                    *(("model.compile=false",) if s == 3 else ()), phase=k, minutes=3)
+              for k, (s, g) in DS5_RUNS.items())),
+    checks=(*(c for k in DS5_RUNS for c in finished(k, 6)), in_sync("zero2_x2"), in_sync("zero3_x2")),
+    collect=runs(**{k: f"ds5b_{k}" for k in DS5_RUNS}),
+    record=tuple(f"{k}.{m}" for k in DS5_RUNS for m in ("median_step_s", "peak_mem_gib")),
+)
+
+DISTILL = "distill_2gpu"
+
+
+def dmd_phase(name: str, *extra: str) -> Phase:
+    return Phase(name, lambda ctx: [ctx.python, "tests/gpu/dmd_step.py", "--model-path", str(dit_dir(ctx)), *extra,
+                                    "--json", str(ctx.out / DISTILL / f"{name}.json")],
+                 minutes=4, env={"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def distill_metrics(ctx: Ctx, phases: dict) -> dict:
+    m = runs(fsdp_compile="tiny_fsdp_compile", fp16="tiny_fp16", dmd_tiny="tiny_dmd")(ctx, phases)
+    for name in ("dmd_5b", "dmd_5b_ckpt"):
+        res = _json(ctx.out / DISTILL / f"{name}.json")
+        m[name] = {**res.get("dmd", {}), "dtype_error": res.get("dtype_error")}
+    return m
+
+
+TINY_EAGER = ("data.use_cache=false",)
+DISTILL_JOB = Case(
+    name=DISTILL, gpus=2, model="ti2v5b",
+    about="FSDP2 with compiled blocks (tiny, 2 GPUs), 16-mixed with fp16 base weights (tiny), objective=dmd (tiny); "
+          "the DMD generator/critic step time and peak on the real-size TI2V-5B DiT with and without checkpointing, "
+          "and the fp16/bf16 forward error against fp32",
+    phases=(train("tiny_fsdp_compile", 2, 4, tiny_data, *TINY_EAGER, "parallel=fsdp", "model.compile=true",
+                  phase="fsdp_compile", minutes=2),
+            train("tiny_fp16", 1, 8, lambda ctx: tiny_data(ctx, "16-mixed", "fp16"), *TINY_EAGER, "parallel=single",
+                  phase="fp16", minutes=1),
+            train("tiny_dmd", 1, 12, tiny_data, *TINY_EAGER, "parallel=single", "objective=dmd", phase="dmd_tiny",
+                  minutes=1),
+            BUILD_DIT, dmd_phase("dmd_5b"), dmd_phase("dmd_5b_ckpt", "--ckpt", "--skip-dtype")),
+    checks=(*finished("fsdp_compile", 4), *finished("fp16", 8), *finished("dmd_tiny", 12),
+            Check("metrics.fp16.optimizer_fused", "==", True, "fp16", "fused AdamW with the grad scaler"),
+            Check("metrics.dmd_5b.dtype_error.fp16.finite", "==", True, "dmd_5b", "an fp16 forward stays finite"),
+            Check("metrics.dmd_5b.dtype_error.fp16.rel_err", "<=", 0.02, "dmd_5b", "fp16 weights' output error"),
+            Check("metrics.dmd_5b_ckpt.peak_gib", "<=", 17, "dmd_5b_ckpt", "14.8 GiB measured (H200)"),
+            Check("metrics.dmd_5b_ckpt.mean_step_s", "present", None, "dmd_5b_ckpt", "mean step over a 5:1 cycle")),
+    collect=distill_metrics,
+    record=tuple(f"{p}.{m}" for p in ("dmd_5b", "dmd_5b_ckpt") for m in ("mean_step_s", "peak_gib")),
+)
+
+CASES: dict[str, Case] = {c.name: c for c in (
+    USER_JOB, V100_JOB, PCIE_JOB, LOADER_JOB, PERF_JOB, A14B_DIT_JOB, FP8_JOB, BUDGET_JOB, GAP_JOB, HOST_JOB,
+    STRAT2_JOB, STRAT4_JOB, STRAT_A14B_JOB, STRAT_A14B4_JOB, SEAMS_JOB, DS_JOB, DS5_JOB, DISTILL_JOB)}

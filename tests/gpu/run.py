@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.gpu.registry import CASES, REPO, Case, Ctx, Phase, evaluate, newest_checkpoint_step, share_at_default
+from tests.gpu.registry import (CASES, REPO, Case, Ctx, Phase, evaluate, lookup, newest_checkpoint_step,
+                                 share_at_default)
 
 SITE = os.environ.get("WANEXP_SITE", "/tmp/site")  # where setup_env.sh installs the carried wheels
 LOG_TAIL = 400  # lines of each phase's log copied to <out>/<case>/
@@ -96,8 +97,11 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_phase(ctx: Ctx, case: Case, phase: Phase, env: dict) -> dict:
     """Runs one phase; its record: rc, seconds, ok, and for a kill phase the step it was killed at, the newest
     checkpoint then and the status.json it left (the next session overwrites it)."""
-    for path in phase.fresh(ctx) if phase.fresh else []:
-        shutil.rmtree(path, ignore_errors=True)
+    for path in phase.fresh(ctx) if phase.fresh else []:  # a folder (a run, a model) or a file (a bench's JSON)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     log_dir = ctx.work / "logs" / case.name
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{phase.name}.log"
@@ -176,7 +180,7 @@ def record_row(case: Case, result: dict, folder: Path) -> Path:
         path.write_text(f"# {case.model} on {len(result['gpus'])}x {card}, {result['date']}\n\n"
                         "| case | verdict | commit | metrics | failed checks |\n|---|---|---|---|---|\n")
     metrics = result.get("metrics", {})
-    shown = ", ".join(f"{k} {_fmt(metrics.get(k))}" for k in case.record)
+    shown = ", ".join(f"{k} {_fmt(lookup(metrics, k))}" for k in case.record)  # dotted keys, as in the checks
     failed = "; ".join(f"{c['key']} {c['op']} {c['limit']} (got {_fmt(c['value'])})" for c in result["checks"]
                        if c["status"] == "fail") or "-"
     with path.open("a") as fh:

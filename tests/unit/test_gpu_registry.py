@@ -196,3 +196,111 @@ def test_rejudge_recomputes_the_share_at_the_shipped_cadence(tmp_path):
     assert run.main(["--rejudge", str(stored), "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "user_job_5b_28g.json").read_text())
     assert again["metrics"]["val_share_at_default"] == pytest.approx(0.04) and again["verdict"] == "PASS"
+
+
+def cited_files(ctx: Ctx) -> set[str]:
+    """The tests/gpu files the cases' commands run or read (the paths in their arguments)."""
+    cited = set()
+    for case in CASES.values():
+        for p in case.phases:
+            for a in p.argv(ctx):
+                if a.startswith("tests/gpu/"):
+                    cited.add(a.split("/", 2)[2])
+    return cited
+
+
+def test_every_file_in_tests_gpu_is_a_cases_script_or_a_part(tmp_path):
+    """A script that no case runs is a stray: it becomes a case (with thresholds) or goes. The registry's own parts
+    (PARTS: the runner, the sizes its builds read, the machine setup) are named with their reason."""
+    files = {p.name for p in (REPO / "tests/gpu").iterdir() if p.is_file() and p.suffix != ".pyc"}
+    cited = cited_files(Ctx(tmp_path / "w", tmp_path / "o"))
+    assert not cited - files, f"cases run files that are not in tests/gpu: {sorted(cited - files)}"
+    assert not set(registry.PARTS) - files, f"PARTS names missing files: {sorted(set(registry.PARTS) - files)}"
+    stray = sorted(files - cited - set(registry.PARTS))
+    assert not stray, f"tests/gpu files no case runs (register them as a case's phase, or remove them): {stray}"
+
+
+def test_list_and_dry_run_of_every_case_on_cpu(tmp_path, capsys):
+    """Every case lists, and prints each phase's command without a GPU (its GPU count: SKIP when fewer)."""
+    assert run.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for name, case in CASES.items():
+        assert f"{name} " in listed and f"{case.gpus} GPU(s)" in listed
+        assert run.main([name, "--dry-run", "--gpus", "0", "--out", str(tmp_path / "o"),
+                         "--work", str(tmp_path / "w")]) == 0
+        out = capsys.readouterr().out
+        assert all(f"## {name}/{p.name} " in out for p in case.phases), name
+        assert f"SKIP {name}: needs {case.gpus} GPU(s), 0 present" in out
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def test_multi_gpu_cases_declare_their_gpus(tmp_path):
+    """A phase that trains on N devices makes the case need N GPUs and sees N of them (CUDA_VISIBLE_DEVICES); a
+    command's overrides name each key once (Hydra refuses a key given twice)."""
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    assert {c.gpus for c in CASES.values()} >= {1, 2, 4}
+    for name, case in CASES.items():
+        for p in case.phases:
+            argv = p.argv(ctx)
+            keys = [a.split("=", 1)[0].lstrip("+") for a in argv if "=" in a and not a.startswith("-")]
+            assert len(keys) == len(set(keys)), f"{name}/{p.name}: a key given twice"
+            devices = [int(a.split("=")[1]) for a in argv if a.startswith("trainer.devices=")]
+            nproc = [int(argv[i + 1]) for i, a in enumerate(argv) if a == "--nproc_per_node"]
+            for n in devices + nproc:
+                assert n <= case.gpus, f"{name}/{p.name} uses {n} GPUs; the case declares {case.gpus}"
+                assert len(p.env.get("CUDA_VISIBLE_DEVICES", "").split(",")) == n, f"{name}/{p.name}"
+
+
+def bench_file(path: Path, rows: dict, numerics_ok=True, errors: dict | None = None) -> None:
+    """A bench JSON as wanexp.cli.bench appends it: results per path, numerics rows."""
+    results = [{"path": k, "median_s": v[0], "peak_gib": v[1], "back_to_back_s": v[0],
+                **({"speedup_vs_plain_tokens": 1.0 if k == "plain_tokens" else rows["plain_tokens"][0] / v[0]}
+                   if "plain_tokens" in rows else {})} for k, v in rows.items()]
+    numerics = [{"path": k, "out_rel_err": e[0], "grad_rel_err_all": e[1]} for k, e in (errors or {}).items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"results": [], "numerics": []},  # an older run in the same file: the last counts
+                                {"results": results, "numerics": numerics, "numerics_ok": numerics_ok}]))
+
+
+def judge_case(case: Case, tmp_path, phases: list[str]) -> dict:
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    return run.judge(case, ctx, {p: {"ok": True, "rc": 0} for p in phases}, ["NVIDIA H100 80GB HBM3"])
+
+
+@pytest.mark.parametrize("fp8_peak, verdict", [(26.7, "PASS"), (30.5, "FAIL")])
+def test_a_bench_case_reads_its_json_and_judges_the_thresholds(tmp_path, fp8_peak, verdict):
+    """fp8_5b from the bench's JSON: FP8's error and time against the bf16 step, its memory saving."""
+    case = CASES["fp8_5b"]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    for name in ("fp8", "fp8_ckpt"):
+        bench_file(registry.bench_json(ctx, "fp8_5b", name),
+                   {"plain_tokens": (0.42, 47.4), "wanexp": (0.250, 31.2),
+                    "wanexp [model.fp8=true]": (0.244, fp8_peak)},
+                   errors={"wanexp": (7.5e-3, 1.9e-3), "wanexp [model.fp8=true]": (2.2e-2, 3.7e-2)})
+    result = judge_case(case, tmp_path, [p.name for p in case.phases])
+    assert result["verdict"] == verdict, [c for c in result["checks"] if c["status"] != "pass"]
+    m = result["metrics"]["fp8"]
+    assert m["wanexp"]["speedup"] == pytest.approx(0.42 / 0.25)
+    assert m["wanexp_model_fp8_true"]["vs_wanexp"] == pytest.approx(0.250 / 0.244)
+    assert m["fp8_saves_gib"] == pytest.approx(31.2 - fp8_peak)
+    row = run.record_row(case, result, tmp_path / "bench")
+    assert f"fp8.fp8_saves_gib {31.2 - fp8_peak:.4g}" in row.read_text()  # dotted record keys
+
+
+def test_a_strategy_case_reads_its_run_folders_and_scaling(tmp_path):
+    """strategy_5b_4gpu from its run folders: each run finished, DDP's replicas in sync, samples/s over one GPU."""
+    case = CASES["strategy_5b_4gpu"]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    for run_name, step in (("5b_ddp_1", 0.40), ("5b_ddp_4", 0.41), ("5b_fsdp_4", 0.73)):
+        fake_run(ctx.run_dir(run_name), losses=(0.5,) * 8, step=14)
+        status = json.loads((ctx.run_dir(run_name) / "status.json").read_text())
+        (ctx.run_dir(run_name) / "status.json").write_text(json.dumps({**status, "replicas_in_sync": True}))
+        with (ctx.run_dir(run_name) / "logs/version_0/metrics.csv").open("a", newline="") as f:
+            for i in range(6):
+                csv.writer(f).writerow([10 + i, 0.5, step, 12.0])
+    result = judge_case(case, tmp_path, [p.name for p in case.phases])
+    assert result["metrics"]["ddp_4_scaling"] == pytest.approx(4 * 0.40 / 0.41)
+    assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
+    slow = json.loads(json.dumps(result))
+    slow["metrics"]["ddp_4_scaling"] = 3.0
+    assert registry.evaluate(case, slow)[0] == "FAIL"
