@@ -182,7 +182,7 @@ class StepTimer(Callback):
     """``+callbacks.timer._target_=tests.helpers.StepTimer +callbacks.timer.start=S +callbacks.timer.steps=N``: the
     mean wall time of optimizer steps S+1 .. S+N, the GPU synchronized at both ends and nothing else touched (no
     profiler), printed as one line ``wanexp-timer: steps A-B mean X ms``. For A/B runs of the training loop's host
-    settings (tests/gpu/gap_check.sh)."""
+    settings (the GPU cases gap_5b and host_gap_5b)."""
 
     def __init__(self, start: int, steps: int):
         self.start, self.steps, self.t0, self.mean_s = start, steps, None, None

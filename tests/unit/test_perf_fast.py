@@ -126,7 +126,7 @@ def test_compiled_blocks_turn_off_ddp_graph_splitting(monkeypatch):
     checkpointing the recompute (outside DDP's forward) saved other tensors: every DDP run with compile and
     checkpointing failed its first backward (CheckpointError, torch 2.11 on H200, 1 and 2 GPUs, 2026-11-26; the
     same runs trained with optimize_ddp off). This torch build does not reproduce it on the CPU, so the setting is
-    what is checked here; tests/gpu/strategy_check.sh runs the compiled DDP rows."""
+    what is checked here; the GPU case strategy_5b_2gpu runs the compiled DDP rows."""
     import torch._dynamo
 
     monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
