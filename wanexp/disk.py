@@ -131,11 +131,10 @@ def trained_parameters(spec, adapter, objective, boundary: str) -> tuple[int, in
     """(parameters a checkpoint holds, bytes per parameter there without the moments, parameters one export holds)
     for this run, counted on the meta device from the transformer configs: nothing is loaded."""
     import torch
-    from diffusers import WanTransformer3DModel
 
     experts = spec.trained_experts(boundary)
     with torch.device("meta"):
-        transformers = {e: WanTransformer3DModel.from_config(spec.transformer_config(e)).requires_grad_(False)
+        transformers = {e: spec.transformer_type().from_config(spec.transformer_config(e)).requires_grad_(False)
                         for e in experts}
         per_adapter = sum(lora_parameters(t, adapter) for t in transformers.values())
         with contextlib.redirect_stdout(io.StringIO()):  # e.g. KD's student: its own line prints when it is built

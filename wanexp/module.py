@@ -1,6 +1,6 @@
 """The LightningModule: wires a model spec, an adapter, an objective and an optimizer. It never branches on the model.
 
-    spec       what differs between Wan2.2 layouts (wanexp/models/wan22/spec.py): loading, conditioning, expert routing
+    spec       what differs between model layouts (wanexp/models/family.py): loading, conditioning, expert routing
     adapter    what is trained on the frozen base of each expert (wanexp/lora.py: LoraAdapter)
     objective  the loss and its metrics, given an encoded batch and the denoiser (wanexp/objectives/)
     optimizer  a factory from the `optim` group + the schedule settings (wanexp/optim.py)
@@ -16,13 +16,13 @@ from torch import nn
 from wanexp.errors import DivergedError
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encode import cached_batch
-from wanexp.models.wan22.spec import WanSpec
+from wanexp.models.family import ModelSpec
 from wanexp.objectives.base import Objective
 from wanexp.optim import build_optimizer, lr_lambda
 
 
 class WanModule(L.LightningModule):
-    def __init__(self, spec: WanSpec, adapter, objective: Objective, boundary: dict, optimizer: Callable, lr: float,
+    def __init__(self, spec: ModelSpec, adapter, objective: Objective, boundary: dict, optimizer: Callable, lr: float,
                  schedule: dict, max_steps: int = -1, load_encoders: bool = True, allow_resume_changes: bool = False,
                  max_bad_steps: int = 10, seed: int = 0):
         super().__init__()
@@ -434,7 +434,7 @@ def mend_epoch_progress(checkpoint: dict) -> None:
             counts["ready"] = counts["started"] = counts["processed"] + 1
 
 
-def _readable(spec: WanSpec, what: str, load, *args):
+def _readable(spec: ModelSpec, what: str, load, *args):
     """Load weights; a corrupt or truncated file (what a partial download leaves) is one line, not a traceback."""
     from safetensors import SafetensorError
 

@@ -59,7 +59,7 @@ def prepare_model_folder(spec, boundary: str) -> None:
     """The model folder a run needs: a tiny model is built into it first (only those have ``build``), then every
     component the run loads is checked (one line naming what is missing)."""
     if spec.build:
-        from wanexp.models.wan22.build import ensure_tiny_model
+        from wanexp.models.tiny import ensure_tiny_model
 
         ensure_tiny_model(spec)
     spec.check_folder(spec.trained_experts(boundary))
@@ -217,7 +217,8 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
     from wanexp.module import WanModule
     from wanexp.optim import scaled_lr
 
-    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info(), sp_size=int(cfg.parallel.sp_size))
+    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed), sp_size=int(cfg.parallel.sp_size))(
+        encoders=spec.encoder_info())
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
     if launch_rank() == 0:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from wanexp.models.wan22.build import ensure_tiny_model
+from wanexp.models.tiny import ensure_tiny_model
 
 
 def main() -> None:

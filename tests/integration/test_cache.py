@@ -18,7 +18,7 @@ from tests.conftest import ROOT, compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.cli.cache import build_cache
 from wanexp.data.cache import CacheIndex
-from wanexp.models.wan22.build import ensure_tiny_model
+from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.encode import encode_text, encode_video
 from wanexp.train import build
 
@@ -31,7 +31,7 @@ def _cfg(shared_dir, cache_dir, *extra):
 def _datamodule(cfg):
     spec = build(cfg.model)
     ensure_tiny_model(spec)
-    dm = build(cfg.data, seed=0, encoders=spec.encoder_info())
+    dm = build(cfg.data, _partial_=True, seed=0)(encoders=spec.encoder_info())
     dm.prepare()
     dm.setup()
     return spec, dm

@@ -11,7 +11,7 @@ from torch import nn
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.lora import use_adapter
-from wanexp.models.wan22.build import ensure_tiny_model
+from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.denoiser import Prediction
 from wanexp.models.encode import EncodedBatch
 from wanexp.objectives.dmd import DMD

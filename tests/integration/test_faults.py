@@ -77,7 +77,7 @@ def test_a_corrupt_weight_file_is_one_line(shared_dir, tmp_path, capsys):
     """A truncated download: the run stops with one line naming the folder, no traceback."""
     import shutil
 
-    from wanexp.models.wan22.build import ensure_tiny_model
+    from wanexp.models.tiny import ensure_tiny_model
     from wanexp.train import build, cli
 
     base = ["experiment=demo", f"paths.data_dir={shared_dir}/data", f"paths.output_dir={tmp_path / 'run'}",

@@ -131,7 +131,7 @@ def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tm
     """A one-expert A14B run samples its validation videos with the other expert from model.path: under FSDP2 every
     rank samples, so that expert is sharded too (each rank holds half of it here), loaded in the load turns."""
     from tests.conftest import compose_cfg
-    from wanexp.models.wan22.build import ensure_tiny_model
+    from wanexp.models.tiny import ensure_tiny_model
     from wanexp.train import build
 
     out = tmp_path / "run"

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
-from wanexp.models.wan22.build import ensure_tiny_model
+from wanexp.models.tiny import ensure_tiny_model
 from wanexp.train import build
 
 

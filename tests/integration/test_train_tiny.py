@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import tiny_run
-from wanexp.models.wan22.spec import EXPERT_FOLDERS
+from wanexp.models.family import EXPERT_FOLDERS
 
 EXPECTED_FILES = {
     "tiny": ["tiny_lora_comfyui.safetensors", "tiny_lora_diffusers.safetensors"],

@@ -108,7 +108,7 @@ def test_a_run_from_the_cache_samples_with_cached_prompts_a_tiled_decode_and_nev
     validates without the text encoder (UMT5-XXL: 11 GiB); the VAE decodes in tiles."""
     from tests.integration.test_cache import _cfg
     from wanexp.cli.cache import build_cache
-    from wanexp.models.wan22.spec import WanSpec
+    from wanexp.models.family import ModelSpec
 
     val = [*FAST, "callbacks.validation.at_start=false", "callbacks.validation.negative_prompt=blurry static"]
     cache = tmp_path / "cache"
@@ -122,7 +122,7 @@ def test_a_run_from_the_cache_samples_with_cached_prompts_a_tiled_decode_and_nev
     import diffusers
 
     decode = diffusers.AutoencoderKLWan.decode
-    monkeypatch.setattr(WanSpec, "load_text_encoder", no_text_encoder)
+    monkeypatch.setattr(ModelSpec, "load_text_encoder", no_text_encoder)
     monkeypatch.setattr(diffusers.AutoencoderKLWan, "decode",
                         lambda self, *a, **k: tiles.append(self.use_tiling) or decode(self, *a, **k))
     r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.cache_dir={cache}", "trainer.max_steps=2",
@@ -172,10 +172,10 @@ def test_a_one_expert_a14b_run_that_cannot_hold_both_experts_for_validation_stop
         (tmp_path / folder).mkdir()
         save_file({"a": torch.zeros(2, 1024, dtype=torch.bfloat16), "b": torch.zeros(1024, dtype=torch.bfloat16)},
                   str(tmp_path / folder / "m.safetensors"))
-    from wanexp.models.wan22.spec import WanSpec
+    from wanexp.models.family import ModelSpec
 
     spec = SimpleNamespace(experts=["high", "low"], boundary_ratio=0.9, path=tmp_path)
-    spec.load_bytes = lambda experts, encoders: WanSpec.load_bytes(spec, experts, encoders)
+    spec.load_bytes = lambda experts, encoders: ModelSpec.load_bytes(spec, experts, encoders)
     objective = SimpleNamespace(student_steps=lambda: StudentSteps(student, 5.0) if student else None)
     module = SimpleNamespace(spec=spec, expert_names=["low"], objective=objective, boundary_name="low")
     trainer = SimpleNamespace(strategy=type(strategy, (), {})(), world_size=2)

@@ -9,7 +9,7 @@ from tests.conftest import compose_cfg
 from wanexp.cli.cache import build_cache
 from wanexp.data.media import write_video
 from wanexp.errors import ConfigError
-from wanexp.models.wan22.build import ensure_tiny_model
+from wanexp.models.tiny import ensure_tiny_model
 from wanexp.train import build
 
 
@@ -31,7 +31,7 @@ def _dm(shared_dir, data, tmp_path, *extra):
                        "data.generate=null", f"data.cache_dir={tmp_path}/cache", "data.batch_size=1", *extra])
     spec = build(cfg.model)
     ensure_tiny_model(spec)
-    dm = build(cfg.data, seed=0, encoders=spec.encoder_info())
+    dm = build(cfg.data, _partial_=True, seed=0)(encoders=spec.encoder_info())
     dm.setup()
     return cfg, dm
 

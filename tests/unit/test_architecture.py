@@ -107,3 +107,69 @@ def test_nothing_is_unpickled():
                     ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
                     calls.append((f"{f.name}:{node.lineno}", ok))
     assert calls and all(ok for _, ok in calls), [c for c, ok in calls if not ok]
+
+
+# ---- module level: no two modules import each other, directly or around a loop --------------------------------------
+def _module_name(f: Path) -> str:
+    parts = ("wanexp", *f.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Module -> the wanexp modules it imports, from every import statement at any depth (inside functions too: a
+    lazy import only moves the cycle's failure to the first call). ``from pkg import name`` counts as an import of
+    the module ``pkg.name`` when that is a module, else of ``pkg``."""
+    files = {_module_name(f): f for f in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, f in files.items():
+        is_pkg = f.name == "__init__.py"
+        deps = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against this module's package
+                    pkg = mod.split(".")[: len(mod.split(".")) - node.level + (1 if is_pkg else 0)]
+                    base = ".".join([*pkg, *([base] if base else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in files and t != mod}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(v, path):
+        state[v] = 1
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state:
+                found = visit(w, path + [w])
+                if found:
+                    return found
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v, [v])
+            if found:
+                return found
+    return None
+
+
+def test_no_module_level_import_cycle():
+    cycle = find_cycle(module_imports())
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    graph = module_imports()  # the graph holds function-level imports: WanSpec's lazy import of the conversion
+    assert "wanexp.models.wan22.original" in graph["wanexp.models.wan22.spec"]

@@ -8,7 +8,7 @@ import torch
 from wanexp.data.datamodule import BucketBatchSampler
 from wanexp.models.encode import clean_prompt, encode_text
 from tests.conftest import compose_cfg
-from wanexp.models.wan22.spec import route
+from wanexp.models.family import route
 from wanexp.train import build
 
 

@@ -7,7 +7,7 @@ import torch
 from tests.conftest import compose_cfg
 from wanexp.errors import ConfigError
 from wanexp.models.wan22 import fast
-from wanexp.models.wan22.build import ensure_tiny_model
+from wanexp.models.tiny import ensure_tiny_model
 from wanexp.train import build
 
 

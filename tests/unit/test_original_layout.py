@@ -316,11 +316,20 @@ def test_cli_prints_what_it_wrote(i2v):
         assert part in i2v.output
 
 
-def test_layout_defaults_match_the_model_configs():
-    for model, layout in original.CLI_MODELS.items():
+def test_layout_table_matches_the_model_configs_and_specs():
+    """The one layout table (wan22/layouts.py) agrees with each model YAML and the spec class it names."""
+    from hydra.utils import get_class
+
+    from wanexp.models.wan22.layouts import MODELS
+
+    for model, lay in MODELS.items():
         cfg = compose_cfg([f"model={model}", "model.path=/m"]).model
-        assert original.DEFAULTS[layout] == (cfg.shift, cfg.boundary_ratio)
-        assert cfg._target_.rsplit(".", 1)[1] == original.SPECS[layout].__name__
+        assert (lay.shift, lay.boundary_ratio, lay.experts) == (cfg.shift, cfg.boundary_ratio, tuple(cfg.experts))
+        spec_cls = get_class(cfg._target_)
+        assert spec_cls.layout == lay.name
+        assert (spec_cls.in_channels, spec_cls.latent_channels, spec_cls.vae_stride) == \
+            (lay.in_channels, lay.latent_channels, lay.vae_stride)
+        assert original.CLI_MODELS[model] == lay.name
 
 
 # ---- the name mappings against diffusers' own converters and the original T5 forward ---------------------------------

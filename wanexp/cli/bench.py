@@ -43,15 +43,25 @@ from pathlib import Path
 
 import torch
 
+from wanexp.models.family import EXPERT_FOLDERS
+from wanexp.models.wan22.layouts import MODELS
 from wanexp.perf import transformer_step_flops
 
 PEAK_TFLOPS = 790.0  # a large bf16 matmul on one H100 (docs/performance.md)
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 CHECK_SEED = 1234
-LAYOUT = {  # --model: (latent channels, spatial VAE stride, per-token timesteps, expert folder)
-    "ti2v5b": (48, 16, True, "transformer"),
-    "t2v14b": (16, 8, False, "transformer"),
-}
+# --model: the Wan2.2 layouts (layouts.py) whose DiT input is the latents alone: the plain loop builds no
+# conditioning channels.
+LAYOUT = {model: lay for model, lay in MODELS.items() if lay.in_channels == lay.latent_channels}
+
+
+def _folder(model: str) -> str:
+    """The transformer folder the bench loads (a two-expert model's high-noise expert)."""
+    return EXPERT_FOLDERS[LAYOUT[model].experts[0]]
+
+
+def _dense(model: str) -> bool:
+    return LAYOUT[model].experts == ("dense",)
 
 
 def _sync():
@@ -100,7 +110,7 @@ def plain_model(args, device, dtype=torch.bfloat16):
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
-    sub = LAYOUT[args.model][3]
+    sub = _folder(args.model)
     t = WanTransformer3DModel.from_pretrained(args.model_path, subfolder=sub, dtype=dtype).to(device)
     t.requires_grad_(False)
     t.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=TARGETS))
@@ -163,7 +173,7 @@ def wanexp_module(args, device):
 
     overrides = [f"model={args.model}", f"model.path={args.model_path}", f"model.gradient_checkpointing={args.ckpt}",
                  f"model.text_len={args.text_len}", f"adapter.rank={args.rank}", f"adapter.alpha={args.rank}",
-                 *([f"boundary={args.boundary}"] if args.model != "ti2v5b" else []), *args.set]
+                 *([] if _dense(args.model) else [f"boundary={args.boundary}"]), *args.set]
     cfg = compose(overrides)
     o = cfg.optim
     module = WanModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
@@ -353,7 +363,7 @@ def fp32_plan(args, device) -> str:
         return {"on": "full", "short": "short", "off": "off"}[args.fp32_floor]
     if device.type != "cuda":
         return "full"
-    sub = LAYOUT[args.model][3]
+    sub = _folder(args.model)
     size = 2 * sum(f.stat().st_size for f in (Path(args.model_path) / sub).glob("*.safetensors"))
     share = size / torch.cuda.get_device_properties(device).total_memory
     return "full" if share <= FP32_FULL else "short" if share <= FP32_SHORT else "off"
@@ -402,7 +412,7 @@ def measure(name, make, args, device, data, flops) -> dict:
             "warmup_and_steps_s": total_s, **info}
 
 
-CHANGES_NUMERICS = ("model.fp8=true",)  # variants measured for their error, not checked against the tolerance
+CHANGES_NUMERICS = ("model.fp8=true", "model.fp8_storage=true")  # variants measured for their error, not checked against the tolerance
 
 
 def main(argv=None) -> list[dict]:
@@ -437,11 +447,13 @@ def main(argv=None) -> list[dict]:
                     help="GPU time by kernel kind for these paths (default: wanexp)")
     ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
     args = ap.parse_args(argv)
-    if args.model == "ti2v5b":
+    if _dense(args.model):
         args.boundary = "full"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    channels, stride, per_token, sub = LAYOUT[args.model]
-    latent_shape = (args.batch, channels, (args.frames - 1) // 4 + 1, args.height // stride, args.width // stride)
+    lay, sub = LAYOUT[args.model], _folder(args.model)
+    ft, fh, fw = lay.vae_stride
+    per_token = lay.per_token_timestep
+    latent_shape = (args.batch, lay.latent_channels, (args.frames - 1) // ft + 1, args.height // fh, args.width // fw)
     cfg = json.loads((Path(args.model_path) / sub / "config.json").read_text())
     flops = transformer_step_flops(cfg, latent_shape, args.text_len, args.ckpt)
     pt, ph, pw = cfg["patch_size"]

@@ -21,7 +21,7 @@ def loader_rate(cfg: DictConfig, use_cache: bool, batches: int) -> dict:
     prepare_model_folder(spec, cfg.boundary.name)
     with open_dict(cfg):
         cfg.data.use_cache = use_cache
-    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
+    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info())
     dm.prepare()
     dm.setup()
     if use_cache and not dm.cached:

@@ -78,7 +78,7 @@ def build_cache(cfg: DictConfig) -> dict:
                           "data.window=uniform or chunks (several fixed windows per clip), or train online")
     with open_dict(cfg):
         cfg.data.rejects = os.path.join(str(cfg.data.cache_dir), "rejects.jsonl")
-    dm = build(cfg.data, seed=int(cfg.seed), encoders=spec.encoder_info())
+    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info())
     dm.prepare()
     samples, shapes, starts, _ = dm.items()
     keys = dm.cache_keys(samples, shapes, starts)

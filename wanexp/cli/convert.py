@@ -15,13 +15,13 @@ from wanexp.errors import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from wanexp.models.wan22.original import CLI_MODELS
+    from wanexp.models.wan22.layouts import MODELS
 
     p = argparse.ArgumentParser(prog="python -m wanexp.cli.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--src", required=True, help="original Wan-AI folder (config.json / high_noise_model/, *.pth, "
                                                 "google/umt5-xxl/)")
     p.add_argument("--dst", required=True, help="diffusers-format folder to create (must not exist or be empty)")
-    p.add_argument("--model", required=True, choices=sorted(CLI_MODELS), help="which Wan2.2 model --src holds")
+    p.add_argument("--model", required=True, choices=sorted(MODELS), help="which Wan2.2 model --src holds")
     p.add_argument("--vae-config", default=None,
                    help="optional diffusers VAE config.json (or its folder) whose latents_mean/latents_std to use "
                         "instead of the constants of the original Wan code")
@@ -31,10 +31,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from wanexp.models.wan22.original import CLI_MODELS, convert_original
+    from wanexp.models.wan22.layouts import MODELS
+    from wanexp.models.wan22.original import convert_original
 
     try:
-        lines = convert_original(args.src, args.dst, CLI_MODELS[args.model], vae_config=args.vae_config,
+        lines = convert_original(args.src, args.dst, MODELS[args.model].name, vae_config=args.vae_config,
                                  max_shard_size=args.max_shard_size)
     except ConfigError as e:
         print(f"wanexp: error: {e}", file=sys.stderr)

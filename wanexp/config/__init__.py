@@ -2,6 +2,7 @@
 
     schema.py  dataclass schemas of every group (types, defaults, allowed values, ranges) + check_schema
     rules.py   rules across groups (boundary vs dense model, frames 4k+1, resolution multiples, ...) + path checks
+    messages.py  a composition error as one line
 
 Only this package and ``wanexp/train.py`` touch Hydra.
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from wanexp.config.messages import one_line_error  # noqa: F401  (the package's API)
 from wanexp.config.rules import check_boundary, check_paths, check_rules
 from wanexp.config.schema import check_schema, register
 from wanexp.errors import ConfigError
@@ -49,29 +51,3 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=return_hydra_config)
-
-
-_TYPE_WORDS = {"Float": "a number", "Integer": "an integer", "Boolean": "true or false", "String": "a string"}
-
-
-def one_line_error(exc: BaseException) -> str:
-    """A Hydra/OmegaConf composition error as one line: the key and value, the problem, what is allowed."""
-    import re
-
-    cause = exc.__cause__ or exc
-    key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
-    first = (getattr(cause, "msg", None) or str(cause) or type(cause).__name__).strip().splitlines()[0]
-    m = re.search(r"could not be converted to (\w+)", first)
-    if key and m:
-        return f"{key}={value}: must be {_TYPE_WORDS.get(m.group(1), m.group(1))}"
-    m = re.search(r"Key '([^']+)' not in '(\w+)'", first) or re.search(r"Key '([^']+)' is not in struct", first)
-    if key and m:
-        parent = key.rpartition(".")[0] or "the top level"
-        return f"{key}: no such key in {parent}; check the spelling (python train.py --cfg job prints every key)"
-    m = re.search(r"Could not find '([^']+)'", str(exc))
-    if m:
-        group = m.group(1).rpartition("/")[0]
-        options = re.findall(r"^\t(\S+)$", str(exc).split("Config search path")[0], flags=re.M)
-        return f"{group}={m.group(1).rpartition('/')[2]}: no such option; allowed values are {', '.join(options)}"
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return "; ".join(lines[:2]) + (f": {first}" if cause is not exc else "")

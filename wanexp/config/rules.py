@@ -11,16 +11,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from wanexp.errors import ConfigError
 
-TWO_EXPERT_MODELS = "model=i2v14b|t2v14b (or tiny_i2v14b|tiny_t2v14b)"
-
-
 def check_boundary(cfg: DictConfig) -> None:
     """Runs before the schema walk: a one-expert boundary interpolates the model's boundary_ratio."""
     m, b = cfg.model, cfg.boundary
     if b.name in ("high", "low") and m.boundary_ratio is None:
         raise ConfigError(
             f"boundary={b.name} with model={m.name}: {m.name} is one dense model with no expert boundary; "
-            f"use boundary=full, or {TWO_EXPERT_MODELS} to train one expert"
+            "use boundary=full, or a model with high and low noise experts (e.g. model=i2v14b|t2v14b) to train one"
         )
 
 

@@ -45,7 +45,7 @@ def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=
 # ---- model, boundary -------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    _target_: str = MISSING  # the spec class (wanexp.models.wan22.spec.*)
+    _target_: str = MISSING  # the spec class: a wanexp.models.family.ModelSpec subclass (e.g. a wan22 layout)
     name: str = MISSING
     path: str = MISSING  # local diffusers-format folder
     dtype: str = knob(MISSING, choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")
@@ -58,7 +58,7 @@ class ModelConfig:
     text_len: int = knob(MISSING, ge=1)
     gradient_checkpointing: bool = MISSING
     attention_backend: Optional[str] = MISSING  # checked against diffusers' dispatcher by the spec
-    first_frame_cond: float = knob(MISSING, ge=0.0, le=1.0, doc="TI2V: fraction of samples trained image-to-video")
+    first_frame_cond: float = knob(MISSING, ge=0.0, le=1.0, doc="share trained image-to-video (optional first frame)")
     build: Optional[Dict[str, Any]] = MISSING  # tiny models only: the architecture to build into `path`
     fast_modulation: bool = knob(MISSING, doc="time embedding + block modulation once per latent frame (same values)")
     compile: bool = knob(MISSING, doc="torch.compile each transformer block (regional compilation)")

@@ -32,7 +32,7 @@ from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import MetadataError, Reject, Sample, read_metadata_with_rejects
 from wanexp.errors import MediaError
-from wanexp.data.probe import probe_samples
+from wanexp.data.probe import nearest_resolution, probe_samples  # (probe assigns buckets the same way)
 from wanexp.data.windows import RANDOM_START, expand, random_start
 
 Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
@@ -62,12 +62,6 @@ def padded_text(text: torch.Tensor, text_len: int) -> torch.Tensor:
     padded = text.new_zeros((text_len, text.shape[-1]))
     padded[: text.shape[0]] = text
     return padded
-
-
-def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
-    """The (height, width) in ``resolutions`` whose aspect ratio is closest to ``width / height`` (log distance)."""
-    aspect = math.log(width / height)
-    return min(resolutions, key=lambda hw: (abs(math.log(hw[1] / hw[0]) - aspect), -hw[0] * hw[1]))
 
 
 def bucket_shapes(samples: list[Sample], num_frames: int, height: int, width: int,
@@ -274,9 +268,10 @@ class WanDataModule(L.LightningDataModule):
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
                  generate: dict | None, seed: int, val_fraction: float = 0.0,
-                 encoders: dict | None = None, sp_size: int = 1):
+                 encoders: object | None = None, sp_size: int = 1):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
-        identifies the model's VAE and text encoder for cache keys (``WanSpec.encoder_info()``; None: no cache), and
+        identifies the model's VAE and text encoder for cache keys, and its latent grid
+        (``ModelSpec.encoder_info()``: an EncoderInfo, read by attribute; None: no cache), and
         ``sp_size`` (``parallel.sp_size``: every bucket's tokens must split into that many parts)."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
@@ -365,8 +360,8 @@ class WanDataModule(L.LightningDataModule):
 
         from wanexp.text import clean_prompt
 
-        tokenizer = AutoTokenizer.from_pretrained(self.encoders["tokenizer"])
-        limit = self.encoders["text_len"]
+        tokenizer = AutoTokenizer.from_pretrained(self.encoders.tokenizer)
+        limit = self.encoders.text_len
         ids = tokenizer([clean_prompt(s.prompt) for s in samples], add_special_tokens=True, verbose=False).input_ids
         return [Reject(s.path, s.path, f"caption is {len(t)} tokens, truncated to {limit} (model.text_len)")
                 for s, t in zip(samples, ids) if len(t) > limit]
@@ -402,18 +397,18 @@ class WanDataModule(L.LightningDataModule):
                                 "missing_entries": missing if self.keys else None}
         r = self.dataset_repeat
         if self.cached:
-            self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders["text_len"])
+            self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders.text_len)
         else:
             self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride, starts * r, available * r, self.seed)
         if val:
             vs, vsh, vst, vav = val_items
             vkeys = self.cache_keys(vs, vsh, vst) if cacheable else []
             if self.cached and all(k in index for pair in vkeys for k in pair):
-                self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders["text_len"])
+                self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders.text_len)
             else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
                 self.val_dataset = ClipDataset(vs, vsh, self.frame_stride, vst, vav, self.seed)
         if self.sp_size > 1 and self.encoders:
-            check_sequence_split(self.dataset.shapes, self.encoders["vae_stride"], self.encoders["patch"], self.sp_size)
+            check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, self.sp_size)
 
     def val_batches(self, limit: int | None = None):
         """The held-out samples as loader batches of one sample each, in a fixed order (the first ``limit``)."""
@@ -434,16 +429,16 @@ class WanDataModule(L.LightningDataModule):
     def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int]) -> list[tuple[str, str]]:
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
         e = self.encoders
-        vae_id = folder_identity(e["vae"], [e["vae_dtype"], e["layout"], self.cache_dtype])
-        return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e["image_latent"]),
+        vae_id = folder_identity(e.vae, [e.vae_dtype, e.layout, self.cache_dtype])
+        return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e.image_latent),
                  self.text_cache_key(s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
 
     def text_cache_key(self, prompt: str) -> str:
         """The cache key of a prompt's UMT5 embedding (training captions and validation prompts alike)."""
         e = self.encoders
         if self._text_id is None:
-            self._text_id = folder_identity(e["text_encoder"], e["text_dtype"]) + "+" + folder_identity(e["tokenizer"])
-        return text_key(self._text_id, e["text_len"], prompt)
+            self._text_id = folder_identity(e.text_encoder, e.text_dtype) + "+" + folder_identity(e.tokenizer)
+        return text_key(self._text_id, e.text_len, prompt)
 
     def cached_text(self, prompt: str) -> torch.Tensor | None:
         """A prompt's embedding (text_len, D) from the cache, zero-padded as the DiT sees it; None if not cached."""
@@ -452,7 +447,7 @@ class WanDataModule(L.LightningDataModule):
         key, index = self.text_cache_key(prompt), CacheIndex(self.cache_dir)
         if key not in index:
             return None
-        return padded_text(index.load(key)["text"], self.encoders["text_len"])
+        return padded_text(index.load(key)["text"], self.encoders.text_len)
 
     def bucket_batch_sizes(self) -> dict | None:
         """With ``token_budget``: each bucket's per-device batch, budget // (DiT tokens of one sample), at least 1."""
@@ -460,7 +455,7 @@ class WanDataModule(L.LightningDataModule):
             return None
         if not self.encoders:
             raise MetadataError("data.token_budget needs the model's latent grid; build the datamodule through run()")
-        (st, sh, sw), (pt, ph, pw) = self.encoders["vae_stride"], self.encoders["patch"]
+        (st, sh, sw), (pt, ph, pw) = self.encoders.vae_stride, self.encoders.patch
         return {shape: max(1, self.token_budget // dit_tokens(shape, (st, sh, sw), (pt, ph, pw)))
                 for shape in set(self.dataset.shapes)}
 

@@ -30,6 +30,7 @@ count in its header whose tail, past the frames a clip needs, does not read.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -86,11 +87,15 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(text).split())
 
 
+def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
+    """The (height, width) in ``resolutions`` whose aspect ratio is closest to ``width / height`` (log distance)."""
+    aspect = math.log(width / height)
+    return min(resolutions, key=lambda hw: (abs(math.log(hw[1] / hw[0]) - aspect), -hw[0] * hw[1]))
+
+
 def _upscale_warning(what: str, src_w: int, src_h: int, width: int, height: int,
                      resolutions: Sequence[tuple[int, int]] | None = None) -> tuple[str, ...]:
     if resolutions and src_w > 0 and src_h > 0:  # the bucket this file trains at, as the datamodule assigns it
-        from wanexp.data.datamodule import nearest_resolution  # (datamodule imports this module)
-
         height, width = nearest_resolution(src_w, src_h, [tuple(r) for r in resolutions])
     scale = max(height / max(src_h, 1), width / max(src_w, 1))  # resize_crop scales to cover, aspect kept
     if scale > UPSCALE_WARN:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from wanexp.models.encode import EncodedBatch
-from wanexp.models.wan22.spec import WanSpec, route
+from wanexp.models.family import ModelSpec, route
 from wanexp.perf import transformer_step_flops
 
 
@@ -26,7 +26,7 @@ class Prediction:
 class Denoiser:
     """Calls the transformers of ``experts`` (a name -> module mapping the LightningModule owns)."""
 
-    def __init__(self, spec: WanSpec, transformers: Mapping[str, nn.Module], sigma_range: tuple[float, float]):
+    def __init__(self, spec: ModelSpec, transformers: Mapping[str, nn.Module], sigma_range: tuple[float, float]):
         self.spec = spec
         self.transformers = transformers
         self.sigma_range = sigma_range  # the shifted-sigma range these experts are trained on (the boundary)
@@ -38,7 +38,7 @@ class Denoiser:
 
     def _forward(self, expert: str, hidden, timestep, text) -> torch.Tensor:
         transformer = self.transformers[expert]
-        dtype = transformer.patch_embedding.weight.dtype  # the base weights' dtype (bf16-true converts them)
+        dtype = self.spec.compute_dtype(transformer)  # the base weights' dtype (bf16-true converts them)
         return transformer(hidden_states=hidden.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype),
                            return_dict=False)[0]
 

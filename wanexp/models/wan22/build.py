@@ -1,18 +1,15 @@
-"""Build tiny random Wan2.2 models and save them in the real diffusers folder layout.
+"""Tiny random Wan2.2 models in the real diffusers folder layout (WanSpec.write_random_model).
 
-Tests and the demo load these folders through the same `WanSpec.load_*` code a real run uses. Building is
-deterministic (seeded) and atomic: the folder appears complete or not at all, also when ranks race.
+Tests and the demo load these folders through the same ``load_*`` code a real run uses; wanexp.models.tiny writes
+them atomically. Building is deterministic (seeded by ``model.build.seed``).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from wanexp.models.wan22.spec import WanSpec
+from wanexp.models.family import ModelSpec
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
@@ -42,7 +39,7 @@ def _latent_stats(z: int) -> tuple[list[float], list[float]]:
     return mean, std
 
 
-def build_components(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+def build_components(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """Random-init components of ``spec``'s layout, sized by ``spec.build`` (built on ``device``, cast to ``dtype``)."""
     b = spec.build
     torch.manual_seed(int(b.get("seed", 0)))
@@ -54,7 +51,7 @@ def build_components(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = to
     return comps
 
 
-def _random_components(spec: WanSpec, b: dict) -> dict:
+def _random_components(spec: ModelSpec, b: dict) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -79,7 +76,7 @@ def _random_components(spec: WanSpec, b: dict) -> dict:
     return comps
 
 
-def save_pipeline_folder(spec: WanSpec, comps: dict, out: Path) -> None:
+def save_pipeline_folder(spec: ModelSpec, comps: dict, out: Path) -> None:
     """Save components as a diffusers pipeline folder (model_index.json + one subfolder per component)."""
     import diffusers
 
@@ -89,64 +86,3 @@ def save_pipeline_folder(spec: WanSpec, comps: dict, out: Path) -> None:
         kwargs["boundary_ratio"] = spec.boundary_ratio
     pipe = getattr(diffusers, spec.pipeline_class)(**kwargs)
     pipe.save_pretrained(out)
-
-
-def _quiet_libraries() -> None:
-    """Building writes through diffusers/transformers, whose dtype notes and shard progress bars say nothing here."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    diffusers_logging.set_verbosity_error()
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
-
-
-def _built_from_spec(spec: WanSpec, folder: Path) -> bool:
-    """Whether ``folder`` holds a model built from ``spec.build`` (its DiT config has the build's sizes)."""
-    import json
-
-    wanted = dict(spec.build.get("transformer") or {})
-    for sub in ("transformer", "transformer_2"):
-        cfg = folder / sub / "config.json"
-        if cfg.is_file():
-            have = json.loads(cfg.read_text())
-            return all(have.get(k) == v for k, v in wanted.items())
-    return False
-
-
-def ensure_tiny_model(spec: WanSpec, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Build ``spec.path`` from ``spec.build`` unless it already holds that model. Safe when several processes race.
-
-    Only an absent (or empty) folder is built into, with a printed line: a path that holds anything else (a real
-    model, another layout, a mistyped path to some other folder) stops with one line and is never written to."""
-    from wanexp.errors import ConfigError
-
-    target = spec.path
-    if not spec.build:
-        raise ValueError(f"{spec.name} has no build section; only tiny models are built")
-    if (target / "model_index.json").is_file():
-        if _built_from_spec(spec, target):
-            return target
-        raise ConfigError(f"model.path={target}: holds a model that model={spec.name} did not build (model.build "
-                          f"builds a random model into an absent folder); use the model group of that folder "
-                          f"(model=ti2v5b|i2v14b|t2v14b), or point model.path at an absent folder")
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"model.path={target}: exists and is not a model built by model={spec.name}; model.build "
-                          "writes only into an absent or empty folder: check the spelling of model.path, or pick an "
-                          "absent folder")
-    print(f"wanexp: building the random model {spec.name} into {target} (model.build; an absent model.path)",
-          flush=True)
-    _quiet_libraries()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        save_pipeline_folder(spec, build_components(spec, device, dtype), tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "model_index.json").is_file():  # an empty folder, not a racing winner's build
-                target.rmdir()
-                os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target

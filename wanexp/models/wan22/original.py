@@ -9,7 +9,7 @@ The original layout (what DiffSynth-Studio and the Wan2.2 repo download)::
       models_t5_umt5-xxl-enc-bf16.pth              models_t5_umt5-xxl-enc-bf16.pth
       google/umt5-xxl/   (tokenizer)               google/umt5-xxl/
 
-wanexp loads only diffusers-format folders (see ``WanSpec.check_folder``); :func:`convert_original` writes one, with
+wanexp loads only diffusers-format folders (see ``ModelSpec.check_folder``); :func:`convert_original` writes one, with
 ``transformer/`` = high-noise expert and ``transformer_2/`` = low-noise expert for A14B.
 
 Where the names come from:
@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from wanexp.errors import ConfigError
-from wanexp.models.wan22.spec import I2VA14BSpec, T2VA14BSpec, TI2VSpec, WanSpec
+from wanexp.models.wan22.layouts import LAYOUTS, MODELS
 
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 TOKENIZER_DIR = "google/umt5-xxl"
@@ -42,16 +42,9 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
 EXPERT_DIRS = {"transformer": "high_noise_model", "transformer_2": "low_noise_model"}  # A14B only
 
-SPECS: dict[str, type[WanSpec]] = {"ti2v": TI2VSpec, "t2v_a14b": T2VA14BSpec, "i2v_a14b": I2VA14BSpec}
-# CLI --model name <-> layout (the names of conf/model/*.yaml).
-CLI_MODELS = {"ti2v5b": "ti2v", "t2v14b": "t2v_a14b", "i2v14b": "i2v_a14b"}
-MODEL_OF_LAYOUT = {v: k for k, v in CLI_MODELS.items()}
-# Original config.json ``model_type`` of each layout, and the VAE file it ships.
-MODEL_TYPE = {"ti2v": "ti2v", "t2v_a14b": "t2v", "i2v_a14b": "i2v"}
-VAE_FILE = {"ti2v": "Wan2.2_VAE.pth", "t2v_a14b": "Wan2.1_VAE.pth", "i2v_a14b": "Wan2.1_VAE.pth"}
-# Scheduler flow_shift and expert boundary written into the folder: the values of conf/model/{ti2v5b,t2v14b,i2v14b}.yaml
-# (wanexp's training reads shift/boundary from the config, not from the folder; the test pins these to the yamls).
-DEFAULTS = {"ti2v": (5.0, None), "t2v_a14b": (12.0, 0.875), "i2v_a14b": (5.0, 0.900)}
+# CLI --model name (the names of conf/model/*.yaml) -> layout, and back: from the one table (layouts.py).
+CLI_MODELS = {model: lay.name for model, lay in MODELS.items()}
+MODEL_OF_LAYOUT = {lay.name: lay.model for lay in LAYOUTS.values()}
 
 # Per-channel latent statistics hard-coded by the original code (wan/modules/vae2_1.py Wan2_1_VAE,
 # vae2_2.py Wan2_2_VAE).
@@ -97,15 +90,15 @@ def detect_layout(path) -> str | None:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError):
         return None
-    for layout, spec_cls in SPECS.items():
-        if cfg.get("model_type") == MODEL_TYPE[layout] or (
-                "model_type" not in cfg and cfg.get("in_dim") == spec_cls.in_channels):
+    for layout, lay in LAYOUTS.items():
+        if cfg.get("model_type") == lay.model_type or (
+                "model_type" not in cfg and cfg.get("in_dim") == lay.in_channels):
             return layout
     return None
 
 
 def convert_command(src, layout: str, dst=None) -> str:
-    """The exact command that converts ``src`` (printed by WanSpec.check_folder)."""
+    """The exact command that converts ``src`` (printed by WanSpec.not_diffusers_hint)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else src.with_name(src.name + "-diffusers")
     model = MODEL_OF_LAYOUT.get(layout, "|".join(CLI_MODELS))
@@ -128,11 +121,11 @@ def convert_original(src, dst, layout: str, vae_config=None, max_shard_size: str
     (or a folder holding one) whose ``latents_mean``/``latents_std`` replace the built-in constants. The folder is
     written next to ``dst`` under a temporary name and renamed when complete. Returns one line per written component.
     """
-    if layout not in SPECS:
-        raise ConfigError(f"layout={layout!r}: unknown; allowed: {', '.join(SPECS)} "
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout={layout!r}: unknown; allowed: {', '.join(LAYOUTS)} "
                           f"(CLI --model {' | '.join(CLI_MODELS)})")
     src, dst = Path(src), Path(dst)
-    spec_cls = SPECS[layout]
+    lay = LAYOUTS[layout]
     _check_source(src, layout)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConfigError(f"--dst {dst}: already exists; remove it or choose another destination folder")
@@ -140,7 +133,7 @@ def convert_original(src, dst, layout: str, vae_config=None, max_shard_size: str
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        lines = _convert_into(src, tmp, layout, spec_cls, latents, max_shard_size)
+        lines = _convert_into(src, tmp, lay, latents, max_shard_size)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary model folder
@@ -152,7 +145,7 @@ def convert_original(src, dst, layout: str, vae_config=None, max_shard_size: str
     return lines
 
 
-def _convert_into(src: Path, out: Path, layout: str, spec_cls, latents, max_shard_size: str) -> list[str]:
+def _convert_into(src: Path, out: Path, lay, latents, max_shard_size: str) -> list[str]:
     import diffusers
     from diffusers import UniPCMultistepScheduler
 
@@ -167,7 +160,8 @@ def _convert_into(src: Path, out: Path, layout: str, spec_cls, latents, max_shar
     comps["tokenizer"] = tok
     lines.append(f"tokenizer/     <- {src / TOKENIZER_DIR}")
 
-    if layout == "ti2v":
+    layout = lay.name
+    if lay.experts == ("dense",):
         experts = {"transformer": src}
     else:
         experts = {sub: src / name for sub, name in EXPERT_DIRS.items()}
@@ -177,25 +171,25 @@ def _convert_into(src: Path, out: Path, layout: str, spec_cls, latents, max_shar
         comps[sub] = model.to("meta")
         lines.append(f"{sub + '/':<15}<- {folder}")
 
-    vae = convert_vae(src / VAE_FILE[layout], layout, latents)
+    vae = convert_vae(src / lay.vae_file, layout, latents)
     vae.save_pretrained(out / "vae", max_shard_size=max_shard_size)
     comps["vae"] = vae.to("meta")
-    lines.append(f"vae/           <- {src / VAE_FILE[layout]}")
+    lines.append(f"vae/           <- {src / lay.vae_file}")
 
-    shift, boundary = DEFAULTS[layout]
+    shift, boundary = lay.shift, lay.boundary_ratio
     comps["scheduler"] = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift, num_train_timesteps=1000)
     comps["scheduler"].save_pretrained(out / "scheduler")
     lines.append(f"scheduler/     UniPCMultistepScheduler(flow_shift={shift})")
 
-    kwargs = dict(comps, **spec_cls.pipeline_extras)
+    kwargs = dict(comps, **lay.pipeline_extras)
     if boundary is not None:
         kwargs["boundary_ratio"] = boundary
-    pipe = getattr(diffusers, spec_cls.pipeline_class)(**kwargs)
+    pipe = getattr(diffusers, lay.pipeline_class)(**kwargs)
     pipe.save_config(out)  # model_index.json, exactly as DiffusionPipeline.save_pretrained writes it
-    lines.append(f"model_index.json  {spec_cls.pipeline_class}"
+    lines.append(f"model_index.json  {lay.pipeline_class}"
                  + (f"(boundary_ratio={boundary})" if boundary is not None else "")
-                 + "".join(f"({k}={v})" for k, v in spec_cls.pipeline_extras.items()))
+                 + "".join(f"({k}={v})" for k, v in lay.pipeline_extras.items()))
     return lines
 
 
@@ -211,7 +205,7 @@ def _check_source(src: Path, layout: str) -> None:
     if found is not None and found != layout:
         raise ConfigError(f"--src {src}: this is an original {MODEL_OF_LAYOUT[found]} folder, not {model}; "
                           f"run with --model {MODEL_OF_LAYOUT[found]}")
-    a14b = layout != "ti2v"
+    a14b = LAYOUTS[layout].experts != ("dense",)
     if a14b and not (src / EXPERT_DIRS["transformer"]).is_dir() and (src / "config.json").is_file():
         raise ConfigError(f"--src {src}: no high_noise_model/ (a single dense model, i.e. TI2V-5B); "
                           "run with --model ti2v5b")
@@ -222,10 +216,11 @@ def _check_source(src: Path, layout: str) -> None:
             raise ConfigError(f"--src {src}: missing {folder / 'config.json'}; the original {model} download "
                               "has one per model folder (re-download it)")
         _weight_files(folder)
-    other = {"Wan2.1_VAE.pth": "Wan2.2_VAE.pth", "Wan2.2_VAE.pth": "Wan2.1_VAE.pth"}[VAE_FILE[layout]]
-    if not (src / VAE_FILE[layout]).is_file():
+    vae_file = LAYOUTS[layout].vae_file
+    other = {"Wan2.1_VAE.pth": "Wan2.2_VAE.pth", "Wan2.2_VAE.pth": "Wan2.1_VAE.pth"}[vae_file]
+    if not (src / vae_file).is_file():
         extra = f" (found {other}, which belongs to another model: check --model)" if (src / other).is_file() else ""
-        raise ConfigError(f"--src {src}: missing {src / VAE_FILE[layout]}; the original {model} download ships "
+        raise ConfigError(f"--src {src}: missing {src / vae_file}; the original {model} download ships "
                           f"it{extra}")
     if not (src / T5_FILE).is_file():
         raise ConfigError(f"--src {src}: missing {src / T5_FILE} (the UMT5-XXL text encoder); copy it from the "
@@ -358,15 +353,15 @@ def convert_transformer(folder, layout: str):
     except (OSError, ValueError) as e:
         raise ConfigError(f"{cfg_path}: not a readable JSON file ({type(e).__name__}); re-download it") from None
     _require_keys(orig, cfg_path)
-    spec_cls = SPECS[layout]
+    lay = LAYOUTS[layout]
     model = MODEL_OF_LAYOUT[layout]
     mt = orig.get("model_type")
-    if mt is not None and mt != MODEL_TYPE[layout]:
-        raise ConfigError(f"{cfg_path}: model_type={mt!r}, but --model {model} needs {MODEL_TYPE[layout]!r}; "
+    if mt is not None and mt != lay.model_type:
+        raise ConfigError(f"{cfg_path}: model_type={mt!r}, but --model {model} needs {lay.model_type!r}; "
                           "pick the --model that matches this download")
-    if orig.get("in_dim") != spec_cls.in_channels or orig.get("out_dim") != spec_cls.latent_channels:
+    if orig.get("in_dim") != lay.in_channels or orig.get("out_dim") != lay.latent_channels:
         raise ConfigError(f"{cfg_path}: in_dim={orig.get('in_dim')}, out_dim={orig.get('out_dim')}, but --model "
-                          f"{model} needs {spec_cls.in_channels} -> {spec_cls.latent_channels}; "
+                          f"{model} needs {lay.in_channels} -> {lay.latent_channels}; "
                           "pick the matching --model")
     sd = load_transformer_state_dict(folder)
     config = transformer_config(orig, sd, cfg_path)
@@ -471,10 +466,10 @@ def convert_vae_state_dict(sd: dict, residual: bool) -> dict:
 
 def vae_config(sd: dict, layout: str, latents=None) -> dict:
     """diffusers AutoencoderKLWan config read off an original Wan VAE state dict (+ the layout's VAE constants)."""
-    spec_cls = SPECS[layout]
-    residual = bool(spec_cls.vae_layout.get("is_residual", False))
+    lay = LAYOUTS[layout]
+    residual = bool(lay.vae_layout.get("is_residual", False))
     nested = any(k.startswith("encoder.downsamples.0.downsamples.") for k in sd)
-    name = VAE_FILE[layout]
+    name = LAYOUTS[layout].vae_file
     if nested != residual:
         raise ConfigError(f"{name}: has the {'Wan2.2' if nested else 'Wan2.1'} VAE layout, but --model "
                           f"{MODEL_OF_LAYOUT[layout]} uses the {'Wan2.2' if residual else 'Wan2.1'} VAE; "
@@ -525,9 +520,9 @@ def vae_config(sd: dict, layout: str, latents=None) -> dict:
         "is_residual": residual,
         "in_channels": in_ch,
         "out_channels": out_ch,
-        "patch_size": spec_cls.vae_layout.get("patch_size"),
+        "patch_size": lay.vae_layout.get("patch_size"),
         "scale_factor_temporal": 4,
-        "scale_factor_spatial": spec_cls.vae_layout.get("scale_factor_spatial", 8),
+        "scale_factor_spatial": lay.vae_layout.get("scale_factor_spatial", 8),
     }
 
 

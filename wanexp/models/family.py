@@ -1,0 +1,272 @@
+"""What a model family provides, and the part of a model spec that is the same for every family.
+
+A family is a package (``wanexp/models/wan22/`` for Wan2.2) with one :class:`ModelSpec` subclass per layout; a model
+YAML (``conf/model/*.yaml``) names that class as its ``_target_`` and gives the ``model`` group's values
+(config.schema.ModelConfig) to its constructor. The rest of wanexp calls only the methods and reads only the
+attributes defined here, so a family is added without editing any file outside its package and its YAML
+(docs/extending.md, tests/unit/test_model_family.py).
+
+A family sets the class attributes (layout, channels, strides, the component classes) and implements
+:meth:`ModelSpec.model_inputs` (the DiT input of a training sample) and :meth:`ModelSpec.write_random_model` (its tiny
+random build, for tests). Components are loaded from a local diffusers-format folder: ``model_index.json`` and one
+subfolder per component (``transformer/``, ``transformer_2/`` for a second expert, ``vae/``, ``text_encoder/``,
+``tokenizer/``).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wanexp.config.schema import DTYPES
+from wanexp.errors import ConfigError
+
+# Which diffusers subfolder holds each expert (a two-expert pipeline names the second one transformer_2).
+EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """What identifies a model's encoders and latent grid: the cache keys' inputs and the DiT token count."""
+
+    vae: str  # the VAE's folder
+    vae_dtype: str
+    layout: str  # the spec's layout (latents of two layouts never share a cache key)
+    text_encoder: str  # the text encoder's folder
+    text_dtype: str
+    tokenizer: str  # the tokenizer's folder
+    text_len: int  # tokens per prompt the DiT sees
+    image_latent: bool  # samples also carry the first frame's latent (image-to-video conditioning)
+    vae_stride: tuple[int, int, int]  # pixels per latent (frames, height, width)
+    patch: tuple[int, int, int]  # latents per DiT token (frames, height, width)
+
+
+def load_class(dotted: str) -> type:
+    """The class named ``package.module.Class`` (a spec names its component classes this way: nothing heavy is
+    imported before a component loads)."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class ModelSpec:
+    """A model layout: its folder, its components, how a noise level picks an expert and how a sample becomes the
+    DiT's input. Subclasses set the class attributes and implement ``model_inputs`` and ``write_random_model``."""
+
+    layout: str = ""  # a short name, part of the cache keys
+    latent_channels: int = 16  # channels of the VAE's latents (what the DiT predicts)
+    in_channels: int = 16  # channels of the DiT's input (latents plus any conditioning channels)
+    vae_stride: tuple[int, int, int] = (4, 8, 8)  # pixels per latent (frames, height, width)
+    patch: tuple[int, int, int] = (1, 2, 2)  # latents per DiT token (frames, height, width)
+    needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
+    draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
+    per_token_timestep: bool = False  # the DiT takes a timestep per token, not one per sample
+    # The components, as ``package.module.Class`` (diffusers/transformers classes with from_pretrained).
+    transformer_class: str = ""
+    vae_class: str = ""
+    text_encoder_class: str = ""
+    tokenizer_class: str = "transformers.AutoTokenizer"
+    # Validation videos and cli/sample: the diffusers pipeline class and its extra arguments ("": none).
+    pipeline_class: str = ""
+    pipeline_extras: dict = {}
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        path: str,
+        dtype: str,
+        vae_dtype: str,
+        text_encoder_dtype: str,
+        experts: list[str],
+        boundary_ratio: float | None,
+        shift: float,
+        hw_multiple: int,
+        text_len: int,
+        gradient_checkpointing: bool,
+        attention_backend: str | None,
+        first_frame_cond: float,
+        build: dict | None,
+        fast_modulation: bool,
+        compile: bool,
+        memory_budget_gib: float | None,
+        fp8: bool = False,
+        compile_checkpoint: bool = True,
+        fp8_storage: bool = False,
+        blocks_to_swap: int | None = None,
+    ) -> None:
+        """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
+        self.name = name
+        self.path = Path(path)
+        self.dtype, self.vae_dtype, self.text_encoder_dtype = (
+            getattr(torch, DTYPES[d]) for d in (dtype, vae_dtype, text_encoder_dtype))
+        self.experts = list(experts)
+        self.boundary_ratio = boundary_ratio
+        self.shift = shift
+        self.hw_multiple = hw_multiple
+        self.text_len = text_len
+        self.gradient_checkpointing = gradient_checkpointing
+        self.attention_backend = attention_backend
+        self.first_frame_cond = first_frame_cond
+        self.build = build
+        self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (the family's)
+        self.compile = compile  # torch.compile each transformer block (regional compilation)
+        self.compile_checkpoint = compile_checkpoint  # the checkpoint inside the compiled graph
+        self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs
+        self.fp8 = fp8  # frozen block linears in FP8 after the adapters are added (models/fp8.py)
+        self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
+        self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
+        if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
+            raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
+                              "needs model.gradient_checkpointing=true and model.fast_modulation=true")
+        if attention_backend is not None:
+            check_attention_backend(attention_backend)
+        if first_frame_cond and not self.draws_first_frame:
+            raise ConfigError(f"model.first_frame_cond={first_frame_cond}: model={name} has no optional first-frame "
+                              "conditioning (its layout always or never conditions on the first frame); set it to 0")
+
+    # ---- which experts a run trains -------------------------------------------------------------------------
+    def trained_experts(self, boundary: str) -> list[str]:
+        if self.experts == ["dense"]:
+            return ["dense"]
+        return {"full": ["high", "low"], "high": ["high"], "low": ["low"]}[boundary]
+
+    # ---- the local folder -----------------------------------------------------------------------------------
+    def required_folders(self, experts: list[str]) -> list[str]:
+        return [EXPERT_FOLDERS[e] for e in experts] + ["vae", "text_encoder", "tokenizer"]
+
+    def load_bytes(self, experts: list[str], encoders: bool) -> int:
+        """Bytes of the weight files one rank reads for these experts (and the VAE and text encoder)."""
+        folders = [EXPERT_FOLDERS[e] for e in experts] + (["vae", "text_encoder"] if encoders else [])
+        return sum(f.stat().st_size for sub in folders for f in (self.path / sub).glob("*")
+                   if f.suffix in (".safetensors", ".bin", ".pth") and f.is_file())
+
+    def not_diffusers_hint(self, path: Path) -> str | None:
+        """A family's one-line advice for a folder without model_index.json (e.g. its original release layout and
+        the command that converts it), or None."""
+        return None
+
+    def check_folder(self, experts: list[str]) -> None:
+        """Raise ConfigError naming the first missing piece of the local diffusers-format folder."""
+        p = self.path
+        hint = f"point model.path at a local diffusers-format {self.name} folder"
+        if not p.is_dir():
+            raise ConfigError(f"model.path={p}: folder not found; {hint}")
+        if not (p / "model_index.json").is_file():
+            advice = self.not_diffusers_hint(p)
+            if advice:
+                raise ConfigError(f"model.path={p}: {advice}")
+            raise ConfigError(f"model.path={p}: no model_index.json, so this is not a diffusers-format folder; {hint}")
+        for sub in self.required_folders(experts):
+            marker = "tokenizer_config.json" if sub == "tokenizer" else "config.json"
+            if not (p / sub / marker).is_file():
+                raise ConfigError(
+                    f"model.path={p}: component '{sub}/' is missing or has no {marker} "
+                    f"(model={self.name} with experts {experts} needs {', '.join(self.required_folders(experts))})"
+                )
+        if "transformer" in [EXPERT_FOLDERS[e] for e in experts]:
+            cfg = json.loads((p / "transformer" / "config.json").read_text())
+            if cfg.get("in_channels") != self.in_channels:
+                raise ConfigError(
+                    f"model.path={p}: transformer has in_channels={cfg.get('in_channels')} but model={self.name} "
+                    f"expects {self.in_channels}; pick the model group that matches this folder"
+                )
+
+    def transformer_config(self, expert: str) -> dict:
+        """The diffusers config.json of an expert's transformer (read from the folder; nothing loads)."""
+        return json.loads((self.path / EXPERT_FOLDERS[expert] / "config.json").read_text())
+
+    # ---- loading --------------------------------------------------------------------------------------------
+    def transformer_type(self) -> type:
+        """The DiT class (its ``from_config`` builds one on the meta device for counts, its ``from_pretrained``
+        loads one)."""
+        return load_class(self.transformer_class)
+
+    def load_transformer(self, expert: str):
+        model = self.transformer_type().from_pretrained(self.path, subfolder=EXPERT_FOLDERS[expert], dtype=self.dtype)
+        model.requires_grad_(False)
+        if self.attention_backend:
+            model.set_attention_backend(self.attention_backend)
+        if self.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        return self.prepare_transformer(model)
+
+    def prepare_transformer(self, model):
+        """A family's own changes to a loaded, frozen transformer (faster forwards, compilation); none here."""
+        return model
+
+    def compute_dtype(self, transformer) -> torch.dtype:
+        """The dtype of the base weights, which the DiT's inputs are cast to (bf16-true converts the weights)."""
+        return next(p for p in transformer.parameters() if not p.requires_grad).dtype
+
+    def load_vae(self):
+        vae = load_class(self.vae_class).from_pretrained(self.path, subfolder="vae", dtype=self.vae_dtype)
+        return vae.requires_grad_(False).eval()
+
+    def load_text_encoder(self):
+        te = load_class(self.text_encoder_class).from_pretrained(os.fspath(self.path / "text_encoder"),
+                                                                 dtype=self.text_encoder_dtype)
+        return te.requires_grad_(False).eval()
+
+    def load_tokenizer(self):
+        return load_class(self.tokenizer_class).from_pretrained(os.fspath(self.path / "tokenizer"))
+
+    def encoder_info(self) -> EncoderInfo:
+        """What identifies this model's encoders for cache keys, and its latent grid (plain data)."""
+        return EncoderInfo(vae=str(self.path / "vae"), vae_dtype=str(self.vae_dtype), layout=self.layout,
+                           text_encoder=str(self.path / "text_encoder"), text_dtype=str(self.text_encoder_dtype),
+                           tokenizer=str(self.path / "tokenizer"), text_len=self.text_len,
+                           image_latent=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
+                           patch=tuple(self.patch))
+
+    def load_encoders(self):
+        """The frozen VAE + text encoder + tokenizer as one module (see wanexp.models.encode.Encoders)."""
+        from wanexp.models.encode import Encoders
+
+        return Encoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len,
+                        self.needs_image_latent)
+
+    # ---- the tiny random build (model.build) ------------------------------------------------------------------
+    def write_random_model(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        """Write a random model of this layout, sized by ``self.build``, as a complete folder into ``folder``
+        (an empty temporary folder: wanexp.models.tiny.ensure_tiny_model renames it into place)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tiny random build")
+
+    # ---- the DiT input ----------------------------------------------------------------------------------------
+    def sample_condition(self, cond: dict, batch_size: int, generator: torch.Generator | None = None) -> dict:
+        """Random per-sample conditioning choices of a training step (none unless the layout has some)."""
+        return cond
+
+    def model_inputs(self, x_t, x0, sigma, cond: dict):
+        """Return (hidden_states, timestep, loss_mask or None) for the DiT."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"
+
+
+def route(sigma: torch.Tensor, loaded: list[str], boundary_ratio: float | None) -> torch.Tensor:
+    """Each sample's expert as an index into ``loaded``: HIGH when shifted sigma >= boundary_ratio.
+
+    A run that loaded one expert (dense, or one boundary of a two-expert model) sends every sample to it.
+    """
+    if len(loaded) == 1:
+        return torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
+    high = sigma >= boundary_ratio
+    return torch.where(high, loaded.index("high"), loaded.index("low")).long()
+
+
+def check_attention_backend(name: str) -> None:
+    """model.attention_backend must be one of diffusers' installed backends (no *_hub kernel downloads)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    names = [a.value for a in AttentionBackendName]
+    if name not in names:
+        raise ConfigError(f"model.attention_backend={name}: allowed values are null (default), "
+                          + ", ".join(n for n in names if not n.endswith("_hub")))
+    if name.endswith("_hub"):
+        raise ConfigError(f"model.attention_backend={name}: *_hub backends download kernels from a hub; use the "
+                          "installed equivalent (e.g. flash, _flash_3, native)")
