@@ -51,22 +51,44 @@ def target_regex(targets: list[str], attention: list[str]) -> str:
     return "^(" + "|".join(alts) + ")$"
 
 
-def add_lora(transformer, rank: int, alpha: float, dropout: float, targets: list[str], attention: list[str],
-             adapter_name: str = "default") -> list[str]:
-    """Add a LoRA adapter (fp32 parameters) through diffusers' PeftAdapterMixin; return the trainable names."""
-    from peft import LoraConfig
+ADAPTER_KINDS = ("lora", "lokr", "loha")
+# peft's parameter names per kind (its state-dict keys: ``{module}.{param}.{adapter}[.weight]``); ComfyUI reads the
+# LoKr and LoHa ones under the same names (comfy/weight_adapter/lokr.py, loha.py).
+_PARAM_NAMES = r"lora_[AB]|lora_magnitude_vector|lokr_w[12](?:_[ab])?|lokr_t2|hada_w[12]_[ab]|hada_t[12]"
+_PARAM_TOKEN = re.compile(rf"\.({_PARAM_NAMES})\.")
 
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
-                     target_modules=target_regex(targets, attention))
-    before = {n: p.requires_grad for n, p in transformer.named_parameters() if "lora_" in n}
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a module/state-dict key names an adapter parameter (LoRA, DoRA magnitude, LoKr, LoHa)."""
+    return _PARAM_TOKEN.search(key + ".") is not None
+
+
+def peft_config(kind: str, rank: int, alpha: float, dropout: float, target_modules: str, use_dora: bool = False):
+    """The peft config of an adapter kind. LoKr and LoHa have no input dropout: ``dropout`` is their rank dropout."""
+    import peft
+
+    if kind == "lora":
+        return peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
+                               use_dora=use_dora, target_modules=target_modules)
+    cls = {"lokr": peft.LoKrConfig, "loha": peft.LoHaConfig}[kind]
+    return cls(r=rank, alpha=alpha, rank_dropout=dropout, init_weights=True, target_modules=target_modules)
+
+
+def add_lora(transformer, rank: int, alpha: float, dropout: float, targets: list[str], attention: list[str],
+             adapter_name: str = "default", kind: str = "lora", use_dora: bool = False) -> list[str]:
+    """Add an adapter (``kind``: lora, lokr, loha; fp32 parameters) through diffusers' PeftAdapterMixin; return the
+    trainable names."""
+    cfg = peft_config(kind, rank, alpha, dropout, target_regex(targets, attention), use_dora)
+    before = {n: p.requires_grad for n, p in transformer.named_parameters() if is_adapter_key(n)}
     transformer.add_adapter(cfg, adapter_name=adapter_name)  # peft's set_adapter freezes the other adapters
     names = []
     for name, p in transformer.named_parameters():
-        if "lora_" in name and f".{adapter_name}." in name:
+        mine = is_adapter_key(name) and (f".{adapter_name}." in name or name.endswith(f".{adapter_name}"))
+        if mine:
             p.data = p.data.float()
             p.requires_grad_(True)
             names.append(name)
-        elif "lora_" not in name:  # the base stays frozen
+        elif not is_adapter_key(name):  # the base stays frozen
             p.requires_grad_(False)
         else:  # other adapters keep their own settings
             p.requires_grad_(before[name])
@@ -99,34 +121,81 @@ def use_adapter(modules, name: str | None):
 
 
 class LoraAdapter:
-    """The ``adapter=lora`` component: what is trained on the frozen base of every trained expert."""
+    """The ``adapter=lora`` component (DoRA with ``use_dora``): what is trained on the frozen base of every trained
+    expert. ``adapter=lokr`` and ``adapter=loha`` are the same component with another peft adapter kind."""
+
+    kind = "lora"
 
     def __init__(self, *, name: str, rank: int, alpha: float, dropout: float, targets: list[str],
-                 attention: list[str], init_from: str | None):
-        """The arguments are the ``adapter`` group (conf/adapter/lora.yaml, typed by config.schema.LoraConfig)."""
+                 attention: list[str], init_from: str | None, use_dora: bool = False):
+        """The arguments are the ``adapter`` group (conf/adapter/*.yaml, typed by config.schema.LoraConfig)."""
         self.name, self.rank, self.alpha, self.dropout = name, int(rank), float(alpha), float(dropout)
         self.targets, self.attention, self.init_from = list(targets), list(attention), init_from
+        self.use_dora = bool(use_dora)
+        if self.use_dora and self.kind != "lora":
+            raise ConfigError(f"adapter.use_dora=true: DoRA is a LoRA variant, adapter={self.kind} has none; set "
+                              "adapter.use_dora=false or adapter=lora")
         target_regex(self.targets, self.attention)  # unknown names fail here, before any weight loads
-        self._init = None
+        self._init = self._file = None
         if init_from:  # read and checked here too: a file that cannot fit fails before any weight loads
             what = f"adapter.init_from={init_from}"
-            self._init = read_lora_file(init_from, what)
-            check_lora_fits(*self._init, self.rank, configured_kinds(self.targets, self.attention), what)
+            if self.kind == "lora" and not self.use_dora and not is_typed_adapter_file(init_from):
+                self._init = read_lora_file(init_from, what)
+                check_lora_fits(*self._init, self.rank, configured_kinds(self.targets, self.attention), what)
+            else:
+                self._file = read_adapter_file(init_from, what)
+                check_adapter_fits(self._file, self, what)
+
+    @staticmethod
+    def is_param(key: str) -> bool:
+        """Whether a state-dict key is an adapter parameter (of any kind)."""
+        return is_adapter_key(key)
+
+    @property
+    def label(self) -> str:
+        """The type as users name it: lora, dora, lokr, loha."""
+        return "dora" if self.use_dora else self.kind
 
     def apply(self, transformer, adapter_name: str = "default") -> list[str]:
         """Add the adapter (fp32, trainable) to a frozen transformer, from ``init_from`` if set; its parameter names."""
-        names = add_lora(transformer, self.rank, self.alpha, self.dropout, self.targets, self.attention, adapter_name)
+        names = add_lora(transformer, self.rank, self.alpha, self.dropout, self.targets, self.attention, adapter_name,
+                         kind=self.kind, use_dora=self.use_dora)
+        what = f"adapter.init_from={self.init_from}"
         if self._init is not None:
-            copy_lora_into(transformer, *self._init, adapter_name, what=f"adapter.init_from={self.init_from}")
+            copy_lora_into(transformer, *self._init, adapter_name, what=what)
+        if self._file is not None:
+            copy_adapter_into(transformer, self._file, adapter_name, what=what)
         return names
 
     def export(self, state_dict: dict, prefix: str, transformer, out_dir: Path, stem: str,
                adapter_name: str = "default", meta: dict | None = None):
-        """Write one expert's adapter (ComfyUI + diffusers files) from the keys of a (checkpoint) state dict under
-        ``prefix`` (the transformer's name in the module)."""
+        """Write one expert's adapter files (ComfyUI, plus diffusers where diffusers loads the kind) from the keys of
+        a (checkpoint) state dict under ``prefix`` (the transformer's name in the module)."""
         sd = adapter_weights(state_dict, prefix, adapter_name)
-        return export_lora(sd, lora_config_dict(transformer, adapter_name), out_dir, stem,
-                           meta=dict(meta or {}, wanexp_targets=",".join(self.targets)))
+        base = (lambda module: base_weight(transformer, module)) if self.use_dora else None
+        return export_adapter(sd, self.kind, lora_config_dict(transformer, adapter_name), out_dir, stem,
+                              meta=dict(meta or {}, wanexp_targets=",".join(self.targets), wanexp_adapter=self.label),
+                              base=base)
+
+
+class LokrAdapter(LoraAdapter):
+    """``adapter=lokr``: peft's LoKr (a Kronecker product of two small factors per module)."""
+
+    kind = "lokr"
+
+
+class LohaAdapter(LoraAdapter):
+    """``adapter=loha``: peft's LoHa (the Hadamard product of two low-rank products per module)."""
+
+    kind = "loha"
+
+
+def base_weight(transformer, module: str) -> torch.Tensor:
+    """The frozen base weight of adapted ``module`` as a full fp32 CPU tensor (DoRA's export needs its row norms)."""
+    w = transformer.get_submodule(module).get_base_layer().weight
+    if type(w).__name__ == "DTensor" or type(w.data).__name__ == "DTensor":
+        raise RuntimeError(f"{module}: a sharded base weight; DoRA export needs the whole weight on this rank")
+    return w.detach().to("cpu", torch.float32)
 
 
 def lora_config_dict(transformer, adapter_name: str = "default") -> dict:
@@ -203,13 +272,15 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
 
 def adapter_weights(state_dict: dict[str, torch.Tensor], prefix: str = "",
                     adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """LoRA weights of one adapter from a (module or checkpoint) state dict, in peft naming without the adapter:
-    ``{prefix}blocks.0.attn1.to_q.lora_A.default.weight`` -> ``blocks.0.attn1.to_q.lora_A.weight``."""
+    """Adapter weights of one adapter from a (module or checkpoint) state dict, in peft naming without the adapter:
+    ``{prefix}blocks.0.attn1.to_q.lora_A.default.weight`` -> ``blocks.0.attn1.to_q.lora_A.weight``,
+    ``{prefix}blocks.0.attn1.to_q.lokr_w1.default`` -> ``blocks.0.attn1.to_q.lokr_w1``."""
     out = {}
-    tag = f".{adapter_name}."
+    own = re.compile(rf"^(.+\.(?:{_PARAM_NAMES}))\.{re.escape(adapter_name)}(\.weight)?$")
     for key, value in state_dict.items():
-        if key.startswith(prefix) and ".lora_" in key and tag in key:
-            out[key[len(prefix):].replace(tag, ".")] = value.detach().to("cpu", torch.float32).contiguous()
+        m = own.match(key[len(prefix):]) if key.startswith(prefix) else None
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = value.detach().to("cpu", torch.float32).contiguous()
     return out
 
 
@@ -233,6 +304,306 @@ def export_lora(sd: dict[str, torch.Tensor], config: dict, out_dir: Path, stem: 
         "format": "pt", "lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()}),
         **info})
     return comfy, diff
+
+
+# ---- LoKr, LoHa, DoRA: ComfyUI's keys and arithmetic ------------------------------------------------------------
+# ComfyUI (comfy/lora.py:load_lora, comfy/weight_adapter/{lora,lokr,loha,base}.py) reads, per module prefix ``x``:
+# ``x.alpha``, ``x.dora_scale`` and the kind's tensors (``x.lora_up.weight``/``x.lora_down.weight``, ``x.lokr_w1`` or
+# ``x.lokr_w1_a``/``x.lokr_w1_b``, the same for w2, ``x.hada_w1_a`` ... ``x.hada_w2_b``). Its scale is alpha/dim with
+# dim the inner size of a low-rank factor (LoKr: only when a factor is low-rank, else 1; no alpha: 1). DoRA: a
+# ``dora_scale`` of shape (out, 1) makes ComfyUI compute ``dora_scale / (|W|_row + eps) * (W + scale * diff)`` with
+# |W| the row norm of the base weight; peft trains ``m / |W + scale * diff|_row * (W + scale * diff)``, so the file's
+# dora_scale is m * (|W| + eps) / |W + scale * diff| (needs the base weight at export).
+DORA_EPS = torch.finfo(torch.float32).eps  # ComfyUI patches in fp32 and adds that dtype's eps to the norm
+_COMFY_KIND = {"lora_up.weight": "lora", "lora_B.weight": "lora", "lokr_w1": "lokr", "lokr_w1_a": "lokr",
+               "lokr_w2": "lokr", "lokr_w2_a": "lokr", "hada_w1_a": "loha"}
+KIND_NAMES = {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa"}
+
+
+def comfy_module_params(kind: str, params: dict[str, torch.Tensor], rank: int, alpha: float,
+                        weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One module's peft-named adapter weights (scale alpha/rank, peft's) -> ComfyUI's names and scale (see above).
+    ``weight``: the base weight, needed for a DoRA magnitude only."""
+    if kind == "lora":
+        a, b = params["lora_A.weight"], params["lora_B.weight"]
+        out = {"lora_down.weight": a, "lora_up.weight": b, "alpha": torch.tensor(float(alpha))}
+        m = params.get("lora_magnitude_vector.weight", params.get("lora_magnitude_vector"))
+        if m is not None:
+            w = weight.float()
+            merged = w + (alpha / rank) * (b @ a)
+            out["dora_scale"] = (m * (w.norm(dim=1) + DORA_EPS) / merged.norm(dim=1)).unsqueeze(1).contiguous()
+        return out
+    out = dict(params)
+    if kind == "lokr" and "lokr_w1_a" not in params and "lokr_w2_a" not in params:
+        out["lokr_w1"] = params["lokr_w1"] * (alpha / rank)  # two full factors: ComfyUI applies no alpha
+    else:  # peft uses one rank for every low-rank factor, the dim ComfyUI divides alpha by
+        out["alpha"] = torch.tensor(float(alpha))
+    return out
+
+
+def _comfy_scale(params: dict, dim: int | None) -> float:
+    alpha = params.get("alpha")
+    return float(alpha) / dim if alpha is not None and dim is not None else 1.0
+
+
+def comfy_diff(params: dict[str, torch.Tensor], shape=None) -> tuple[torch.Tensor, float]:
+    """(unscaled weight difference, scale) of one module's ComfyUI-named params, as ComfyUI computes them; reshaped
+    to ``shape`` (the weight's) when given."""
+    diff, scale = _comfy_diff(params)
+    return (diff if shape is None else diff.reshape(shape)), scale
+
+
+def _comfy_diff(params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+    p = {k: v.float() for k, v in params.items()}
+    if "lora_up.weight" in p or "lora_B.weight" in p:
+        up, down = p.get("lora_up.weight", p.get("lora_B.weight")), p.get("lora_down.weight", p.get("lora_A.weight"))
+        return up @ down, _comfy_scale(p, down.shape[0])
+    if any(k.startswith("lokr_") for k in p):
+        dim = None
+        w1 = p.get("lokr_w1")
+        if w1 is None:
+            w1, dim = p["lokr_w1_a"] @ p["lokr_w1_b"], p["lokr_w1_b"].shape[0]
+        w2 = p.get("lokr_w2")
+        if w2 is None:
+            w2, dim = p["lokr_w2_a"] @ p["lokr_w2_b"], p["lokr_w2_b"].shape[0]
+        return torch.kron(w1, w2), _comfy_scale(p, dim)
+    diff = (p["hada_w1_a"] @ p["hada_w1_b"]) * (p["hada_w2_a"] @ p["hada_w2_b"])
+    return diff, _comfy_scale(p, p["hada_w1_b"].shape[0])
+
+
+def patched_weight(weight: torch.Tensor, params: dict[str, torch.Tensor], strength: float = 1.0) -> torch.Tensor:
+    """The weight ComfyUI's LoRA loader makes of ``weight`` and one module's params at ``strength`` (fp32), also for a
+    peft DoRA magnitude (``lora_magnitude_vector``, a diffusers file): ``m / |W + diff|_row * (W + diff)``."""
+    w = weight.float()
+    diff, scale = comfy_diff(params, w.shape)
+    dora, mag = params.get("dora_scale"), params.get("lora_magnitude_vector")
+    if dora is None and mag is None:
+        return w + (strength * scale) * diff
+    calc = w + scale * diff
+    if mag is not None:
+        calc = calc * (mag.float() / calc.norm(dim=1)).unsqueeze(1)
+    else:
+        on_rows = dora.shape[0] == w.shape[0]
+        norm = w.norm(dim=1, keepdim=True) if on_rows else calc.norm(dim=0, keepdim=True)
+        calc = calc * (dora.float().reshape(-1, 1) if on_rows else dora.float().reshape(1, -1)) / (norm + DORA_EPS)
+    return calc if strength == 1.0 else w + strength * (calc - w)
+
+
+def _by_module(sd: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """peft-named weights -> {module: {param: tensor}} (``blocks.0.attn1.to_q.lora_A.weight`` -> module, param)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, w in sd.items():
+        m = re.match(rf"^(.+?)\.((?:{_PARAM_NAMES})(?:\.weight)?)$", key)
+        out.setdefault(m.group(1), {})[m.group(2)] = w
+    return out
+
+
+def export_adapter(sd: dict[str, torch.Tensor], kind: str, config: dict, out_dir: Path, stem: str,
+                   meta: dict | None = None, base=None) -> list[Path]:
+    """Write one adapter's files: ``{stem}_comfyui.safetensors`` (any kind) and ``{stem}_diffusers.safetensors``
+    (LoRA, DoRA and LoKr: what diffusers' ``load_lora_weights`` loads; it has no LoHa). ``config``: the peft config
+    as a dict; ``base(module)``: the base weight of a module (DoRA only)."""
+    if kind == "lora" and not config.get("use_dora"):
+        return list(export_lora(sd, config, out_dir, stem, meta))
+    if not sd:
+        raise ValueError(f"no adapter weights to export for {stem}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank, alpha = int(config["r"]), float(config["lora_alpha"] if kind == "lora" else config["alpha"])
+    comfy = {}
+    for module, params in sorted(_by_module(sd).items()):
+        weight = base(module) if base is not None and kind == "lora" else None
+        orig = "diffusion_model." + diffusers_to_original_module(module)
+        for name, w in comfy_module_params(kind, params, rank, alpha, weight).items():
+            comfy[f"{orig}.{name}"] = w
+    info = {k: str(v) for k, v in (meta or {}).items()}
+    files = [out_dir / f"{stem}_comfyui.safetensors"]
+    _atomic_save(comfy, files[0], {"format": "pt", "ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
+                                   "wanexp_adapter": kind, **info})
+    if kind in ("lora", "lokr"):
+        files.append(out_dir / f"{stem}_diffusers.safetensors")
+        # peft's own naming (DoRA's magnitude without .weight, as peft's get_peft_model_state_dict writes it)
+        diff = {f"transformer.{k.removesuffix('.weight') if 'magnitude' in k else k}": v for k, v in sd.items()}
+        _atomic_save(diff, files[1], {"format": "pt", **info, "lora_adapter_metadata": json.dumps(
+            {f"transformer.{k}": v for k, v in config.items()})})
+    return files
+
+
+# ---- reading LoKr, LoHa and DoRA files ---------------------------------------------------------------------------
+_TYPED = re.compile(r"\.(lokr_|hada_|dora_scale$|lora_magnitude_vector)")
+
+
+def is_typed_adapter_file(path) -> bool:
+    """Whether a safetensors file holds a LoKr, LoHa or DoRA adapter (False for a LoRA or an unreadable file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), "pt") as f:
+            return any(_TYPED.search(k) for k in f.keys())
+    except Exception:  # unreadable: read_lora_file says why in one line
+        return False
+
+
+class AdapterFile:
+    """A LoRA/DoRA/LoKr/LoHa file as {diffusers module name: ComfyUI-named params (alpha, dora_scale included)}; a
+    diffusers/peft file's DoRA magnitude stays ``lora_magnitude_vector`` (see :func:`patched_weight`)."""
+
+    def __init__(self, modules: dict[str, dict[str, torch.Tensor]], what: str):
+        self.modules, self.what = modules, what
+        kinds = {_COMFY_KIND[k] for p in modules.values() for k in p if k in _COMFY_KIND}
+        if len(kinds) != 1:
+            raise ConfigError(f"{what}: the file mixes adapter kinds ({', '.join(sorted(kinds)) or 'none found'}); "
+                              "use a file of one kind (LoRA, LoKr or LoHa)")
+        self.kind = kinds.pop()
+        self.dora = any("dora_scale" in p or "lora_magnitude_vector" in p for p in modules.values())
+
+    @property
+    def label(self) -> str:
+        return "DoRA" if self.dora else KIND_NAMES[self.kind]
+
+    def rank(self) -> int | None:
+        """The inner size of the low-rank factors (None: a LoKr of full factors only)."""
+        for p in self.modules.values():
+            for key, dim in (("lora_down.weight", 0), ("hada_w1_b", 0), ("lokr_w2_b", 0), ("lokr_w1_b", 0)):
+                if key in p:
+                    return int(p[key].shape[dim])
+        return None
+
+
+_PEFT_TO_COMFY = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight",
+                  "lora_magnitude_vector.weight": "lora_magnitude_vector"}
+
+
+def read_adapter_file(path, what: str = "adapter file", sd: dict | None = None) -> AdapterFile:
+    """Read a wanexp (or ComfyUI-named) LoRA/DoRA/LoKr/LoHa file, or a diffusers/peft one with its
+    ``lora_adapter_metadata`` header; one line on anything else."""
+    from safetensors import SafetensorError, safe_open
+
+    header = {}
+    if sd is None:
+        try:
+            sd = load_file(os.fspath(path))
+            with safe_open(os.fspath(path), "pt") as f:
+                header = f.metadata() or {}
+        except OSError as e:
+            raise ConfigError(f"{what}: cannot read it ({e.strerror or e}); name an existing adapter .safetensors "
+                              "file") from None
+        except SafetensorError as e:
+            raise ConfigError(f"{what}: not a safetensors file ({(str(e).splitlines() or ['?'])[0]})") from None
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    peft_named = False
+    for key, w in sd.items():
+        m = re.match(r"^(?:diffusion_model\.)(.+?)\.(alpha|dora_scale|lora_(?:up|down)\.weight|lora_[AB]\.weight|"
+                     r"lokr_\w+|hada_\w+)$", key)
+        try:
+            if m:
+                module, param = original_to_diffusers_module(m.group(1)), m.group(2)
+            else:
+                m = re.match(rf"^(?:transformer\.|base_model\.model\.)?(.+?)\.((?:{_PARAM_NAMES})(?:\.weight)?)$", key)
+                if not m:
+                    raise ValueError(key)
+                module, param, peft_named = m.group(1), _PEFT_TO_COMFY.get(m.group(2), m.group(2)), True
+                if not _MODULE.match(module):
+                    raise ValueError(key)
+        except ValueError:
+            raise _unknown_format(sd, what) from None
+        modules.setdefault(module, {})[param] = w.to(torch.float32)
+    if not modules:
+        raise _unknown_format(sd, what)
+    if peft_named:
+        modules = _peft_scale_to_comfy(modules, header, what)
+    return AdapterFile(modules, what)
+
+
+def _peft_scale_to_comfy(modules: dict, header: dict, what: str) -> dict:
+    """A peft-named file's modules (scale alpha/r from the header, peft's) under ComfyUI's scale rules."""
+    try:
+        meta = json.loads(header.get("lora_adapter_metadata", "{}"))
+        rank = meta.get("transformer.r")
+        alpha = meta.get("transformer.lora_alpha", meta.get("transformer.alpha", rank))
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{what}: its lora_adapter_metadata header is unreadable ({e}); use a file wanexp or "
+                          "diffusers wrote") from None
+    out = {}
+    for module, p in modules.items():
+        kind = next(_COMFY_KIND[k] for k in p if k in _COMFY_KIND)
+        r = rank or (p["lora_down.weight"].shape[0] if kind == "lora" else None)
+        if kind != "lora" and r is None:
+            raise ConfigError(f"{what}: a peft-named {KIND_NAMES[kind]} file without lora_adapter_metadata (its r "
+                              "and alpha); use the _comfyui file wanexp wrote")
+        scale_alpha = float(alpha if alpha is not None else r)
+        if kind == "lora":
+            q = dict(p, alpha=torch.tensor(scale_alpha * p["lora_down.weight"].shape[0] / float(r)))
+        else:
+            q = comfy_module_params(kind, p, int(r), scale_alpha)
+        out[module] = q
+    return out
+
+
+def check_adapter_fits(f: AdapterFile, adapter: "LoraAdapter", what: str) -> None:
+    """Refuse (one line, before weights load) a file of another kind, DoRA-ness, rank or targets than the run."""
+    want = "DoRA" if adapter.use_dora else KIND_NAMES[adapter.kind]
+    if f.kind != adapter.kind or f.dora != adapter.use_dora:
+        setting = f"adapter={f.kind}" + (" adapter.use_dora=true" if f.dora else "")
+        raise ConfigError(f"{what}: the file is a {f.label} adapter, the run trains {want}; set {setting}")
+    rank = f.rank()
+    if rank is not None and rank != adapter.rank:
+        raise ConfigError(f"{what}: file has rank {rank}, run has rank {adapter.rank}; set adapter.rank={rank}")
+    for module, params in f.modules.items():
+        if "dora_scale" in params and params["dora_scale"].shape[0] == 1:
+            raise ConfigError(f"{what}: its DoRA scale is per input column ({module}), peft's DoRA is per output "
+                              "row; use a DoRA file with a per-row (out, 1) dora_scale, as wanexp writes")
+    _check_kinds(sorted(f.modules), configured_kinds(adapter.targets, adapter.attention), what)
+
+
+def copy_adapter_into(transformer, f: AdapterFile, adapter_name: str = "default", what: str = "adapter file") -> None:
+    """Copy a checked :class:`AdapterFile` into the run's adapter of the same kind: every module then makes the
+    file's weight under the run's alpha (the file's scale is folded into one factor; DoRA's magnitude is derived
+    from the base weight)."""
+    cfg = transformer.peft_config[adapter_name]
+    run_scale = (cfg.lora_alpha if f.kind == "lora" else cfg.alpha) / cfg.r
+    for module, p in f.modules.items():
+        try:
+            layer = transformer.get_submodule(module)
+        except AttributeError:
+            raise ConfigError(f"{what}: {module} is not in the model ({transformer.config.num_layers} blocks): the "
+                              "file is an adapter of another model; use one trained on this model (see model=)"
+                              ) from None
+        for name, value in _peft_values(f.kind, p, run_scale, layer).items():
+            param = _peft_param(layer, name, adapter_name)
+            if param is None or param.shape != value.shape:
+                have = f"is {list(param.shape)} in the run's adapter" if param is not None else "has no counterpart"
+                raise ConfigError(f"{what}: {module}.{name} {list(value.shape)} {have}: the file is of another "
+                                  "model or adapter shape (rank, kind); use one trained with this model and adapter")
+            with torch.no_grad():
+                param.copy_(value)
+
+
+def _peft_values(kind: str, p: dict, run_scale: float, layer) -> dict[str, torch.Tensor]:
+    """One module's ComfyUI-named params -> peft's parameter values under the run's scale."""
+    diff, scale = comfy_diff(p, layer.get_base_layer().weight.shape)
+    ratio = scale / run_scale
+    if kind == "lora":
+        out = {"lora_A": p["lora_down.weight"], "lora_B": p["lora_up.weight"] * ratio}
+        if "lora_magnitude_vector" in p:
+            out["lora_magnitude_vector"] = p["lora_magnitude_vector"]
+        elif "dora_scale" in p:  # undo the export: m = dora_scale * |W + diff| / (|W| + eps)
+            w = layer.get_base_layer().weight.detach().float()
+            out["lora_magnitude_vector"] = (p["dora_scale"].reshape(-1) * (w + scale * diff).norm(dim=1)
+                                            / (w.norm(dim=1) + DORA_EPS))
+        return out
+    out = {k: v for k, v in p.items() if k not in ("alpha", "dora_scale")}
+    first = {"lokr": "lokr_w1" if "lokr_w1" in p else "lokr_w1_a", "loha": "hada_w1_a"}[kind]
+    out[first] = out[first] * ratio
+    return out
+
+
+def _peft_param(layer, name: str, adapter_name: str):
+    holder = getattr(layer, name, None)
+    if holder is None or adapter_name not in holder:
+        return None
+    value = holder[adapter_name]
+    return value.weight if isinstance(value, torch.nn.Module) else value
 
 
 # ---- reading LoRA files of any trainer ------------------------------------------------------------------------
@@ -377,6 +748,15 @@ def check_lora_fits(weights: dict[str, torch.Tensor], rank: int, alpha: float, r
         raise ConfigError(f"{what}: the file adapts {len(other)} module(s) or biases wanexp's LoRA does not train "
                           f"(e.g. {other[0]}); wanexp trains {', '.join(ALLOWED_TARGETS)} of the blocks: use a LoRA "
                           "of those modules")
+    _check_kinds(modules, run_kinds, what)
+
+
+def _check_kinds(modules: list[str], run_kinds: list[str], what: str) -> None:
+    """Refuse a file whose modules are not the ones the run's targets/attention select."""
+    other = [m for m in modules if _kind(m) is None]
+    if other:
+        raise ConfigError(f"{what}: the file adapts {len(other)} module(s) wanexp's adapter does not train (e.g. "
+                          f"{other[0]}); wanexp trains {', '.join(ALLOWED_TARGETS)} of the blocks")
     kinds = {_kind(m) for m in modules}
     if kinds != set(run_kinds):
         order = [_kind(m) for m in _KIND_MODULES]
@@ -408,3 +788,57 @@ def copy_lora_into(transformer, weights: dict[str, torch.Tensor], rank: int, alp
     if factor != 1.0:
         weights = {k: (v * factor if ".lora_B." in k else v) for k, v in weights.items()}
     set_peft_model_state_dict(transformer, weights, adapter_name=adapter_name)
+
+
+# ---- merging: any adapter file as ComfyUI-named modules; two LoRAs as one ----------------------------------------
+def read_any_adapter(path, what: str) -> AdapterFile:
+    """A LoKr/LoHa/DoRA file (:func:`read_adapter_file`) or a LoRA of any format in :data:`LORA_FORMATS`, as
+    ComfyUI-named modules (a LoRA's scale is its ``alpha`` key)."""
+    if is_typed_adapter_file(path):
+        return read_adapter_file(path, what)
+    weights, rank, alpha = read_lora_file(path, what)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, w in weights.items():
+        m = _LORA_KEY.match(key)
+        if m.group(2) == "B.bias":
+            raise ConfigError(f"{what}: the file adapts biases ({key}); wanexp merges weight LoRAs only")
+        name = "lora_down.weight" if m.group(2) == "A.weight" else "lora_up.weight"
+        modules.setdefault(m.group(1), {})[name] = w
+    for p in modules.values():
+        p["alpha"] = torch.tensor(float(alpha))
+    return AdapterFile(modules, what)
+
+
+def concat_loras(files: list[AdapterFile], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Several LoRAs of one layout (same modules, same rank) as one ComfyUI-named LoRA of rank sum(ranks):
+    A = [A_1; A_2; ...], B = [w_1 s_1 B_1, w_2 s_2 B_2, ...], alpha = its rank (scale 1), so B @ A is
+    sum_i w_i s_i B_i @ A_i exactly (s_i: file i's alpha/rank). Averaging the A's and B's instead would add the
+    cross terms B_1 A_2 + B_2 A_1."""
+    first = files[0]
+    for f in files:
+        if f.kind != "lora" or f.dora:
+            raise ConfigError(f"{f.what}: a {f.label} adapter; combining is exact for LoRA files only (a sum of "
+                              "Kronecker/Hadamard products or DoRA norms is not one adapter of that kind)")
+        if set(f.modules) != set(first.modules) or f.rank() != first.rank():
+            only = sorted(set(f.modules) ^ set(first.modules))
+            differs = f"modules {only[0]} ... ({len(only)} differ)" if only else f"ranks {first.rank()} and {f.rank()}"
+            raise ConfigError(f"{f.what}: its layout differs from {first.what} ({differs}); combine LoRAs of one "
+                              "rank and the same targets")
+    out = {}
+    for module in sorted(first.modules):
+        downs, ups = [], []
+        for f, w in zip(files, weights):
+            p = f.modules[module]
+            scale = _comfy_scale(p, p["lora_down.weight"].shape[0])
+            downs.append(p["lora_down.weight"])
+            ups.append(p["lora_up.weight"] * (w * scale))
+        key = "diffusion_model." + diffusers_to_original_module(module)
+        out[f"{key}.lora_down.weight"] = torch.cat(downs).contiguous()
+        out[f"{key}.lora_up.weight"] = torch.cat(ups, dim=1).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(float(sum(d.shape[0] for d in downs)))
+    return out
+
+
+def save_adapter_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write a safetensors file atomically, readable as the umask allows (as the exports are)."""
+    _atomic_save(tensors, Path(path), metadata)

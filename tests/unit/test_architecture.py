@@ -31,7 +31,7 @@ ALLOWED = {
     "sampling": {"errors", "models", "data", "lora", "objectives"},
     "callbacks": {"errors", "sampling", "perf", "disk"},
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk"},
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling"},
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora"},  # lora: wanexp-merge
 }
 
 

@@ -1,4 +1,5 @@
-"""LoRA files (ComfyUI + diffusers, one pair per trained expert) with every checkpoint and at the end of a run.
+"""Adapter files (ComfyUI + diffusers where diffusers loads the kind; one set per trained expert) with every
+checkpoint and at the end of a run.
 
 The weights come from the checkpoint's state dict, which every strategy has already gathered on rank 0 (DDP: the
 module's own; FSDP: the full LoRA tensors), so export never needs its own collectives.
@@ -80,15 +81,16 @@ class LoraExport(Callback):
             custom(pl_module, state_dict, folder)
             return []
         flagged = []
+        kind = getattr(pl_module.adapter, "kind", "lora")  # the file names say lora, lokr or loha (DoRA: lora)
         for expert, transformer in pl_module.transformers.items():
             prefix = f"transformers.{expert}."
             files = pl_module.adapter.export(state_dict, prefix, transformer, folder,
-                                             f"{pl_module.spec.name}_lora{EXPERT_SUFFIX[expert]}",
+                                             f"{pl_module.spec.name}_{kind}{EXPERT_SUFFIX[expert]}",
                                              adapter_name=pl_module.objective.export,
                                              meta=dict(meta, wanexp_expert=expert))
             largest = max((float(v.detach().abs().max()) if torch.isfinite(v).all() else float("inf")
                            for k, v in state_dict.items()
-                           if k.startswith(prefix) and ".lora_" in k and v.numel()), default=0.0)
+                           if k.startswith(prefix) and pl_module.adapter.is_param(k) and v.numel()), default=0.0)
             if not largest <= self.flag_above:  # also catches inf/nan
                 flagged.append((expert, largest, [str(f) for f in files or []]))
         return flagged

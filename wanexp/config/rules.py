@@ -45,6 +45,7 @@ def check_rules(cfg: DictConfig) -> None:
         raise ConfigError(f"parallel={p.name} with trainer.accelerator=cpu: {p.name} needs GPUs; use parallel=ddp on CPU")
     if p.name == "deepspeed":
         check_deepspeed(cfg)
+    check_dora(cfg)
     o, t = cfg.objective, cfg.trainer
     if t.max_steps == 0:  # Lightning would train nothing, and no step would have LoRA files to export
         raise ConfigError("trainer.max_steps=0: trains no step; set trainer.max_steps to the optimizer steps (>= 1), "
@@ -249,3 +250,17 @@ def check_paths(cfg: DictConfig) -> None:
         from wanexp.runfolder import checkpoint_kind
 
         checkpoint_kind(cfg.resume, cfg.parallel.name)  # its bytes: a checkpoint, not config.yaml or a LoRA file
+
+
+def check_dora(cfg: DictConfig) -> None:
+    """adapter.use_dora: the DoRA export reads each adapted base weight whole on rank 0 (lora.comfy_module_params)."""
+    a, p, m = cfg.adapter, cfg.parallel, cfg.model
+    if not a.get("use_dora"):
+        return
+    sharded = p.name == "fsdp" or (p.name == "deepspeed" and p.strategy.get("stage") == 3)
+    if sharded:
+        raise ConfigError(f"adapter.use_dora=true with parallel={p.name}: the DoRA export needs each base weight whole "
+                          "on rank 0, which sharding keeps apart; use parallel=ddp (or deepspeed stage 2)")
+    if m.get("fp8") or m.get("fp8_storage"):
+        raise ConfigError("adapter.use_dora=true with an FP8 base: DoRA's magnitude is computed from the base weight "
+                          "as trained and exported; set model.fp8=false and model.fp8_storage=false")

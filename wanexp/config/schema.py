@@ -25,6 +25,7 @@ PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32", "32-true")  # 16-mixe
 BOUNDARIES = ("full", "high", "low")
 EXPERTS = ("dense", "high", "low")
 TIMESTEP_SAMPLING = ("uniform", "logit_normal")
+LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # flow matching; SD3 / diffusers / musubi-tuner names
 SCHEDULERS = ("constant", "cosine", "linear")
 LR_SCALING = ("none", "linear", "sqrt")
 PARALLEL = ("single", "ddp", "fsdp", "deepspeed")
@@ -85,6 +86,21 @@ class LoraConfig:
     targets: List[str] = knob(MISSING)  # names checked by the adapter
     attention: List[str] = knob(MISSING)
     init_from: Optional[str] = MISSING  # a LoRA file (ComfyUI or diffusers format) to start from
+    use_dora: bool = knob(MISSING, doc="DoRA: a trained magnitude per output row besides the LoRA (adapter=lora only)")
+
+
+@dataclass
+class LokrConfig(LoraConfig):
+    """``adapter=lokr``: peft's LoKr with the LoRA group's keys (dropout is its rank dropout)."""
+
+    _target_: str = "wanexp.lora.LokrAdapter"
+
+
+@dataclass
+class LohaConfig(LoraConfig):
+    """``adapter=loha``: peft's LoHa with the LoRA group's keys (dropout is its rank dropout)."""
+
+    _target_: str = "wanexp.lora.LohaAdapter"
 
 
 @dataclass
@@ -108,6 +124,7 @@ class FlowMatchingConfig(ObjectiveConfig):
     _target_: str = "wanexp.objectives.flow_matching.FlowMatching"
     name: str = "flow_matching"
     timestep: TimestepConfig = MISSING
+    weighting: str = knob(MISSING, choices=LOSS_WEIGHTINGS, doc="per-sample loss weight w(sigma)")
 
 
 @dataclass
@@ -394,6 +411,8 @@ SCHEMAS: dict[str, type] = {
     "model": ModelConfig,
     "boundary": BoundaryConfig,
     "adapter/lora": LoraConfig,
+    "adapter/lokr": LokrConfig,
+    "adapter/loha": LohaConfig,
     "objective/base": ObjectiveConfig,
     "objective/flow_matching": FlowMatchingConfig,
     "objective/dmd": DMDConfig,

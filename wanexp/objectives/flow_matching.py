@@ -1,6 +1,7 @@
 """Wan2.2 rectified-flow objective: x_t = (1-s)*x0 + s*eps, target v = eps - x0, MSE."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -27,6 +28,25 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | No
         return err.mean(dim=dims)
     m = mask.to(err.dtype).expand_as(err)
     return (err * m).sum(dim=dims) / m.sum(dim=dims).clamp_min(1.0)
+
+
+SIGMA_FLOOR = 1e-4  # sigma_sqrt's 1/sigma^2 at a sigma of 0 (a clean sample) would be infinite
+
+
+def loss_weight(sigma: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Per-sample loss weight at the (shifted) noise level ``sigma`` (``objective.weighting``), the schemes of SD3
+    (Esser et al. 2024) as diffusers' ``compute_loss_weighting_for_sd3`` and musubi-tuner's ``--weighting_scheme``
+    name them: ``none`` 1; ``sigma_sqrt`` 1/sigma^2 (sigma floored at SIGMA_FLOOR); ``cosmap``
+    2 / (pi (1 - 2 sigma + 2 sigma^2)). Their ``logit_normal`` and ``mode`` shape the sigma draw instead
+    (``objective.timestep.sampling``)."""
+    s = sigma.float()
+    if scheme == "none":
+        return torch.ones_like(s)
+    if scheme == "sigma_sqrt":
+        return s.clamp_min(SIGMA_FLOOR) ** -2.0
+    if scheme == "cosmap":
+        return 2.0 / (math.pi * (1 - 2 * s + 2 * s**2))
+    raise ValueError(f"unknown loss weighting {scheme!r}")  # the schema's choices are checked at composition
 
 
 SIGMA_BUCKETS = 4  # train/loss_t<k> covers shifted sigma in [k/4, (k+1)/4)
@@ -63,11 +83,19 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class FlowMatching(Objective):
     """The Wan2.2 flow-matching loss on the boundary's sigma range (``objective=flow_matching``)."""
 
-    def __init__(self, *, name: str, timestep: dict):
-        """``timestep``: sampling, shift, logit_mean, logit_std (config.schema.TimestepConfig)."""
+    def __init__(self, *, name: str, timestep: dict, weighting: str = "none"):
+        """``timestep``: sampling, shift, logit_mean, logit_std (config.schema.TimestepConfig); ``weighting``: the
+        per-sample loss weight (:func:`loss_weight`)."""
         super().__init__(name)
+        self.weighting = weighting
         self.sampling, self.shift = timestep["sampling"], float(timestep["shift"])
         self.logit_mean, self.logit_std = float(timestep["logit_mean"]), float(timestep["logit_std"])
+
+    def weighted_mean(self, per_sample: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """The batch's loss: per-sample losses times w(sigma), averaged (the loss_t metrics stay unweighted MSE)."""
+        if self.weighting == "none":
+            return per_sample.mean()
+        return (per_sample * loss_weight(sigma, self.weighting).to(per_sample.device)).mean()
 
     def sample_sigmas(self, n: int, lo: float, hi: float, generator=None, device="cpu") -> torch.Tensor:
         return sample_sigmas(n, lo=lo, hi=hi, shift=self.shift, scheme=self.sampling, logit_mean=self.logit_mean,
@@ -85,7 +113,7 @@ class FlowMatching(Objective):
         pred = denoiser(x_t, sigma_host, batch)
         per_sample = masked_mse(pred.velocity, velocity_target(x0, noise), pred.loss_mask)
         return ObjectiveOutput(
-            loss=per_sample.mean(), batch_size=b,
+            loss=self.weighted_mean(per_sample, sigma), batch_size=b,
             metrics=loss_breakdown(per_sample, sigma, pred.route, denoiser.experts),
             flops=denoiser.step_flops(x0.shape, batch.text.shape[1]),
         )
