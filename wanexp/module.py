@@ -99,6 +99,10 @@ class WanModule(L.LightningModule):
             self.transformers[e] = t
         for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
             self.students[name] = m  # e.g. KD's student: trained in full
+        from wanexp.models import blockswap  # model.fp8_storage, model.blocks_to_swap (after a student copied them)
+
+        for e, t in self.transformers.items():
+            blockswap.low_vram(t, self.spec, e, verbose=self.global_rank == 0)
         if group is not None:  # sequence parallel: each training forward keeps 1/sp of the tokens (models/sequence.py)
             from wanexp.models import sequence
 

@@ -188,6 +188,9 @@ def run(cfg: DictConfig) -> dict:
 
         for e in spec.trained_experts(cfg.boundary.name):
             check_heads(int(spec.transformer_config(e)["num_attention_heads"]), int(cfg.parallel.sp_size))
+    from wanexp.models.blockswap import check_fit  # model.memory_budget_gib: weights + activations, nothing loads
+
+    check_fit(cfg, spec)
 
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):

@@ -905,3 +905,154 @@ DISTILL_JOB = Case(
 CASES: dict[str, Case] = {c.name: c for c in (
     USER_JOB, V100_JOB, PCIE_JOB, LOADER_JOB, PERF_JOB, A14B_DIT_JOB, FP8_JOB, BUDGET_JOB, GAP_JOB, HOST_JOB,
     STRAT2_JOB, STRAT4_JOB, STRAT_A14B_JOB, STRAT_A14B4_JOB, SEAMS_JOB, DS_JOB, DS5_JOB, DISTILL_JOB)}
+
+
+# ---- low VRAM: block swap and FP8 storage (docs/memory.md), one GPU capped ---------------------------------------
+# Each capped bench runs in the same device call as the uncapped default step it is compared with: run the phases
+# named in each case's `about` together (--phase base,swap, then --phase base2,swap_fp8).
+ALLOC = {"CUDA_VISIBLE_DEVICES": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # as train.py sets it
+
+
+def lowvram_bench(name: str, case: str, *args: str, model: Callable[[Ctx], Path] = dit_dir, cap: int | None = None,
+                  minutes: float = 4) -> Phase:
+    """:func:`bench` with the allocator setting train.py applies (parallel.env), one GPU."""
+    import dataclasses
+
+    return dataclasses.replace(bench(name, case, *args, model=model, cap=cap, minutes=minutes), env=dict(ALLOC))
+
+
+def step_ratio(case: str, pairs: dict[str, tuple[str, str]]) -> Callable[[Ctx, dict], dict]:
+    """The bench JSONs of ``case`` read back, and for each ``key: (capped, baseline)`` the capped wanexp step's median
+    over the baseline's (``<key>_ratio``) and the capped run's peak (``<key>_peak_gib``)."""
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        names = {n for pair in pairs.values() for n in pair}
+        out = {n: bench_metrics(bench_json(ctx, case, n)) for n in names}
+        for key, (capped, base) in pairs.items():
+            c, b = (out[capped].get("wanexp", {}), out[base].get("wanexp", {}))
+            ok = c.get("median_s") and b.get("median_s")
+            out[f"{key}_ratio"] = c["median_s"] / b["median_s"] if ok else None
+            out[f"{key}_peak_gib"] = c.get("peak_gib")
+        return out
+    return collect
+
+
+A14B_SHAPE = ("--model", "t2v14b", "--height", "480", "--width", "832", "--frames", "81", "--ckpt", "--paths",
+              "wanexp", "--no-check", "--warmup", "1", "--steps", "2")
+SWAP_A14B, SWAP_A14B_N, SWAP_A14B_FP8_N = "lowvram_a14b_28g", 40, 34
+
+
+def _a14b_dir(ctx: Ctx) -> Path:
+    return ctx.work / "t2v14b"  # the DiT of perf_a14b's build_dit
+
+
+LOWVRAM_A14B_JOB = Case(
+    name=SWAP_A14B, gpus=1, model="a14b",
+    about=f"one real-size A14B expert (T2V-A14B's DiT; the I2V high-noise expert differs only in its patch "
+          f"embedding's 36 input channels), LoRA r32, 480x832x81, checkpointing, the process capped at {CAP_GIB} GiB: "
+          f"model.blocks_to_swap={SWAP_A14B_N} (call --phase base,swap), and with model.fp8_storage=true and "
+          f"blocks_to_swap={SWAP_A14B_FP8_N} (call --phase base2,swap_fp8), each against the uncapped default step "
+          "(compiled, no swap) in the same call",
+    phases=(Phase("build_dit", lambda ctx: [ctx.python, "tests/gpu/build_transformer.py", "--model", "t2v14b",
+                                            "--path", str(_a14b_dir(ctx))], minutes=5,
+                  fresh=lambda ctx: [dit_dir(ctx)]),
+            lowvram_bench("base", SWAP_A14B, *A14B_SHAPE, model=_a14b_dir),
+            lowvram_bench("swap", SWAP_A14B, *A14B_SHAPE, "--set", f"model.blocks_to_swap={SWAP_A14B_N}",
+                          "model.compile=false", model=_a14b_dir, cap=CAP_GIB),
+            lowvram_bench("base2", SWAP_A14B, *A14B_SHAPE, model=_a14b_dir),
+            lowvram_bench("swap_fp8", SWAP_A14B, *A14B_SHAPE, "--set", f"model.blocks_to_swap={SWAP_A14B_FP8_N}",
+                          "model.fp8_storage=true", "model.compile=false", model=_a14b_dir, cap=CAP_GIB)),
+    checks=(Check("phases.swap.rc", "==", 0, "swap", f"block swap: no out-of-memory under the {CAP_GIB} GiB cap"),
+            Check("metrics.swap_peak_gib", "<=", CAP_GIB, "swap", "the capped step's peak"),
+            Check("metrics.swap_ratio", "<=", 1.5, "swap", "capped with block swap / uncapped default step"),
+            Check("phases.swap_fp8.rc", "==", 0, "swap_fp8", f"FP8 storage + swap: no out-of-memory at {CAP_GIB} GiB"),
+            Check("metrics.swap_fp8_peak_gib", "<=", CAP_GIB, "swap_fp8", "the capped step's peak"),
+            Check("metrics.swap_fp8_ratio", "<=", 1.25, "swap_fp8", "capped with FP8 storage and swap / uncapped")),
+    collect=step_ratio(SWAP_A14B, {"swap": ("swap", "base"), "swap_fp8": ("swap_fp8", "base2")}),
+    record=("base.wanexp.median_s", "swap.wanexp.median_s", "swap_ratio", "swap_peak_gib",
+            "base2.wanexp.median_s", "swap_fp8.wanexp.median_s", "swap_fp8_ratio", "swap_fp8_peak_gib"),
+)
+
+LOWVRAM_5B, LOWVRAM_5B_CAP = "lowvram_5b_16g", 16
+FP8S_VARIANT = "wanexp_model_fp8_storage_true"
+FIVE_B_SHAPE = ("--frames", "17", "--ckpt", "--paths", "wanexp", "--no-check", "--warmup", "3", "--steps", "6")
+LOWVRAM_5B_JOB = Case(
+    name=LOWVRAM_5B, gpus=1, model="ti2v5b",
+    about=f"the real-size TI2V-5B DiT at 704x1280x17, checkpointing, the process capped at {LOWVRAM_5B_CAP} GiB (24 GB "
+          "cards): the default step, and model.blocks_to_swap=10 with model.fp8_storage=true (recorded), against the "
+          "uncapped default step in the same call (--phase build_dit,base,capped); FP8 storage's error against the "
+          "plain loop (--phase error)",
+    phases=(BUILD_DIT,
+            lowvram_bench("base", LOWVRAM_5B, *FIVE_B_SHAPE),
+            lowvram_bench("capped", LOWVRAM_5B, *FIVE_B_SHAPE, "--variants",
+                          "model.blocks_to_swap=10 model.fp8_storage=true model.compile=false", cap=LOWVRAM_5B_CAP),
+            lowvram_bench("error", LOWVRAM_5B, "--frames", "17", "--paths", "plain_tokens,wanexp", "--variants",
+                          "model.fp8_storage=true", "--warmup", "1", "--steps", "2")),
+    checks=(Check(f"metrics.error.{FP8S_VARIANT}.out_rel_err", "<=", 0.05, "error",
+                  "FP8 storage's output error vs the plain bf16 loop, real-size 5B (FP8 GEMM: 2.2e-2)"),
+            Check(f"metrics.error.{FP8S_VARIANT}.grad_rel_err", "<=", 0.075, "error", "and its LoRA gradients' error"),Check("phases.capped.rc", "==", 0, "capped", f"no out-of-memory under the {LOWVRAM_5B_CAP} GiB cap"),
+            Check("metrics.capped_peak_gib", "<=", LOWVRAM_5B_CAP, "capped", "the capped default step's peak"),
+            Check("metrics.capped_ratio", "<=", 1.2, "capped", "capped / uncapped default step"),
+            Check("metrics.capped.wanexp_model_blocks_to_swap_10_model_fp8_storage_true_model_compile_false.median_s",
+                  "present", None, "capped", "swap + FP8 storage under the cap, recorded")),
+    collect=both(step_ratio(LOWVRAM_5B, {"capped": ("capped", "base")}), bench_results(LOWVRAM_5B, "error")),
+    record=("base.wanexp.median_s", "capped.wanexp.median_s", "capped_ratio", "capped_peak_gib",
+            f"error.{FP8S_VARIANT}.out_rel_err", f"error.{FP8S_VARIANT}.grad_rel_err",
+            "capped.wanexp_model_blocks_to_swap_10_model_fp8_storage_true_model_compile_false.median_s",
+            "capped.wanexp_model_blocks_to_swap_10_model_fp8_storage_true_model_compile_false.peak_gib"),
+)
+
+CASES.update({c.name: c for c in (LOWVRAM_A14B_JOB, LOWVRAM_5B_JOB)})
+
+
+# ---- wanexp-plan against the run it plans: real-size TI2V-5B, two buckets, validation on (one H100) ---------------
+PLAN, PLAN_STEPS = "plan_5b", 500
+
+
+def plan_data(ctx: Ctx) -> list[str]:
+    """The user's data settings on generated clips plus generated images: two buckets (17x704x1280, 1x704x1280);
+    validation every 250 steps (at step 0, 250 and 500) so that a 500-step run holds several calls."""
+    own = {"paths.data_dir": str(ctx.work / "data_plan"), "data.generate.num_images": "16"}
+    return [*(a for a in user_data(ctx) if a.split("=", 1)[0] not in own), *(f"{k}={v}" for k, v in own.items()),
+            "callbacks.validation.every_n_steps=250", "callbacks.progress=null", f"run_name={PLAN}",
+            f"paths.output_dir={ctx.run_dir(PLAN)}", f"trainer.max_steps={PLAN_STEPS}", "trainer.devices=1"]
+
+
+def plan_metrics(ctx: Ctx, phases: dict) -> dict:
+    """The plan's ETA and peak against the run's wall time (the train phase's seconds) and peak (status.json)."""
+    planned = _json(ctx.out / PLAN / "plan.json")
+    run = run_metrics(ctx.run_dir(PLAN))
+    eta = (planned.get("eta") or {}).get("total_s")
+    peak = (planned.get("memory") or {}).get("peak_gib")
+    wall = (phases.get("train") or {}).get("seconds")
+    return {**run, "planned_steps": (planned.get("data") or {}).get("total_steps"), "planned_eta_s": eta,
+            "planned_peak_gib": peak, "train_wall_s": wall,
+            "eta_error": abs(eta - wall) / wall if eta and wall else None,
+            "peak_error": abs(peak - run["peak_mem_gib"]) / run["peak_mem_gib"]
+            if peak and run.get("peak_mem_gib") else None,
+            "eta_parts": (planned.get("eta") or {}).get("parts")}
+
+
+PLAN_JOB = Case(
+    name=PLAN, gpus=1, model="ti2v5b",
+    about=f"wanexp-plan (calibrated: a few steps per bucket, one validation, one checkpoint) of a {PLAN_STEPS}-step "
+          "python train.py run of real-size TI2V-5B (random weights) from a cache of generated clips and images (two "
+          "buckets), validation on; then that run: planned ETA within 10 % of its wall time, peak within 5 %",
+    phases=(BUILD,
+            Phase("cache", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *plan_data(ctx)], minutes=4),
+            Phase("plan", lambda ctx: [ctx.python, "-m", "wanexp.cli.plan", *plan_data(ctx), "--budget-gib",
+                                       str(CAP_GIB), "--json", str(ctx.out / PLAN / "plan.json")], minutes=4,
+                  env={"CUDA_VISIBLE_DEVICES": "0"}),
+            Phase("train", lambda ctx: [ctx.python, "train.py", *plan_data(ctx), "overwrite=true"], minutes=7,
+                  env={"CUDA_VISIBLE_DEVICES": "0"}, fresh=lambda ctx: [ctx.run_dir(PLAN)])),
+    checks=(Check("phases.plan.rc", "==", 0, "plan", f"the plan fits (one H100, --budget-gib {CAP_GIB})"),
+            Check("phases.train.rc", "==", 0, "train", "the planned run exits 0"),
+            Check("metrics.planned_steps", "==", PLAN_STEPS, "plan", "the plan's total steps"),
+            Check("metrics.final_step", "==", PLAN_STEPS, "train", "the run's steps"),
+            Check("metrics.eta_error", "<=", 0.10, "train", "|planned ETA - wall time| / wall time"),
+            Check("metrics.peak_error", "<=", 0.05, "train", "|planned peak - measured peak| / measured peak")),
+    collect=plan_metrics,
+    record=("planned_eta_s", "train_wall_s", "eta_error", "planned_peak_gib", "peak_mem_gib", "peak_error",
+            "validations", "median_step_s"),
+)
+
+CASES[PLAN] = PLAN_JOB

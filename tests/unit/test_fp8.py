@@ -87,3 +87,53 @@ def test_a_v100_skips_compile_and_refuses_fp8(monkeypatch):
     assert not ok and why.startswith("Tesla V100S-PCIE-32GB (compute capability 7.0) has no FP8 GEMM")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert fp8.fp8_supported() == (True, "") and fast.compile_supported() == (True, "")
+
+
+# ---- FP8 storage (model.fp8_storage): weight-only, dequantized at use, any GPU -------------------------------------
+def test_fp8_storage_linear_error_and_input_gradient():
+    """A random 1024x1024 bf16 linear whose rows span four decades of magnitude: 2.6e-2 relative output error against
+    the fp32 linear (the bf16 linear's own is 2.9e-3; one scale for every row would give 0.89); the input's gradient
+    is grad @ the dequantized weight."""
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 1024).requires_grad_(False)
+    lin.weight.mul_(torch.logspace(-2, 2, 1024).unsqueeze(1))
+    x = torch.randn(4, 64, 1024)
+    exact = lin(x)
+    lin16 = copy.deepcopy(lin).to(torch.bfloat16)
+    q = fp8.StoredFP8Linear(lin16)
+    assert q.weight_fp8.dtype == torch.float8_e4m3fn and q.weight_scale.shape == (1024, 1) and q.dtype == torch.bfloat16
+    assert dict(q.state_dict()) == {}  # nothing of it reaches a checkpoint or a LoRA file
+    xb = x.to(torch.bfloat16).requires_grad_()
+    out = q(xb)
+    assert out.dtype == torch.bfloat16
+    err, bf16_err = _rel(out, exact), _rel(lin16(xb), exact)
+    assert 1e-2 < err < 4e-2 and bf16_err < 4e-3, (err, bf16_err)  # really FP8 rows, and still the same linear
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected = (grad.reshape(-1, 1024) @ q.weight).reshape(xb.shape)
+    assert torch.equal(xb.grad, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 input under autocast: bf16 product, fp32 gradient
+        x32 = x.clone().requires_grad_()
+        out = q(x32)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and x32.grad.dtype == torch.float32 and torch.isfinite(x32.grad).all()
+
+
+def test_fp8_storage_keeps_the_lora_and_it_trains():
+    t = tiny_transformer()
+    n = fp8.store_blocks(t)
+    assert n == 2 * 10 and not [m for m in t.blocks.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    params = [p for p in t.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        loss = (out.float() ** 2).mean()
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses

@@ -412,7 +412,8 @@ def measure(name, make, args, device, data, flops) -> dict:
             "warmup_and_steps_s": total_s, **info}
 
 
-CHANGES_NUMERICS = ("model.fp8=true", "model.fp8_storage=true")  # variants measured for their error, not checked against the tolerance
+# variants measured for their error, not checked against the tolerance
+CHANGES_NUMERICS = ("model.fp8=true", "model.fp8_storage=true")
 
 
 def main(argv=None) -> list[dict]:

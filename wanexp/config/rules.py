@@ -89,6 +89,7 @@ def check_rules(cfg: DictConfig) -> None:
         if str(t.precision) not in ("bf16-mixed", "bf16-true"):
             raise ConfigError(f"model.fp8=true with trainer.precision={t.precision}: the FP8 GEMMs return bf16; set "
                               "trainer.precision=bf16-mixed")
+    _check_low_vram(m, p)
     if o.name == "kd" and b.name == "full" and m.boundary_ratio is not None:
         raise ConfigError(f"objective=kd with model={m.name} boundary=full: KD distils one DiT into a student; use "
                           "boundary=high or boundary=low to distil one expert")
@@ -250,6 +251,30 @@ def check_paths(cfg: DictConfig) -> None:
         from wanexp.runfolder import checkpoint_kind
 
         checkpoint_kind(cfg.resume, cfg.parallel.name)  # its bytes: a checkpoint, not config.yaml or a LoRA file
+
+
+def _check_low_vram(m, p) -> None:
+    """model.fp8_storage and model.blocks_to_swap (wanexp/models/blockswap.py) against the other settings."""
+    from wanexp.errors import ConfigError
+
+    swap = int(m.get("blocks_to_swap") or 0)
+    if m.get("fp8_storage") and m.fp8:
+        raise ConfigError("model.fp8_storage=true with model.fp8=true: the FP8 base already stores its weights in FP8; "
+                          "set one of them to false")
+    if not (swap or m.get("fp8_storage")):
+        return
+    knob = f"model.blocks_to_swap={swap}" if swap else "model.fp8_storage=true"
+    if not swap:
+        return
+    if p.name in ("fsdp", "deepspeed"):
+        raise ConfigError(f"{knob} with parallel={p.name}: sharded weights are gathered by the strategy, not swapped; "
+                          "use parallel=ddp (or one GPU) with block swap, or model.blocks_to_swap=0 to shard")
+    if m.compile:
+        raise ConfigError(f"{knob} with model.compile=true: a swapped block fetches its weights from host memory "
+                          "inside its forward, which a compiled block cannot do; set model.compile=false")
+    if m.fp8:
+        raise ConfigError(f"{knob} with model.fp8=true: the FP8 GEMM layers are not swapped; use "
+                          "model.fp8_storage=true with block swap (the FP8 bytes move), or model.fp8=false")
 
 
 def check_dora(cfg: DictConfig) -> None:

@@ -66,6 +66,11 @@ class ModelConfig:
     compile_checkpoint: bool = knob(True, doc="with compile: a checkpointed block's recompute inside its compiled graph")
     memory_budget_gib: Optional[float] = knob(MISSING, gt=0.0, doc="checkpoint only the blocks this GPU budget needs")
     fp8: bool = knob(False, doc="frozen block linears in FP8 (per-row scales), LoRA unchanged; changes the numerics")
+    fp8_storage: bool = knob(False, doc="frozen block linears stored in FP8 (per-row scales), dequantized at use: "
+                             "any GPU; changes the numerics")
+    blocks_to_swap: Optional[int] = knob(None, ge=0, doc="frozen weights of N blocks kept in host memory, copied to "
+                                         "the GPU ahead of use (null/0: none)")
+
 
 
 @dataclass

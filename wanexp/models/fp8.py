@@ -10,10 +10,16 @@ untouched. The LoRA files and checkpoints do not change (the FP8 tensors are non
 Off by default: FP8 (3 mantissa bits) changes what is computed. On random weights a single GEMM's relative error is
 ~3.5e-2 against fp32, where bf16's is ~4e-3; the whole model's is measured by ``tests/gpu/fp8_check.sh``.
 Needs a GPU of compute capability >= 8.9 (Ada, Hopper) for the FP8 GEMM; the CPU runs it too (tests).
+
+**FP8 storage** (``model.fp8_storage=true``, any GPU and the CPU): the same per-row quantization, but the weight is
+dequantized to the base's dtype at each use (:class:`StoredFP8Linear`) and multiplied in that dtype: half the bytes
+of the frozen block linears at rest (and to move, with block swap), no FP8 GEMM needed (V100, A100). The backward
+dequantizes again instead of keeping the dequantized weight between forward and backward.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -98,3 +104,85 @@ def fp8_supported() -> tuple[bool, str]:
 
     gpu = gpu_capability_below((8, 9))
     return (False, f"{gpu} has no FP8 GEMM (8.9+: Ada, Hopper)") if gpu else (True, "")
+
+
+# ---- FP8 storage: weight-only, dequantized at use --------------------------------------------------------------
+def dequantize(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in) weight in ``dtype`` from its float8 rows and their fp32 scales."""
+    return (weight_fp8.float() * scale).to(dtype)
+
+
+def linear_input_grad(grad_out: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """The input's gradient of ``F.linear(x, weight)`` as autograd computes it for a frozen weight (grad @ weight, in
+    the forward's compute dtype, then cast back to the input's dtype as autocast's cast node does)."""
+    with torch.autocast(grad_out.device.type, enabled=False):
+        g = grad_out.reshape(-1, grad_out.shape[-1]).mm(weight.to(grad_out.dtype))
+    return g.view(*grad_out.shape[:-1], weight.shape[1]).to(x_dtype)
+
+
+class _DequantLinear(torch.autograd.Function):
+    """``F.linear`` with the weight dequantized from FP8 in the forward and again in the backward (only the float8
+    bytes and scales are kept in between)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_fp8, weight_scale, bias, dtype):
+        out = F.linear(x, dequantize(weight_fp8, weight_scale, dtype), bias)  # autocast applies as to nn.Linear
+        ctx.save_for_backward(weight_fp8, weight_scale)
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        weight_fp8, weight_scale = ctx.saved_tensors
+        return linear_input_grad(grad_out, dequantize(weight_fp8, weight_scale, grad_out.dtype), ctx.x_dtype), \
+            None, None, None, None
+
+
+class StoredFP8Linear(nn.Module):
+    """A frozen ``nn.Linear`` stored in float8_e4m3fn with one fp32 scale per output row, computed in ``dtype`` (the
+    original weight's) after dequantizing at each use. Weight-only: no FP8 GEMM, so any GPU or the CPU runs it."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        weight_fp8, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("weight_fp8", weight_fp8, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        if linear.bias is not None:
+            self.register_buffer("bias", linear.bias.detach().clone(), persistent=False)
+        else:
+            self.bias = None
+
+    # the stored tensors and how they become the weight: what block swap (models/blockswap.py) moves and rebuilds
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight_fp8": self.weight_fp8, "weight_scale": self.weight_scale}
+
+    def weight_from(self, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize(stored["weight_fp8"], stored["weight_scale"], self.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, for code that reads ``.weight``."""
+        return self.weight_from(self.stored_tensors())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DequantLinear.apply(x, self.weight_fp8, self.weight_scale, self.bias, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored fp8_e4m3 rowwise"
+
+
+def store_blocks(transformer: nn.Module) -> int:
+    """Replace every frozen ``nn.Linear`` inside ``transformer.blocks`` (a LoRA layer's base layer included) by a
+    :class:`StoredFP8Linear`, in place; trainable linears stay. Returns how many were replaced."""
+    count = 0
+    for block in transformer.blocks:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and not child.weight.requires_grad:
+                    setattr(parent, name, StoredFP8Linear(child))
+                    count += 1
+    return count

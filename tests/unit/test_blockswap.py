@@ -1,0 +1,186 @@
+"""Block swap (wanexp/models/blockswap.py): the frozen weights of swapped blocks live in host memory and are fetched
+at each use; on the CPU the same code path runs with plain copies, so the result is the no-swap result bit for bit."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import compose_cfg
+from tests.unit.test_perf_fast import TARGETS, TINY, output_and_grads, ti2v_batch, tiny_transformer
+from wanexp.config import check_config
+from wanexp.errors import ConfigError
+from wanexp.lora import add_lora
+from wanexp.models import blockswap, fp8
+
+
+def four_blocks():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    t = WanTransformer3DModel(**{**TINY, "num_layers": 4}, in_channels=48, out_channels=48, patch_size=[1, 2, 2])
+    t.requires_grad_(False)
+    add_lora(t, rank=4, alpha=2.0, dropout=0.0, targets=TARGETS, attention=["self", "cross"])
+    with torch.no_grad():
+        for n, p in t.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return t
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["eager", "activation-ckpt"])
+def test_swap_gives_the_same_output_and_lora_gradients_bitwise(ckpt):
+    ref = tiny_transformer()
+    if ckpt:
+        ref.enable_gradient_checkpointing()
+    t = copy.deepcopy(ref)
+    swap = blockswap.enable(t.blocks, 2)
+    assert swap.indices == [0, 1]
+    swapped = [m for m in t.modules() if isinstance(m, blockswap.SwappedLinear)]
+    assert len(swapped) == 2 * 10  # q,k,v,o of both attentions and the FFN's two linears, per block
+    # the weights left the module tree: .to() and state_dict() no longer see them; the LoRA parameters stay
+    assert sum(p.numel() for p in t.parameters()) < sum(p.numel() for p in ref.parameters())
+    assert {n for n, p in t.named_parameters() if p.requires_grad} == \
+        {n for n, p in ref.named_parameters() if p.requires_grad}
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out_ref, grads_ref = output_and_grads(ref, hidden, timestep, text)
+            out, grads = output_and_grads(t, hidden, timestep, text)
+        assert torch.equal(out, out_ref)
+        assert grads.keys() == grads_ref.keys() and len(grads) == 40
+        for k in grads:
+            assert grads_ref[k].abs().max() > 0 and torch.equal(grads[k], grads_ref[k]), k
+
+
+def test_each_use_copies_from_the_host_tensors():
+    """Four swapped blocks, at most two on the device: the forward copies each block once, the backward (recomputing
+    each checkpointed block) copies again the two that were dropped; the copies come from the host tensors (changed
+    there, the output follows)."""
+    ref = four_blocks()
+    ref.enable_gradient_checkpointing()
+    t = copy.deepcopy(ref)
+    swap = blockswap.enable(t.blocks, 4)
+    most = []
+    load = swap._load
+
+    def counting_load(*args, **kwargs):
+        load(*args, **kwargs)
+        most.append(len(swap.resident))
+
+    swap._load = counting_load
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    out_ref, grads_ref = output_and_grads(ref, hidden, timestep, text)
+    out, grads = output_and_grads(t, hidden, timestep, text)
+    assert torch.equal(out, out_ref) and all(torch.equal(grads[k], grads_ref[k]) for k in grads)
+    assert swap.copies == 6 and max(most) == 2  # 4 in the forward, blocks 1 and 0 again in the backward
+    # the host tensor is the source: zero one block's FFN output layer there and in the reference
+    swap.host[2]["ffn.net.2.base_layer"]["weight"].zero_()
+    swap.resident.clear()
+    ref.blocks[2].ffn.net[2].base_layer.weight.data.zero_()
+    out_ref, grads_ref = output_and_grads(ref, hidden, timestep, text)
+    out, grads = output_and_grads(t, hidden, timestep, text)
+    assert torch.equal(out, out_ref) and all(torch.equal(grads[k], grads_ref[k]) for k in grads)
+
+
+def test_validation_sampling_without_grad_and_a_partial_swap():
+    ref = four_blocks()
+    t = copy.deepcopy(ref)
+    swap = blockswap.enable(t.blocks, 2)
+    assert swap.indices == [1, 3]  # spread over the blocks, the last included
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    with torch.no_grad():
+        a = ref(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        b = t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    assert torch.equal(a, b) and swap.copies == 2
+
+
+def test_fp8_storage_under_swap_moves_the_fp8_bytes_and_matches_fp8_storage_alone():
+    ref = tiny_transformer()
+    fp8.store_blocks(ref)
+    t = copy.deepcopy(ref)
+    swap = blockswap.enable(t.blocks, 2)
+    kinds = {v.dtype for layers in swap.host.values() for tensors in layers.values() for v in tensors.values()}
+    assert kinds == {torch.float8_e4m3fn, torch.float32}  # the float8 rows and their fp32 scales
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    out_ref, grads_ref = output_and_grads(ref, hidden, timestep, text)
+    out, grads = output_and_grads(t, hidden, timestep, text)
+    assert torch.equal(out, out_ref) and all(torch.equal(grads[k], grads_ref[k]) for k in grads)
+
+
+# ---- the configuration --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,message", [
+    (["model.blocks_to_swap=4", "model.compile=true"], "model.blocks_to_swap=4 with model.compile=true"),
+    (["model.blocks_to_swap=4", "parallel=fsdp", "trainer.precision=bf16-mixed"],
+     "model.blocks_to_swap=4 with parallel=fsdp"),
+    (["model.blocks_to_swap=4", "model.fp8=true", "trainer.precision=bf16-mixed"],
+     "model.blocks_to_swap=4 with model.fp8=true"),
+    (["model.fp8_storage=true", "model.fp8=true", "trainer.precision=bf16-mixed"],
+     "model.fp8_storage=true with model.fp8=true"),
+    (["model.blocks_to_swap=-1"], "model.blocks_to_swap=-1: must be >= 0"),
+], ids=["compile", "fsdp", "fp8-compute", "fp8-both", "negative"])
+def test_combinations_refused_in_one_line(overrides, message):
+    cfg = compose_cfg(["experiment=demo", *overrides])
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_more_blocks_than_the_model_has_is_refused():
+    spec = SimpleNamespace(fp8_storage=False, blocks_to_swap=3)
+    with pytest.raises(ConfigError, match=r"model.blocks_to_swap=3: the dense transformer has 2 blocks; set "
+                                          r"model.blocks_to_swap to at most 2"):
+        blockswap.low_vram(tiny_transformer(), spec, "dense")
+
+
+A14B = dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40, text_dim=4096,
+            freq_dim=256, in_channels=36, out_channels=16, patch_size=[1, 2, 2])
+
+
+def a14b_spec():
+    return SimpleNamespace(trained_experts=lambda boundary: ["high"], transformer_config=lambda e: dict(A14B),
+                           vae_stride=(4, 8, 8), patch=(1, 2, 2), dtype=torch.bfloat16)
+
+
+def fit_cfg(*overrides):
+    return compose_cfg(["model=i2v14b", "boundary=high", "model.memory_budget_gib=28", "data.num_frames=81",
+                        "data.batch_size=1", "data.buckets=null", "data.token_budget=null", *overrides])
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_options():
+    spec = a14b_spec()
+    # 480x832x81 on a 28 GiB budget: the bf16 expert alone is ~26.6 GiB
+    with pytest.raises(ConfigError) as e:
+        blockswap.check_fit(fit_cfg("data.height=480", "data.width=832"), spec)
+    line = str(e.value)
+    assert line.startswith("model.memory_budget_gib=28: this run needs at least") and "\n" not in line
+    n = int(line.split("model.blocks_to_swap=")[1].split()[0])
+    assert 0 < n < 40 and "parallel.sp_size=2" in line and "parallel=fsdp" in line
+    blockswap.check_fit(fit_cfg("data.height=480", "data.width=832", f"model.blocks_to_swap={n}"), spec)
+    blockswap.check_fit(fit_cfg("data.height=480", "data.width=832", "model.memory_budget_gib=null"), spec)
+    # 720x1280x81: the activations alone exceed the budget, block swap cannot make room
+    with pytest.raises(ConfigError) as e:
+        blockswap.check_fit(fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=40"), spec)
+    assert "blocks_to_swap=" not in str(e.value).split("; set ")[1] and "parallel.sp_size=2" in str(e.value)
+
+
+def test_a_run_with_block_swap_and_fp8_storage_trains_and_exports(shared_dir, tmp_path, capsys):
+    """Through wanexp.train.run in process: Lightning moves the module, the swapped weights stay on the host."""
+    from safetensors.torch import load_file
+
+    from tests.integration.conftest import tiny_run
+
+    out = tmp_path / "run"
+    result = tiny_run(shared_dir, out, ["data.use_cache=false", "trainer.max_steps=2", "model.blocks_to_swap=1",
+                                        "model.fp8_storage=true", "model.gradient_checkpointing=true",
+                                        "callbacks.validation.every_n_steps=0"])
+    printed = capsys.readouterr().out
+    assert "frozen linears of the dense transformer stored in FP8" in printed
+    assert "model.blocks_to_swap=1: the frozen weights of 1 of 2 blocks" in printed
+    swap = result["module"].transformers["dense"]._wanexp_blockswap
+    assert swap.indices == [1] and swap.copies >= 1
+    assert {v.dtype for v in swap.host[1]["ffn.net.2.base_layer"].values()} == {torch.float8_e4m3fn, torch.float32}
+    lora = load_file(str(out / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
+    assert lora and all(torch.isfinite(v).all() for v in lora.values())

@@ -1,0 +1,329 @@
+"""Block swap (``model.blocks_to_swap=N``): the frozen linear weights of N transformer blocks live in pinned host
+memory and are copied to the compute device just before the block runs, then dropped.
+
+Generic over a list of blocks (``nn.ModuleList``): :func:`enable` replaces each frozen linear of the swapped blocks (a
+plain ``nn.Linear``, a LoRA layer's base layer, or a ``StoredFP8Linear`` of ``model.fp8_storage``: its float8 bytes
+and scales are what moves) by a :class:`SwappedLinear` that holds no weight. The weight bytes sit in a
+:class:`BlockSwap` outside the module tree, so ``module.to(cuda)`` (Lightning, DDP) moves the biases, norms, LoRA
+parameters and the other blocks, and leaves them on the host. LoRA parameters and their optimizer state stay on
+the GPU.
+
+Each use fetches the block's weights from the host copy: the forward, the forward that activation checkpointing
+repeats in the backward, and the backward itself (the input's gradient needs the weight; :class:`_SwappedLinearFn`
+keeps only a handle between forward and backward, never the weight). At most ``keep`` (2) swapped blocks are on the
+device at once: the one computing and the next one, copied ahead on a side CUDA stream (a block's forward pre-hook
+starts the copy of the next swapped block in the pass's direction: forward, or backward while autograd runs),
+ordered by events: the copy waits for the compute stream's work so far (the memory it writes may have been a dropped
+block's), the compute stream waits for the copy before the block's first use. The swapped blocks are spread evenly
+over the list, so each copy overlaps the compute of the resident blocks before it.
+
+On the CPU the same code runs with plain copies (no stream, no pinning): tests compare against no swap bitwise and
+count the copies. ``torch.compile`` of the blocks is refused with block swap (the fetch is Python inside the block).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wanexp.models.fp8 import StoredFP8Linear, linear_input_grad
+
+
+def swapped_indices(num_blocks: int, n: int) -> list[int]:
+    """``n`` block positions spread evenly over ``num_blocks`` (the last block included when n > 0)."""
+    n = max(0, min(n, num_blocks))
+    return sorted({num_blocks - 1 - (k * num_blocks) // n for k in range(n)}) if n else []
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running (a checkpointed block's recompute, or a backward formula)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class BlockSwap:
+    """The host copies of the swapped blocks' weights and the device copies now resident (see the module doc)."""
+
+    def __init__(self, keep: int = 2):
+        self.host: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # block -> layer -> tensor name -> host tensor
+        self.resident: OrderedDict[int, list] = OrderedDict()  # block -> [layer -> name -> device tensor, event]
+        self.keep = keep
+        self.copies = 0  # block copies host -> device made so far (tests count them)
+        self.host_bytes = 0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def indices(self) -> list[int]:
+        return sorted(self.host)
+
+    def add(self, block: int, layer: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep ``tensors`` (a layer's stored weight) on the host, pinned when CUDA is there (asynchronous copies)."""
+        pin = torch.cuda.is_available()
+        host = {k: (v.detach().cpu().pin_memory() if pin else v.detach().cpu().clone()) for k, v in tensors.items()}
+        self.host.setdefault(block, {})[layer] = host
+        self.host_bytes += sum(v.numel() * v.element_size() for v in host.values())
+
+    # ---- device copies ----------------------------------------------------------------------------------------
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _load(self, block: int, device: torch.device, protect: tuple[int, ...]) -> None:
+        """Start copying ``block`` to ``device``; drop the least recently used blocks beyond ``keep``."""
+        side = self._side_stream(device)
+        if side is not None:  # the destination is allocated on the compute stream: write it after that stream's work
+            side.wait_stream(torch.cuda.current_stream(device))
+        copies = {}
+        for layer, tensors in self.host[block].items():
+            copies[layer] = {}
+            for name, h in tensors.items():
+                dst = torch.empty_like(h, device=device)
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    dst.copy_(h, non_blocking=side is not None)
+                copies[layer][name] = dst
+        event = None
+        if side is not None:
+            event = torch.cuda.Event()
+            event.record(side)
+        self.copies += 1
+        self.resident[block] = [copies, event]
+        self._evict(device, protect=(*protect, block))
+
+    def _evict(self, device: torch.device, protect: tuple[int, ...]) -> None:
+        for block in list(self.resident):
+            if len(self.resident) <= self.keep:
+                return
+            if block in protect:
+                continue
+            _, event = self.resident.pop(block)
+            if event is not None:  # a copy still in flight writes memory the compute stream may reuse
+                torch.cuda.current_stream(device).wait_event(event)
+
+    def prefetch(self, block: int, device: torch.device, protect: tuple[int, ...] = ()) -> None:
+        if block in self.host and block not in self.resident:
+            self._load(block, device, protect)
+
+    def acquire(self, block: int, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+        """The block's weights on ``device``, ready for the compute stream; the next swapped block in this pass's
+        direction starts copying."""
+        if block not in self.resident:
+            self._load(block, device, protect=())
+        self.resident.move_to_end(block)
+        entry = self.resident[block]
+        if entry[1] is not None:
+            torch.cuda.current_stream(device).wait_event(entry[1])
+            entry[1] = None
+        nxt = self.next_swapped(block, backward=in_backward(), include=False)
+        if nxt is not None:
+            self.prefetch(nxt, device, protect=(block,))
+        return entry[0]
+
+    def next_swapped(self, position: int, backward: bool, include: bool) -> int | None:
+        """The first swapped block from ``position`` in the pass's direction (``include``: position itself counts)."""
+        ahead = [i for i in self.indices if (i <= position if backward else i >= position)]
+        if not include:
+            ahead = [i for i in ahead if i != position]
+        if not ahead:
+            return None
+        return max(ahead) if backward else min(ahead)
+
+    def release_all(self) -> None:
+        """Drop every device copy (after a pass that will not come back, e.g. validation sampling)."""
+        for block in list(self.resident):
+            _, event = self.resident.pop(block)
+            if event is not None:
+                event.synchronize()
+
+
+class _SwappedLinearFn(torch.autograd.Function):
+    """``F.linear`` whose weight is fetched through a :class:`SwappedLinear` in the forward and fetched again in the
+    backward; only the handle is kept in between."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer):
+        out = F.linear(x, layer.fetch(x.device), bias)  # autocast applies as to nn.Linear
+        ctx.layer, ctx.x_dtype = layer, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return linear_input_grad(grad_out, ctx.layer.fetch(grad_out.device), ctx.x_dtype), None, None
+
+
+class SwappedLinear(nn.Module):
+    """A frozen linear whose stored weight lives in a :class:`BlockSwap` (host memory) and is fetched at each use.
+    Its bias (small) stays a buffer that moves with the module."""
+
+    def __init__(self, layer: nn.Module, swap: BlockSwap, block: int, key: str):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        if isinstance(layer, StoredFP8Linear):
+            stored, self._weight_from = layer.stored_tensors(), layer.weight_from
+        else:
+            stored, self._weight_from = {"weight": layer.weight}, (lambda t: t["weight"])
+        swap.add(block, key, stored)
+        self._swap, self._block, self._key = swap, block, key  # plain attributes: module.to() leaves them alone
+        bias = layer.bias.detach().clone() if layer.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("_where", torch.empty(0, dtype=torch.int8), persistent=False)  # the module's device
+
+    def fetch(self, device: torch.device) -> torch.Tensor:
+        return self._weight_from(self._swap.acquire(self._block, device)[self._key])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight, fetched to this module's device, for code that reads ``.weight``."""
+        return self.fetch(self._where.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SwappedLinearFn.apply(x, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block {self._block} swapped"
+
+
+def _frozen_linear(module: nn.Module) -> bool:
+    if isinstance(module, StoredFP8Linear):
+        return True
+    return type(module) is nn.Linear and not module.weight.requires_grad
+
+
+def enable(blocks: nn.ModuleList, n: int, keep: int = 2) -> BlockSwap:
+    """Swap ``n`` of ``blocks`` (spread evenly): their frozen linears become :class:`SwappedLinear` whose weights are
+    held by the returned :class:`BlockSwap`; trainable parameters (LoRA) are untouched. Call before the module moves
+    to the GPU (the weights go to the host from where they are)."""
+    swap = BlockSwap(keep=keep)
+    for i in swapped_indices(len(blocks), n):
+        block = blocks[i]
+        for parent_name, parent in list(block.named_modules()):
+            for name, child in list(parent.named_children()):
+                if _frozen_linear(child):
+                    key = f"{parent_name}.{name}" if parent_name else name
+                    setattr(parent, name, SwappedLinear(child, swap, i, key))
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(_prefetch_hook(swap, i))
+    return swap
+
+
+def _prefetch_hook(swap: BlockSwap, position: int):
+    """Before block ``position`` runs: start copying the next swapped block of this pass (itself if swapped)."""
+    def hook(module, args):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None:
+            return
+        nxt = swap.next_swapped(position, backward=in_backward(), include=True)
+        if nxt is not None:
+            swap.prefetch(nxt, device, protect=tuple(swap.resident)[-1:])
+    return hook
+
+
+def resident_bytes(blocks: nn.ModuleList, swap: BlockSwap | None) -> int:
+    """Bytes of the blocks' parameters and buffers kept on the device (the swapped weights: ``keep`` blocks)."""
+    own = sum(t.numel() * t.element_size() for t in [*blocks.parameters(), *blocks.buffers()])
+    if swap is None or not swap.host:
+        return own
+    per_block = swap.host_bytes / len(swap.host)
+    return own + int(min(swap.keep, len(swap.host)) * per_block)
+
+
+# ---- wiring and the fit check -------------------------------------------------------------------------------------
+def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) -> BlockSwap | None:
+    """``model.fp8_storage`` then ``model.blocks_to_swap`` on a loaded transformer (adapters added, still on the host)."""
+    from wanexp.errors import ConfigError
+    from wanexp.models import fp8
+
+    if getattr(spec, "fp8_storage", False):
+        n = fp8.store_blocks(transformer)
+        if verbose:
+            print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8", flush=True)
+    n, layers = int(getattr(spec, "blocks_to_swap", 0) or 0), len(transformer.blocks)
+    if not n:
+        return None
+    if n > layers:
+        raise ConfigError(f"model.blocks_to_swap={n}: the {expert} transformer has {layers} blocks; set "
+                          f"model.blocks_to_swap to at most {layers}")
+    swap = enable(transformer.blocks, n)
+    transformer._wanexp_blockswap = swap
+    if verbose:
+        pinned = "pinned host memory" if torch.cuda.is_available() else "host memory"
+        print(f"wanexp: model.blocks_to_swap={n}: the frozen weights of {n} of {layers} blocks of the {expert} "
+              f"transformer in {pinned} ({swap.host_bytes / 2**30:.1f} GiB), at most {swap.keep} on the GPU at once",
+              flush=True)
+    return swap
+
+
+def _tokens(data, spec, sp_size: int) -> int:
+    """The most DiT tokens one device's batch holds under the data settings (a sequence-parallel rank: its share)."""
+    shapes = [list(b) for b in data.buckets] if data.get("buckets") else [[data.height, data.width]]
+    ft, fh, fw = spec.vae_stride
+    pt, ph, pw = spec.patch
+    frames = ((int(data.num_frames) - 1) // ft + 1) // pt
+    per_sample = max(frames * (int(h) // (fh * ph)) * (int(w) // (fw * pw)) for h, w in shapes)
+    tokens = int(data.token_budget) if data.get("token_budget") else per_sample * int(data.batch_size)
+    return max(tokens, per_sample) // max(1, sp_size)
+
+
+def base_gib(config: dict, weight_bytes: float, other_bytes: float, resident_blocks: int) -> float:
+    """GiB of a WanTransformer3DModel's weights on the device: ``resident_blocks`` blocks' linears at
+    ``weight_bytes`` per element, the embeddings and output projection at ``other_bytes``."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    per_block = 8 * d * d + 2 * d * config["ffn_dim"]  # self- and cross-attention q,k,v,o; the FFN's two linears
+    patch = 1
+    for p in config["patch_size"]:
+        patch *= p
+    other = (config["text_dim"] * d + d * d + config["freq_dim"] * d + d * d + 6 * d * d
+             + (config["in_channels"] + config["out_channels"]) * patch * d)
+    return (resident_blocks * per_block * weight_bytes + other * other_bytes) / 2**30
+
+
+def check_fit(cfg, spec) -> None:
+    """With ``model.memory_budget_gib`` set, refuse a run whose weights on one device plus the least activation
+    memory it can have (every block checkpointed) exceed the budget, naming what would make room. Reads the
+    transformers' config.json only; nothing loads."""
+    from types import SimpleNamespace
+
+    from wanexp.errors import ConfigError
+    from wanexp.models.wan22.fast import block_activation_gib
+
+    m = cfg.model
+    budget = m.get("memory_budget_gib")
+    if budget is None:
+        return
+    sp = int(cfg.parallel.get("sp_size", 1) or 1)
+    shards = 1
+    if cfg.parallel.name in ("fsdp", "deepspeed") and isinstance(cfg.trainer.devices, int):
+        shards = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    tokens = _tokens(cfg.data, spec, sp)
+    dtype_bytes = spec.dtype.itemsize
+    weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else dtype_bytes
+    configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
+    layers = max(int(c["num_layers"]) for c in configs)
+
+    def weights(n: int) -> float:
+        """GiB of weights per device with n blocks swapped (at most 2 of them on the device at once)."""
+        return sum(base_gib(c, weight_bytes, dtype_bytes, c["num_layers"] - min(n, c["num_layers"]) + min(2, n))
+                   for c in configs) / shards
+
+    act = 0.0
+    for c in configs:  # every block keeps its bf16 input; one block's backward recomputes it, ~half more (fast.py)
+        d = c["num_attention_heads"] * c["attention_head_dim"]
+        act = max(act, c["num_layers"] * tokens * d * 2 / 2**30
+                  + 1.5 * block_activation_gib(SimpleNamespace(**c), tokens))
+    n_swap = int(m.get("blocks_to_swap") or 0)
+    base = weights(n_swap)
+    if base + act <= budget:
+        return
+    fits = [n for n in range(n_swap + 1, layers + 1) if weights(n) + act <= budget]
+    options = [f"model.blocks_to_swap={fits[0]} (frozen weights in host memory)"] if fits else []
+    options += [f"parallel.sp_size={2 * sp} (sequence parallel: each GPU holds a share of the tokens)",
+                "parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
+    raise ConfigError(f"model.memory_budget_gib={budget:g}: this run needs at least {base + act:.1f} GiB per GPU "
+                      f"({base:.1f} GiB of weights, {act:.1f} GiB of activations at {tokens} tokens with every block "
+                      f"checkpointed); set " + ", or ".join(options))
