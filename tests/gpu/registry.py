@@ -1017,14 +1017,19 @@ def plan_data(ctx: Ctx) -> list[str]:
             f"paths.output_dir={ctx.run_dir(PLAN)}", f"trainer.max_steps={PLAN_STEPS}", "trainer.devices=1"]
 
 
+def plan_json(ctx: Ctx) -> Path:
+    return ctx.work / PLAN / "plan.json"  # kept with the work (a later device call runs the train phase)
+
+
 def plan_metrics(ctx: Ctx, phases: dict) -> dict:
     """The plan's ETA and peak against the run's wall time (the train phase's seconds) and peak (status.json)."""
-    planned = _json(ctx.out / PLAN / "plan.json")
+    planned = _json(plan_json(ctx))
     run = run_metrics(ctx.run_dir(PLAN))
     eta = (planned.get("eta") or {}).get("total_s")
     peak = (planned.get("memory") or {}).get("peak_gib")
     wall = (phases.get("train") or {}).get("seconds")
-    return {**run, "planned_steps": (planned.get("data") or {}).get("total_steps"), "planned_eta_s": eta,
+    return {**run, "plan": str(plan_json(ctx)), "planned_steps": (planned.get("data") or {}).get("total_steps"),
+            "planned_eta_s": eta,
             "planned_peak_gib": peak, "train_wall_s": wall,
             "eta_error": abs(eta - wall) / wall if eta and wall else None,
             "peak_error": abs(peak - run["peak_mem_gib"]) / run["peak_mem_gib"]
@@ -1040,7 +1045,7 @@ PLAN_JOB = Case(
     phases=(BUILD,
             Phase("cache", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *plan_data(ctx)], minutes=4),
             Phase("plan", lambda ctx: [ctx.python, "-m", "wanexp.cli.plan", *plan_data(ctx), "--budget-gib",
-                                       str(CAP_GIB), "--json", str(ctx.out / PLAN / "plan.json")], minutes=4,
+                                       str(CAP_GIB), "--json", str(plan_json(ctx))], minutes=4,
                   env={"CUDA_VISIBLE_DEVICES": "0"}),
             Phase("train", lambda ctx: [ctx.python, "train.py", *plan_data(ctx), "overwrite=true"], minutes=7,
                   env={"CUDA_VISIBLE_DEVICES": "0"}, fresh=lambda ctx: [ctx.run_dir(PLAN)])),

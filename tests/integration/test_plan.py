@@ -1,0 +1,129 @@
+"""wanexp-plan on the demo (CPU): its steps are the run's, its ETA is near the run's wall time, a bad override is one
+line and writes nothing, and a plan that does not fit exits 2 with one line per problem."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+from omegaconf import open_dict
+
+from tests.conftest import compose_cfg
+from tests.integration.conftest import tiny_run
+from wanexp.cli import plan
+
+# two buckets (9-frame clips, 1-frame images), an epoch of a repeated set with accumulation, validation on
+EXTRA = ["trainer.max_steps=-1", "trainer.max_epochs=1", "trainer.accumulate_grad_batches=2",
+         "data.dataset_repeat=2", "callbacks.validation.every_n_steps=4", "callbacks.validation.steps=1",
+         "callbacks.validation.prompts=[a red fox]", "callbacks.validation.at_start=false",
+         "callbacks.validation.first_frame=false"]
+
+
+def _overrides(shared_dir, out, extra):
+    """tiny_run's overrides (tests/integration/conftest.py), for the plan of the same run."""
+    return ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+            f"paths.output_dir={out}", "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=2",
+            "trainer.log_every_n_steps=1", "callbacks.progress=null", "adapter.rank=4", "adapter.alpha=2",
+            "optim.lr=1e-2", "optim.warmup_steps=0", *extra]
+
+
+@pytest.fixture(scope="module")
+def cached(shared_dir, tmp_path_factory):
+    """The demo's cache (clips, captions, validation prompts), filled once: the plan and the run read it."""
+    from wanexp.cli.cache import build_cache
+
+    folder = tmp_path_factory.mktemp("plan_cache")
+    extra = [*EXTRA, f"paths.cache_dir={folder}"]
+    build_cache(compose_cfg(_overrides(shared_dir, tmp_path_factory.mktemp("c") / "run", extra)))
+    return extra
+
+
+def test_planned_steps_and_eta_match_the_run(shared_dir, tmp_path, cached, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the calibration's folder goes here, and goes away
+    before = set(tmp_path.iterdir())
+    cfg = compose_cfg(_overrides(shared_dir, tmp_path / "run", cached))
+    p = plan.make_plan(cfg, {**plan.split_options([])[0], "calibrate": True})
+    assert set(tmp_path.iterdir()) == before and not (tmp_path / "run").exists()  # nothing left, no run folder
+    d = p["data"]
+    # 8 clips x 2 repeats in batches of 2 = 8, 2 images x 2 = 2: 10 batches, 5 steps of 2
+    assert {k: b["batches_per_epoch"] for k, b in d["buckets"].items()} == {"1x64x64": 2, "9x64x64": 8}
+    assert (d["batches_per_epoch"], d["steps_per_epoch"], d["total_steps"]) == (10, 5, 5)
+    assert p["calibration"]["oom"] is None and set(p["eta"]["buckets"]) == {"1x64x64", "9x64x64"}
+    assert p["eta"]["validation_calls"] == 2 and p["eta"]["validation_call_s"] > 0  # steps 4 and 5
+    assert p["eta"]["checkpoints"] == 3 and p["problems"] == []  # steps 2, 4 and 5
+    assert p["cache"]["missing_latents"] == 0 and p["cache"]["missing_texts"] == 0
+
+    t0 = time.perf_counter()
+    result = tiny_run(shared_dir, tmp_path / "run", cached)
+    wall = time.perf_counter() - t0
+    assert result["global_step"] == d["total_steps"]  # the run's own count
+    # in process: the run pays no interpreter start-up or first imports, which the plan counts for python train.py
+    planned = p["eta"]["total_s"] - p["eta"]["parts"]["imports_s"]
+    assert 0.5 * wall <= planned <= 1.5 * wall, (planned, wall, p["eta"]["parts"])
+
+
+def test_world_size_two_counts_what_each_rank_loads(shared_dir, tmp_path, cached):
+    """For 2 processes, without starting them: each rank's loader (the run's, for that rank) yields the planned
+    batches, disjoint samples of one bucket each."""
+    from wanexp.train import build
+
+    cfg = compose_cfg(_overrides(shared_dir, tmp_path / "run", cached))
+    with open_dict(cfg):
+        cfg.data.rejects = str(tmp_path / "rejects.jsonl")
+    spec = build(cfg.model)
+    dm = plan.datamodule(cfg, spec)
+    dm.setup("fit")
+    d = plan.data_plan(cfg, dm, 2)
+    # per rank: 16 clips // (2 ranks x 2) = 4 batches, 4 images // 4 = 1: 5 batches, ceil(5 / 2) = 3 steps
+    assert (d["batches_per_epoch"], d["steps_per_epoch"], d["total_steps"], d["effective_batch"]) == (5, 3, 3, 8)
+    seen = []
+    for r in (0, 1):
+        dm.trainer = plan.counting_trainer(2, 1, 2, -1, 1)
+        dm.trainer.global_rank = r
+        batches = list(dm.train_dataloader().batch_sampler)
+        dm.trainer = None
+        assert len(batches) == d["batches_per_epoch"]
+        assert all(len({dm.dataset.shapes[i] for i in b}) == 1 for b in batches)
+        seen.append({i for b in batches for i in b})
+    assert not seen[0] & seen[1]
+
+
+def _main(monkeypatch, capsys, args):
+    from wanexp.cli.plan import main
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
+    monkeypatch.setattr(sys, "argv", ["wanexp-plan", *args])
+    capsys.readouterr()
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_bad_input_is_one_line_and_writes_nothing(shared_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    common = ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+              f"paths.output_dir={tmp_path}/run", f"paths.root_dir={tmp_path}", "--json", f"{tmp_path}/p.json"]
+    for args, needle in ((["trainer.devices=abc"], "trainer.devices=abc: must be auto, a device count"),
+                         (["--budget-gib", "lots"], "--budget-gib='lots': must be a number"),
+                         (["model=nope"], "model")):
+        code, _, err = _main(monkeypatch, capsys, [*common, *args])
+        assert code == 2 and len(err) == 1 and err[0].startswith("wanexp: error: ") and needle in err[0], err
+        assert sorted(p.name for p in tmp_path.iterdir()) == [], args
+
+
+def test_a_plan_that_does_not_fit_exits_2_with_one_line_per_problem(shared_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("wanexp.disk.free_bytes", lambda path: 1)
+    out = tmp_path / "p.json"
+    code, stdout, err = _main(monkeypatch, capsys, [
+        "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+        f"paths.output_dir={tmp_path}/run", "--no-calibrate", "--json", str(out)])
+    assert code == 2 and len(err) == 1 and err[0].startswith("wanexp: error: disk ") and "1 B free" in err[0], err
+    assert f"plan written to {out}" in stdout and "total 30 steps" in stdout
+    p = json.loads(out.read_text())
+    assert p["calibration"] is None and p["data"]["total_steps"] == 30 and len(p["problems"]) == 1

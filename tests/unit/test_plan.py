@@ -1,0 +1,143 @@
+"""wanexp-plan's pieces: the bandwidth formula and the all-reduce share, its options, the calibration's subset and
+timing rows, the ETA's sum and the fit check."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from wanexp.cli import plan, plan_calibrate, plan_comm
+from wanexp.errors import ConfigError
+
+
+def test_bus_bandwidth_is_nccl_tests_formula_and_its_inverse():
+    algbw, busbw = plan_comm.bus_bandwidth(8 << 20, 0.004, 4)
+    assert algbw == pytest.approx((8 << 20) / 0.004)
+    assert busbw == pytest.approx(algbw * 2 * 3 / 4)  # busbw = algbw * 2(n-1)/n
+    assert plan_comm.allreduce_seconds(8 << 20, busbw, 4) == pytest.approx(0.004)
+    assert plan_comm.bus_bandwidth(100, 1.0, 2)[1] == pytest.approx(100)  # n=2: bus = algorithm bandwidth
+    assert plan_comm.allreduce_seconds(1 << 30, 1e9, 1) == 0.0  # one process: nothing to reduce
+
+
+def test_allreduce_share_of_a_step():
+    # 100 MB at a 50 GB/s bus over 2 ranks: 100e6 * 2 * 1/2 / 50e9 = 2 ms
+    t = plan_comm.allreduce_seconds(100_000_000, 50e9, 2)
+    assert t == pytest.approx(0.002)
+    assert plan_comm.allreduce_share(100_000_000, 50e9, 2, 0.100) == pytest.approx(0.02)  # measured with it
+    assert plan_comm.allreduce_share(100_000_000, 50e9, 2, 0.098, measured_with_it=False) == pytest.approx(0.02)
+
+
+def test_allreduce_measurement_runs_on_a_gloo_group(tmp_path):
+    """The measuring loop on a one-process gloo group (two spawned processes take ~25 s of imports here, so the
+    several-process path is the GPU's; the formula is checked above)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        rows = plan_comm.measure(sizes=(1 << 16, 1 << 20), iters=2, warmup=1)
+    finally:
+        dist.destroy_process_group()
+    assert [r["bytes"] for r in rows] == [1 << 16, 1 << 20]
+    for r in rows:
+        assert r["seconds"] > 0 and r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
+        assert r["busbw"] == 0.0  # one rank: nothing crosses a link
+
+
+def test_advice_when_the_allreduce_is_a_large_share():
+    assert plan_comm.advice(0.01, {"used": True}) == []
+    tips = plan_comm.advice(0.3, {"used": True, "driver_allows": True, "env": {}})
+    assert any("NCCL_P2P_DISABLE=1" in t for t in tips)
+    tips = plan_comm.advice(0.3, {"used": False, "driver_allows": True, "env": {"NCCL_P2P_DISABLE": "1"}})
+    assert "peer-to-peer is off" in tips[0]
+
+
+def test_options_are_split_from_the_overrides():
+    opts, rest = plan.split_options(["--no-calibrate", "--budget-gib", "28", "model=tiny", "--json=/x.json",
+                                     "--steps-per-bucket=2", "trainer.max_steps=5"])
+    assert rest == ["model=tiny", "trainer.max_steps=5"]
+    assert opts["calibrate"] is False and opts["budget_gib"] == 28.0 and opts["json"] == "/x.json"
+    assert opts["steps_per_bucket"] == 2
+    with pytest.raises(ConfigError, match="--budget-gib='abc': must be a number"):
+        plan.split_options(["--budget-gib", "abc"])
+    with pytest.raises(ConfigError, match="--steps-per-bucket=0: must be above 0"):
+        plan.split_options(["--steps-per-bucket=0"])
+
+
+def test_world_size_from_the_launcher_and_the_devices():
+    cfg = OmegaConf.create({"trainer": {"devices": 4, "num_nodes": 2, "accelerator": "gpu"}})
+    assert plan.world_of(cfg, None, environ={}) == 8
+    assert plan.world_of(cfg, 3, environ={}) == 3
+    assert plan.world_of(cfg, None, environ={"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "16"}) == 16
+    cfg.trainer.devices = "0,1"
+    assert plan.world_of(cfg, None, environ={}) == 4
+
+
+def test_lightning_epoch_limit():
+    assert plan.lightning_epochs(None, -1) == 1000 and plan.lightning_epochs(None, 50) == -1
+    assert plan.lightning_epochs(3, -1) == 3
+
+
+def test_batches_run_over_whole_and_partial_epochs():
+    data = {"batches_per_epoch": 5, "steps_per_epoch": 3, "accumulate_grad_batches": 2, "total_steps": 7}
+    assert plan.batches_run(data) == 2 * 5 + 2  # two epochs, then one step of two batches
+    data["total_steps"] = 6
+    assert plan.batches_run(data) == 10
+
+
+def test_subset_takes_whole_batches_of_every_bucket_and_a_files_windows_together():
+    shapes = [(9, 64, 64)] * 7 + [(1, 64, 64)] * 3
+    keys = ["a", "a", "b", "c", "d", "e", "f", "i", "j", "k"]  # "a" has two windows
+    per_batch = {(9, 64, 64): 2, (1, 64, 64): 2}
+    chosen, batches = plan_calibrate.choose_subset(shapes, keys, per_batch, needed_batches=2)
+    assert batches == {(9, 64, 64): 2, (1, 64, 64): 1}  # the images give one whole batch only
+    assert chosen == [0, 1, 2, 3, 7, 8]
+    _, batches = plan_calibrate.choose_subset(shapes, keys, {(9, 64, 64): 8, (1, 64, 64): 2}, 3)
+    assert (9, 64, 64) not in batches  # fewer samples than one batch: the run never trains that bucket either
+
+
+def test_bucket_times_first_steady_and_peak():
+    rows = [{"shape": [9, 64, 64], "start": 0.0, "next": 3.0, "end": 2.9, "peak_gib": 5.0},
+            {"shape": [1, 64, 64], "start": 3.0, "next": 3.5, "end": 3.4, "peak_gib": 2.0},
+            {"shape": [9, 64, 64], "start": 3.5, "next": 4.5, "end": 4.4, "peak_gib": 5.5},
+            {"shape": [9, 64, 64], "start": 4.5, "next": None, "end": 5.7, "peak_gib": 5.2}]
+    t = plan_calibrate.bucket_times(rows)
+    assert t["9x64x64"]["first_s"] == 3.0 and t["9x64x64"]["steady_s"] == pytest.approx(1.1)  # median of 1.0, 1.2
+    assert t["9x64x64"]["peak_gib"] == 5.5 and t["9x64x64"]["batches"] == 3
+    assert t["1x64x64"] == {"batches": 1, "first_s": 0.5, "steady_s": 0.5, "peak_gib": 2.0}
+
+
+def _cfg(every_val=100, at_start=True, every_ckpt=250):
+    return OmegaConf.create({"callbacks": {"validation": {"every_n_steps": every_val, "at_start": at_start},
+                                           "checkpoint": {"every_n_train_steps": every_ckpt}}})
+
+
+def test_eta_adds_training_validation_checkpoints_and_start_up():
+    data = {"total_steps": 500, "batches_per_epoch": 300, "steps_per_epoch": 300, "accumulate_grad_batches": 1,
+            "buckets": {"17x704x1280": {"batches_per_epoch": 200}, "1x704x1280": {"batches_per_epoch": 100}}}
+    rows = [{"shape": [17, 704, 1280], "start": 0.0, "next": 10.0},
+            {"shape": [17, 704, 1280], "start": 10.0, "next": 10.4},
+            {"shape": [1, 704, 1280], "start": 10.4, "next": 12.4},
+            {"shape": [1, 704, 1280], "start": 12.4, "next": 12.5}]
+    calib = {"rows": rows, "setup_s": 20.0, "end_s": 35.0, "validation_s": 30.0, "teardown_s": 1.0}
+    e = plan.eta(data, calib, _cfg(), {"imports_s": 8.0, "data_s": 2.0})
+    mean = (0.4 * 200 + 0.1 * 100) / 300
+    assert e["mean_batch_s"] == pytest.approx(mean)
+    assert e["parts"]["train_s"] == pytest.approx(500 * mean + 9.6 + 1.9)  # + each bucket's first batch once
+    assert e["validation_calls"] == 1 + 5 and e["parts"]["validation_s"] == pytest.approx(6 * 30.0)
+    assert e["checkpoints"] == 2 and e["parts"]["checkpoint_s"] == pytest.approx(2 * 5.0)  # steps 250, 500
+    assert (e["parts"]["imports_s"], e["parts"]["data_s"], e["parts"]["weights_s"]) == (8.0, 2.0, 20.0)
+    assert e["total_s"] == pytest.approx(sum(e["parts"].values()))
+    e = plan.eta(data, calib, _cfg(every_val=0, at_start=False), {"imports_s": 0, "data_s": 0})
+    assert e["validation_calls"] == 0 and e["parts"]["validation_s"] == 0
+
+
+def test_a_bucket_above_the_budget_is_named_with_the_options():
+    e = {"buckets": {"17x704x1280": {"peak_gib": 30.2}, "1x704x1280": {"peak_gib": 12.0}}}
+    problems = plan.fit_problems({"end_peak_gib": 20.0}, e, card_gib=79.1, budget=28.0)
+    assert len(problems) == 1 and problems[0].startswith("bucket 17x704x1280 peaks at 30.2 GiB, above --budget-gib")
+    assert "model.blocks_to_swap" in problems[0] and "sp_size=2" in problems[0] and "parallel=fsdp" in problems[0]
+    oom = plan.fit_problems({"oom": "CUDA out of memory", "failed": {"shape": [81, 720, 1280],
+                                                                     "error": "OutOfMemoryError"}}, {}, 79.1, None)
+    assert oom[0].startswith("bucket 81x720x1280 runs out of GPU memory")
+    assert plan.fit_problems({"end_peak_gib": 20.0}, e, card_gib=79.1, budget=None) == []
