@@ -184,3 +184,28 @@ def test_a_run_with_block_swap_and_fp8_storage_trains_and_exports(shared_dir, tm
     assert {v.dtype for v in swap.host[1]["ffn.net.2.base_layer"].values()} == {torch.float8_e4m3fn, torch.float32}
     lora = load_file(str(out / "lora" / "final" / "tiny_lora_diffusers.safetensors"))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
+
+
+def test_validations_other_expert_streams_under_block_swap():
+    """A one-expert A14B run with block swap: validation's other expert is swapped the same way before it moves."""
+    from wanexp.callbacks.validation import _other_expert
+
+    spec = SimpleNamespace(load_transformer=lambda name: four_blocks(), blocks_to_swap=2, fp8_storage=False)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(), world_size=1, global_rank=0)
+    module = SimpleNamespace(spec=spec, parameters=lambda: iter(()), device=torch.device("cpu"))
+    t, held = _other_expert(trainer, module, "low")
+    assert t._wanexp_blockswap.indices == [1, 3]
+    assert len([m for m in t.blocks[1].modules() if isinstance(m, blockswap.SwappedLinear)]) == 10
+    assert held["bytes_here"] < sum(p.numel() * p.element_size() for p in four_blocks().parameters())
+
+
+def test_a_run_that_cannot_fit_writes_nothing(tiny_overrides, tmp_path):
+    """wanexp.train.run refuses before the run folder exists (the CLI prints this line and exits 2)."""
+    from wanexp.train import run
+
+    cfg = compose_cfg([*tiny_overrides, "model.gradient_checkpointing=true", "model.fast_modulation=true",
+                       "model.memory_budget_gib=0.0001"])
+    with pytest.raises(ConfigError, match=r"^model.memory_budget_gib=0.0001: this run needs at least .* per GPU .*; "
+                                          r"set .*parallel.sp_size=2 .*parallel=fsdp"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()

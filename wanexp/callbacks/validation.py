@@ -231,6 +231,10 @@ class Validation(Callback):
         frac = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         usable = usable * (frac(dev) if frac is not None else 1.0)
         need = spec.load_bytes(spec.experts, encoders=False)  # both experts' weight files
+        swap = getattr(spec, "blocks_to_swap", 0)
+        if swap:  # both experts stream all but their resident blocks (models/blockswap.py: 2 swapped ones at a time)
+            layers = int(spec.transformer_config(other[0])["num_layers"])
+            need = need * (layers - min(swap, layers) + min(2, swap)) / layers
         if need > 0.9 * usable:
             raise ConfigError(
                 f"validation videos of a boundary={pl_module.boundary_name} run need both A14B experts on rank 0 "
@@ -382,7 +386,12 @@ def _other_expert(trainer, pl_module, name: str):
     shard = getattr(trainer.strategy, "shard_transformer", None) if sharded else None
     ranks = trainer.world_size if shard is not None else 1
     if shard is None:
-        t = spec.load_transformer(name).to(pl_module.device)
+        t = spec.load_transformer(name)
+        if getattr(spec, "blocks_to_swap", 0):  # streamed like the trained expert, not loaded whole (models/blockswap)
+            from wanexp.models import blockswap
+
+            blockswap.low_vram(t, spec, name, verbose=trainer.global_rank == 0)
+        t = t.to(pl_module.device)
     else:
         loaded = []
 
