@@ -261,7 +261,7 @@ def build_pipeline(spec, transformers: dict, vae, text_encoder, tokenizer, sched
                   transformer_2=transformers["low"] if two else None,
                   boundary_ratio=spec.boundary_ratio if two else None,
                   expand_timesteps=bool(spec.pipeline_extras.get("expand_timesteps", False)))
-    cls = diffusers.WanImageToVideoPipeline if image else diffusers.WanPipeline
+    cls = getattr(diffusers, spec.image_pipeline_class if image else spec.pipeline_class)  # the family's
     if image:
         kwargs.update(image_processor=None, image_encoder=None)
     pipe = cls(**kwargs)

@@ -155,6 +155,7 @@ def toy_family(tmp_path, monkeypatch):
 def test_a_new_family_trains_and_exports_its_lora(toy_family, shared_dir, tmp_path):
     r = tiny_run(shared_dir, tmp_path / "run", [f"hydra.searchpath=[file://{toy_family}]", "model=toy",
                                                 f"paths.tiny_model_dir={tmp_path}/models", "trainer.max_steps=2",
+                                                "data.batch_size=1",
                                                 "data.num_frames=5", "data.height=32", "data.width=32"])
     module = r["module"]
     assert type(module.spec).__name__ == "ToySpec" and type(module.transformers["dense"]).__name__ == "ToyDiT"

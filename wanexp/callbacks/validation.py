@@ -237,7 +237,7 @@ class Validation(Callback):
             need = need * (layers - min(swap, layers) + min(2, swap)) / layers
         if need > 0.9 * usable:
             raise ConfigError(
-                f"validation videos of a boundary={pl_module.boundary_name} run need both A14B experts on rank 0 "
+                f"validation videos of a boundary={pl_module.boundary_name} run need both experts on rank 0 "
                 f"({need / 2**30:.1f} GiB of weights; this GPU has {usable / 2**30:.1f} GiB): set parallel=fsdp "
                 "(the other expert is sharded over the ranks), or callbacks.validation.prompts=[] (held-out loss "
                 "only), or callbacks.validation.every_n_steps=0")

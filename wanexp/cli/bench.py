@@ -357,7 +357,7 @@ def fp32_plan(args, device) -> str:
     numerics check (plain bf16 loop, fp32 function, each wanexp path) on the clip's first SHORT_LATENT_FRAMES latent
     frames, or ``"off"``. ``on`` is full; ``auto`` is full where the fp32 transformer (twice its bf16 files) takes at
     most 40 % of the GPU (TI2V-5B on an 80 GB card), short where at most 80 % (an A14B expert's 57 GB on an 80 GB
-    card: H100, 2026-11-26, its fp32 step with checkpointing ran at 7,800 tokens), else off. The error is per token:
+    card, where its fp32 step with checkpointing runs on a short clip), else off. The error is per token:
     a short clip measures the same function as a long one."""
     if args.fp32_floor != "auto":
         return {"on": "full", "short": "short", "off": "off"}[args.fp32_floor]

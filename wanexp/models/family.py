@@ -69,9 +69,11 @@ class ModelSpec:
     vae_class: str = ""
     text_encoder_class: str = ""
     tokenizer_class: str = "transformers.AutoTokenizer"
-    # Validation videos and cli/sample: the diffusers pipeline class and its extra arguments ("": none).
+    # Validation videos and cli/sample: the diffusers pipeline class, its extra arguments, and the pipeline of an
+    # image-to-video sample (a first frame given); "": none.
     pipeline_class: str = ""
     pipeline_extras: dict = {}
+    image_pipeline_class: str = ""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
     parallel=single    "auto" (Lightning picks the one device)
     parallel=ddp       ddp(...)                       -> lightning DDPStrategy
-    parallel=fsdp      fsdp.WanFSDPStrategy(...)      -> FSDP2 per WanTransformerBlock
+    parallel=fsdp      fsdp.WanFSDPStrategy(...)      -> FSDP2 per transformer block
     parallel=deepspeed deepspeed(...)                 -> zero.WanDeepSpeedStrategy (Lightning's DeepSpeedStrategy)
 """
 from __future__ import annotations

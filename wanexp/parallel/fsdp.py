@@ -1,9 +1,9 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for Wan DiTs through Lightning's ModelParallelStrategy.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the DiTs through Lightning's ModelParallelStrategy.
 
 Order per transformer (as torchtitan does): activation checkpointing is already set by the spec -> ``fully_shard``
-each ``WanTransformerBlock`` -> ``fully_shard`` the transformer root. Per-parameter sharding (FSDP2) keeps a frozen
-bf16 base, fp32 LoRA weights and diffusers' fp32-kept norms in one unit. The frozen VAE and text encoder are not
-sharded. Checkpoints gather only the trainable (LoRA) tensors, so saving never assembles the 5B/14B base on rank 0.
+each block of ``transformer.blocks`` -> ``fully_shard`` the transformer root. Per-parameter sharding (FSDP2) keeps
+a frozen bf16 base, fp32 LoRA weights and diffusers' fp32-kept norms in one unit. The frozen VAE and text encoder are
+not sharded. Checkpoints gather only the trainable (LoRA) tensors, so saving never assembles the 5B/14B base on rank 0.
 """
 from __future__ import annotations
 
@@ -36,9 +36,8 @@ class WanFSDPStrategy(ModelParallelStrategy):
             self.shard_transformer(transformer)
 
     def shard_transformer(self, transformer) -> None:
-        """FSDP2 over every rank: each WanTransformerBlock, then the root (also validation's frozen other expert of a
-        one-expert A14B run). Parameters on the host move to this rank's GPU one block at a time, as shards."""
-        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+        """FSDP2 over every rank: each block of ``transformer.blocks``, then the root (also validation's frozen other
+        expert of a one-expert run). Parameters on the host move to this rank's GPU one block at a time, as shards."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
@@ -52,9 +51,8 @@ class WanFSDPStrategy(ModelParallelStrategy):
         # root computes in fp32 (rotary tables) reaches every block as fp32 in both passes, as under DDP.
         block_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32,
                                             cast_forward_inputs=False)
-        for block in transformer.blocks:
-            if isinstance(block, WanTransformerBlock):
-                fully_shard(block, mp_policy=block_policy, **kwargs)
+        for block in transformer.blocks:  # the DiT's repeated blocks (any family's: a ModuleList named blocks)
+            fully_shard(block, mp_policy=block_policy, **kwargs)
         fully_shard(transformer, mp_policy=root_policy, **kwargs)
 
     def lightning_module_state_dict(self) -> dict:

@@ -21,6 +21,7 @@ class WanSpec(ModelSpec):
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
     pipeline_class = "WanPipeline"
+    image_pipeline_class = "WanImageToVideoPipeline"  # I2V-A14B, and TI2V-5B given a first frame
     vae_layout: dict = {"z_dim": 16}  # the VAE's architecture (tiny builds, conversion): from LAYOUTS
 
     def __init_subclass__(cls, **kwargs):
