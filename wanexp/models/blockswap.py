@@ -132,13 +132,6 @@ class BlockSwap:
             return None
         return max(ahead) if backward else min(ahead)
 
-    def release_all(self) -> None:
-        """Drop every device copy (after a pass that will not come back, e.g. validation sampling)."""
-        for block in list(self.resident):
-            _, event = self.resident.pop(block)
-            if event is not None:
-                event.synchronize()
-
 
 class _SwappedLinearFn(torch.autograd.Function):
     """``F.linear`` whose weight is fetched through a :class:`SwappedLinear` in the forward and fetched again in the
@@ -224,25 +217,17 @@ def _prefetch_hook(swap: BlockSwap, position: int):
     return hook
 
 
-def resident_bytes(blocks: nn.ModuleList, swap: BlockSwap | None) -> int:
-    """Bytes of the blocks' parameters and buffers kept on the device (the swapped weights: ``keep`` blocks)."""
-    own = sum(t.numel() * t.element_size() for t in [*blocks.parameters(), *blocks.buffers()])
-    if swap is None or not swap.host:
-        return own
-    per_block = swap.host_bytes / len(swap.host)
-    return own + int(min(swap.keep, len(swap.host)) * per_block)
-
-
 # ---- wiring and the fit check -------------------------------------------------------------------------------------
 def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) -> BlockSwap | None:
-    """``model.fp8_storage`` then ``model.blocks_to_swap`` on a loaded transformer (adapters added, still on the host)."""
+    """``model.fp8_storage`` then ``model.blocks_to_swap`` on a loaded transformer (adapters added, on the host)."""
     from wanexp.errors import ConfigError
     from wanexp.models import fp8
 
     if getattr(spec, "fp8_storage", False):
         n = fp8.store_blocks(transformer)
         if verbose:
-            print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8", flush=True)
+            print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8",
+                  flush=True)
     n, layers = int(getattr(spec, "blocks_to_swap", 0) or 0), len(transformer.blocks)
     if not n:
         return None
