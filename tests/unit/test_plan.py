@@ -92,6 +92,9 @@ def test_subset_takes_whole_batches_of_every_bucket_and_a_files_windows_together
     chosen, batches = plan_calibrate.choose_subset(shapes, keys, per_batch, needed_batches=2)
     assert batches == {(9, 64, 64): 2, (1, 64, 64): 1}  # the images give one whole batch only
     assert chosen == [0, 1, 2, 3, 7, 8]
+    # "b"'s second window comes with it (the subset file lists files: each brings all its windows back)
+    chosen, batches = plan_calibrate.choose_subset([(9, 64, 64)] * 4, ["a", "b", "b", "c"], {(9, 64, 64): 2}, 1)
+    assert chosen == [0, 1, 2] and batches == {(9, 64, 64): 1}
     _, batches = plan_calibrate.choose_subset(shapes, keys, {(9, 64, 64): 8, (1, 64, 64): 2}, 3)
     assert (9, 64, 64) not in batches  # fewer samples than one batch: the run never trains that bucket either
 
