@@ -56,8 +56,6 @@ class KnowledgeDistillation(Objective):
     # ---- the student ---------------------------------------------------------------------------------------------
     def build_trainable(self, transformers: dict, spec) -> dict[str, nn.Module]:
         """Build the student from the (single) loaded teacher; the LightningModule owns and trains what this returns."""
-        from diffusers import WanTransformer3DModel
-
         if len(transformers) != 1:
             raise ConfigError(f"objective=kd distils one DiT; model={spec.name} loaded {list(transformers)}: use "
                               "boundary=high or boundary=low to distil one A14B expert")
@@ -68,11 +66,11 @@ class KnowledgeDistillation(Objective):
             overrides["num_layers"] = max(1, (config["num_layers"] + 1) // 2)
         unknown = sorted(set(overrides) - set(config))
         if unknown:
-            raise ConfigError(f"objective.student: {unknown[0]} is not a WanTransformer3DModel setting; use e.g. "
+            raise ConfigError(f"objective.student: {unknown[0]} is not a {type(teacher).__name__} setting; use e.g. "
                               "num_layers, num_attention_heads, attention_head_dim, ffn_dim")
         config.update(overrides)
         config = {k: v for k, v in config.items() if not k.startswith("_")}
-        student = WanTransformer3DModel.from_config(config)  # fp32 parameters (mixed precision autocasts)
+        student = spec.transformer_type().from_config(config)  # fp32 parameters (mixed precision autocasts)
         copied, total = self._init_from_teacher(student, teacher)
         print(f"wanexp: kd student: {config['num_layers']} of {teacher.config.num_layers} layers, "
               f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters; {copied} of {total} tensors "
@@ -158,11 +156,9 @@ class KnowledgeDistillation(Objective):
     # ---- export ----------------------------------------------------------------------------------------------------
     def export_checkpoint(self, module, state_dict: dict, out_dir: Path) -> list[Path]:
         """The student as a diffusers pipeline folder ``<model>_student/``, from the checkpoint's (gathered) weights."""
-        from diffusers import WanTransformer3DModel
-
         prefix = f"students.{STUDENT}."
         weights = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        student = WanTransformer3DModel.from_config(self.student.config)
+        student = module.spec.transformer_type().from_config(self.student.config)
         student.load_state_dict(weights)
         folder = Path(out_dir) / f"{module.spec.name}_student"
         tmp = folder.with_name(f".{folder.name}.tmp")
