@@ -493,6 +493,7 @@ def read_adapter_file(path, what: str = "adapter file", sd: dict | None = None) 
     modules: dict[str, dict[str, torch.Tensor]] = {}
     peft_named = False
     for key, w in sd.items():
+        key = _kohya_to_comfy(key)
         m = re.match(r"^(?:diffusion_model\.)(.+?)\.(alpha|dora_scale|lora_(?:up|down)\.weight|lora_[AB]\.weight|"
                      r"lokr_\w+|hada_\w+)$", key)
         try:
@@ -513,6 +514,20 @@ def read_adapter_file(path, what: str = "adapter file", sd: dict | None = None) 
     if peft_named:
         modules = _peft_scale_to_comfy(modules, header, what)
     return AdapterFile(modules, what)
+
+
+_KOHYA = re.compile(r"^lora_unet_blocks_(\d+)_(?:(self_attn|cross_attn)_([qkvo])|ffn_([02]))\.(.+)$")
+
+
+def _kohya_to_comfy(key: str) -> str:
+    """kohya/musubi-tuner/LyCORIS module names (``lora_unet_blocks_0_self_attn_q.lokr_w1``) -> ComfyUI's
+    (``diffusion_model.blocks.0.self_attn.q.lokr_w1``); other keys as they are."""
+    m = _KOHYA.match(key)
+    if m is None:
+        return key
+    block, attn, proj, ffn, param = m.groups()
+    module = f"{attn}.{proj}" if attn else f"ffn.{ffn}"
+    return f"diffusion_model.blocks.{block}.{module}.{param}"
 
 
 def _peft_scale_to_comfy(modules: dict, header: dict, what: str) -> dict:

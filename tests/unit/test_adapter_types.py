@@ -9,6 +9,7 @@ much cheaper than a forward on this machine.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -252,3 +253,23 @@ def test_files_name_their_adapter_type(tmp_path_factory):
         for path in trained(kind, tmp_path_factory)[2]:
             with safe_open(str(path), "pt") as f:
                 assert f.metadata()["wanexp_adapter"] == label
+
+
+@pytest.mark.parametrize("kind", ["lokr_lowrank", "loha", "dora"])
+def test_init_from_reads_kohya_named_files(kind, tmp_path, tmp_path_factory):
+    """musubi-tuner/LyCORIS name modules lora_unet_blocks_0_self_attn_q (the same tensors otherwise)."""
+    from safetensors.torch import save_file
+
+    _, want, files = trained(kind, tmp_path_factory)
+    sd = load_file(files[0])
+    renamed = {}
+    for key, w in sd.items():
+        module, param = re.match(r"^diffusion_model\.(blocks\.\d+\.(?:self_attn\.|cross_attn\.|ffn\.)\w)\.(.+)$",
+                                 key).groups()
+        renamed[f"lora_unet_{module.replace('.', '_')}.{param}"] = w
+    assert any(k.startswith("lora_unet_blocks_1_ffn_2.") for k in renamed)
+    path = tmp_path / "kohya.safetensors"
+    save_file(renamed, path)
+    t = _base()
+    _adapter(kind, alpha=8.0, init_from=str(path)).apply(t)
+    _assert_same_weights(_effective(t), want)
