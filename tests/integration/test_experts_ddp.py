@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow
 def test_two_experts_train_under_ddp_when_a_rank_routes_no_sample_to_one(shared_dir, tmp_path):
     out = tmp_path / "run"
     # batch 1 per rank: each step, each rank's one sample goes to the high or the low expert by its sigma, so ranks

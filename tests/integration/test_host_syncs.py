@@ -16,6 +16,7 @@ import json
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Callback
 from torch.overrides import TorchFunctionMode
@@ -85,6 +86,7 @@ class WatchReads(Callback):
 PINNED_HOST_READS = {"__int__ callbacks/preemption.py"}
 
 
+@pytest.mark.slow
 def test_no_host_reads_between_log_steps(shared_dir, tmp_path):
     cache, rec = tmp_path / "cache", tmp_path / "reads"
     build_cache(_cfg(shared_dir, cache))

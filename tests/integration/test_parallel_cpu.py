@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from tests.conftest import run_cli
 
 FAULTS = str(Path(__file__).resolve().parents[1] / "faults")
+pytestmark = pytest.mark.slow  # every test here starts train.py processes
 
 
 def _base(shared_dir, out, steps=4):
