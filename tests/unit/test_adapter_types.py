@@ -273,3 +273,14 @@ def test_init_from_reads_kohya_named_files(kind, tmp_path, tmp_path_factory):
     t = _base()
     _adapter(kind, alpha=8.0, init_from=str(path)).apply(t)
     _assert_same_weights(_effective(t), want)
+
+
+def test_init_from_a_dora_scaled_per_input_column_is_one_line(tmp_path, tmp_path_factory):
+    """LyCORIS' wd_on_out=false DoRA normalises columns: no peft DoRA reproduces it."""
+    from safetensors.torch import save_file
+
+    sd = load_file(trained("dora", tmp_path_factory)[2][0])
+    sd = {k: (torch.ones(1, v.shape[0]) if k.endswith(".dora_scale") else v) for k, v in sd.items()}
+    save_file(sd, tmp_path / "columns.safetensors")
+    with pytest.raises(ConfigError, match="its DoRA scale is per input column .*; use a DoRA file with a per-row"):
+        _adapter("dora", init_from=str(tmp_path / "columns.safetensors"))
