@@ -201,8 +201,10 @@ class ModelSpec:
         return model
 
     def compute_dtype(self, transformer) -> torch.dtype:
-        """The dtype of the base weights, which the DiT's inputs are cast to (bf16-true converts the weights)."""
-        return next(p for p in transformer.parameters() if not p.requires_grad).dtype
+        """The dtype of the base weights, which the DiT's inputs are cast to (bf16-true converts the weights); a model
+        trained whole has no frozen weight: its first parameter's."""
+        frozen = next((p for p in transformer.parameters() if not p.requires_grad), None)
+        return (frozen if frozen is not None else next(transformer.parameters())).dtype
 
     def load_vae(self):
         vae = load_class(self.vae_class).from_pretrained(self.path, subfolder="vae", dtype=self.vae_dtype)
