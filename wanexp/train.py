@@ -224,6 +224,13 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
         encoders=spec.encoder_info())
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
+    if dm.prompts_only:  # a file of prompts alone (wanexp/data/prompts.py): only an objective needing no clip takes it
+        from wanexp.data.prompts import check_prompts_only
+
+        check_prompts_only(objective, spec, cfg.data.metadata)
+        if launch_rank() == 0:
+            print(f"wanexp: data: training from prompts only ({dm.report['prompts_only']} prompts in "
+                  f"{cfg.data.metadata}, no media)", flush=True)
     if launch_rank() == 0:
         r = dm.report
         if r.get("rejected") or r.get("warnings"):

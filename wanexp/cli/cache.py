@@ -85,11 +85,11 @@ def build_cache(cfg: DictConfig) -> dict:
     index = CacheIndex(dm.cache_dir)
     latents, texts = {}, {}
     for sample, shape, start, (lkey, tkey) in zip(samples, shapes, starts, keys):
-        if lkey not in index:
+        if lkey is not None and lkey not in index:  # None: a prompt alone (no media)
             latents.setdefault(lkey, (lkey, sample, shape, start))
         if tkey not in index:
             texts.setdefault(tkey, (tkey, sample.prompt))
-    wanted = {k for pair in keys for k in pair}
+    wanted = {k for pair in keys for k in pair if k is not None}
     for prompt in extra_prompts(cfg):  # validation's prompts and the negative prompts: training never loads UMT5
         tkey = dm.text_cache_key(prompt)
         wanted.add(tkey)

@@ -155,6 +155,11 @@ class DMDConfig(ObjectiveConfig):
     generator_every: int = knob(MISSING, ge=1, doc="a generator update after every N critic updates")
     generator: AdapterOptimConfig = MISSING
     critic: AdapterOptimConfig = MISSING
+    # DMD2 / VideoX-Fun options (conf/objective/dmd.yaml sets the recipe's values)
+    fake_guidance_scale: float = knob(MISSING, ge=0.0, doc="critic CFG in the teacher's form; 1 = conditional only")
+    score_sigma_clamp: Optional[List[float]] = knob(MISSING, doc="[lo, hi] for scoring and critic sigmas; null: none")
+    critic_outlier: Optional[float] = knob(MISSING, gt=0.0, doc="critic loss drops elements with |error| > this")
+    first_frame_cond: Optional[float] = knob(MISSING, ge=0.0, le=1.0, doc="TI2V: share on frame 0; null: 0.5")
 
 
 @dataclass

@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
 from wanexp.data.media import load_clip
-from wanexp.data.metadata import MetadataError, Reject, Sample, read_metadata_with_rejects
+from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
+from wanexp.data.prompts import prompt_dataset, prompt_items
 from wanexp.errors import MediaError
 from wanexp.data.probe import nearest_resolution, probe_samples  # (probe assigns buckets the same way)
 from wanexp.data.windows import RANDOM_START, expand, random_start
@@ -287,6 +288,7 @@ class WanDataModule(L.LightningDataModule):
         self.cache_dir, self.use_cache, self.encoders = (Path(cache_dir) if cache_dir else None), use_cache, encoders
         self.cache_shard_size, self.cache_dtype = cache_shard_size, cache_dtype
         self.cached = False  # every sample's latents and text are in the cache: training never runs the encoders
+        self.prompts_only = False  # data.metadata holds prompts alone, no media (wanexp/data/prompts.py)
         self._text_id: str | None = None  # the text encoder + tokenizer part of a text cache key (computed once)
         self.keys: list[tuple[str, str]] = []
         self.report: dict = {}  # rows, rejected, warnings: for the run's log and status.json
@@ -340,6 +342,9 @@ class WanDataModule(L.LightningDataModule):
 
     def items(self) -> tuple[list[Sample], list[Shape], list[int], list[int | None]]:
         """Training samples: (sample, bucket shape, first frame, frames available), one per frame window."""
+        found = read_prompts(self.metadata)
+        if found is not None:  # prompts alone (DMD): nothing to probe, window or bucket by aspect
+            return prompt_items(self, *found)
         samples, sizes, frames = self.samples()
         out: tuple[list, list, list, list] = ([], [], [], [])
         shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
@@ -381,6 +386,9 @@ class WanDataModule(L.LightningDataModule):
         if self.dataset is not None:
             return
         samples, shapes, starts, available = self.items()
+        if self.prompts_only:
+            self.dataset, self.cached = prompt_dataset(self, samples, shapes)
+            return
         base = Path(self.root) if self.root else self.metadata.parent  # the split is the same wherever the data is
         held = heldout_rows([os.path.relpath(s.path, base) for s in samples], self.val_fraction)
         val = [i for i in range(len(samples)) if held[i]]
@@ -430,7 +438,8 @@ class WanDataModule(L.LightningDataModule):
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
         e = self.encoders
         vae_id = folder_identity(e.vae, [e.vae_dtype, e.layout, self.cache_dtype])
-        return [(latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e.image_latent),
+        return [(None if s.kind == PROMPT_KIND else  # a prompt alone has text only
+                 latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e.image_latent),
                  self.text_cache_key(s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
 
     def text_cache_key(self, prompt: str) -> str:

@@ -358,3 +358,56 @@ def read_metadata(
 def missing_files(samples: Iterable[Sample]) -> list[str]:
     """Return the paths of samples whose media file does not exist (in input order)."""
     return [s.path for s in samples if not os.path.isfile(s.path)]
+
+
+# ---- prompts alone (no media): what DMD distils from ---------------------------------------------------------------
+PROMPT_KIND = "prompt"  # the kind of a Sample read from a file of prompts alone; its ``path`` names the row
+PROMPT_FILE_EXTENSIONS: tuple[str, ...] = (".txt", *METADATA_EXTENSIONS)
+
+
+def _prompt_rows(path: Path, text: str) -> tuple[list[str], list[_Row]]:
+    """(columns, rows) of a prompts file: a .txt file is one prompt a line, a JSON list may hold plain strings."""
+    ext = path.suffix.lower()
+    if ext == ".txt":
+        return ["prompt"], [(str(n), {"prompt": line}) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if ext == ".csv":
+        header, rows = _iter_csv(path, text)
+        return header or [], rows
+    if ext == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None  # _iter_json says where
+        if isinstance(data, list) and data and all(isinstance(v, str) for v in data):
+            return ["prompt"], [(f"entry {n}", {"prompt": v}) for n, v in enumerate(data, 1)]
+    rows = _iter_json(path, text) if ext == ".json" else _iter_jsonl(path, text)
+    return list(dict.fromkeys(k for _, row in rows if row is not None for k in row)), rows
+
+
+def read_prompts(metadata_path: str | os.PathLike[str]) -> tuple[list[Sample], list[Reject]] | None:
+    """A metadata file of prompts alone -- .txt lines, or CSV/JSON/JSONL with a prompt column and no media column --
+    as (samples of kind ``PROMPT_KIND``, rejects); None for anything else (media rows, a folder: read_metadata's)."""
+    path = _absolute(metadata_path)
+    if not path.is_file() or path.suffix.lower() not in PROMPT_FILE_EXTENSIONS:
+        return None
+    try:
+        text = _read_text(path)
+    except OSError as exc:
+        raise MetadataError(f"{path}: cannot read the metadata file ({_one_line(exc.strerror or exc)})") from None
+    columns, rows = _prompt_rows(path, text)
+    names = {c.strip().lower() for c in columns}
+    if names & set(MEDIA_COLUMNS) or not names & set(PROMPT_COLUMNS):
+        return None
+    if not rows:
+        raise MetadataError(f"{path}: no prompts; add at least one prompt (one a line in a .txt file)")
+    samples: list[Sample] = []
+    rejects: list[Reject] = []
+    for where, row in rows:
+        prompt = _first_value(row, PROMPT_COLUMNS) if row is not None else ""
+        reason = "entry is not a JSON object" if row is None else "empty prompt" if not prompt else \
+            "" if _is_utf8(prompt) else "prompt is not UTF-8"
+        if reason:
+            rejects.append(Reject(source=f"{path}:{where}", path="", reason=reason))
+        else:
+            samples.append(Sample(path=f"{path}:{where}", prompt=prompt, kind=PROMPT_KIND))
+    return samples, rejects
