@@ -6,6 +6,7 @@ The graph is built from every import statement (at any depth, TYPE_CHECKING incl
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,7 @@ def _module_name(f: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # one parse of the package for the tests below
 def module_imports() -> dict[str, set[str]]:
     """Module -> the wanexp modules it imports, from every import statement at any depth (inside functions too: a
     lazy import only moves the cycle's failure to the first call). ``from pkg import name`` counts as an import of
