@@ -13,7 +13,9 @@ import lightning as L
 import torch
 from torch import nn
 
+from wanexp.context import RunContext
 from wanexp.errors import DivergedError
+from wanexp.lightning_compat import attached_trainer, mend_epoch_progress, open_next_epoch_after_resume
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encode import cached_batch
 from wanexp.models.family import ModelSpec
@@ -24,8 +26,10 @@ from wanexp.optim import build_optimizer, lr_lambda
 class WanModule(L.LightningModule):
     def __init__(self, spec: ModelSpec, adapter, objective: Objective, boundary: dict, optimizer: Callable, lr: float,
                  schedule: dict, max_steps: int = -1, load_encoders: bool = True, allow_resume_changes: bool = False,
-                 max_bad_steps: int = 10, seed: int = 0):
+                 max_bad_steps: int = 10, seed: int = 0, context: RunContext | None = None):
+        """``context``: the run's facts (wanexp/context.py; None: one process, no sequence parallel)."""
         super().__init__()
+        self.run_context = context or RunContext()
         self.spec, self.adapter, self.objective = spec, adapter, objective
         self.boundary_name = boundary["name"]
         self.sigma_range = (float(boundary["sigma_min"]), float(boundary["sigma_max"]))
@@ -65,7 +69,7 @@ class WanModule(L.LightningModule):
             ok, why = fp8.fp8_supported()
             if not ok:
                 raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
-        sp_size = int(getattr(self._trainer.strategy, "sp_size", 1) or 1) if self._trainer else 1
+        sp_size = self.run_context.sp_size
         group = None
         if sp_size > 1:  # a collective: every rank makes the groups, before (not inside) its loading turn
             from wanexp.models import sequence
@@ -82,7 +86,7 @@ class WanModule(L.LightningModule):
             if turn == mine:
                 load(turns > 1)
             if turns > 1:
-                self._trainer.strategy.barrier("wanexp-load-turn")
+                self.trainer.strategy.barrier("wanexp-load-turn")
 
     def _build_and_place(self, group, place_now: bool) -> None:
         """``group``: the sequence-parallel group (None without); ``place_now``: move to the GPU inside this turn."""
@@ -111,10 +115,11 @@ class WanModule(L.LightningModule):
         if self.load_encoders:
             self.encoders = _readable(self.spec, "the VAE and text encoder", self.spec.load_encoders)
         self.trainable_names = [n for n, p in self.named_parameters() if p.requires_grad]
-        parallelize = getattr(self._trainer.strategy, "parallelize_module", None) if self._trainer else None
+        trainer = attached_trainer(self)
+        parallelize = getattr(trainer.strategy, "parallelize_module", None) if trainer else None
         if parallelize is not None:  # FSDP: shard after the adapters are added, before optimizers exist
             parallelize(self)
-        root = self._trainer.strategy.root_device if self._trainer else None
+        root = trainer.strategy.root_device if trainer else None
         if place_now and root is not None and root.type == "cuda":
             # the host copy goes now, inside this rank's turn (Lightning would move the module after every turn)
             for m in ([self.encoders] if parallelize is not None else [self]):
@@ -122,7 +127,7 @@ class WanModule(L.LightningModule):
                     m.to(root)
         # sharded experts: every rank must run the same expert in a step (models/denoiser.py:expert_for_step)
         self._expert_per_step = parallelize is not None and len(self.expert_names) > 1 and \
-            self._trainer.world_size > 1 and not self.objective.manual  # (DMD + FSDP + two experts is refused)
+            trainer.world_size > 1 and not self.objective.manual  # (DMD + FSDP + two experts is refused)
         # Every rank loads the same frozen weights from disk: DDP need not broadcast or watch them.
         trainable = set(self.trainable_names)
         self._ddp_params_and_buffers_to_ignore = [n for n, _ in self.named_parameters() if n not in trainable] + [
@@ -133,8 +138,7 @@ class WanModule(L.LightningModule):
         """Each data-parallel rank draws its own noise, timesteps and conditioning choices (seed + its data rank;
         rank 0 keeps the run's seed); the ranks of one sequence-parallel group share one sample, so they share these
         too. A resumed run puts every rank's saved streams back at its first step (wanexp/rng.py)."""
-        sp = int(getattr(self.trainer.strategy, "sp_size", 1) or 1)
-        dp_rank = self.trainer.global_rank // sp
+        dp_rank = self.run_context.dp_rank(self.trainer)
         if dp_rank:
             torch.manual_seed(self.seed + 1_000_003 * dp_rank)
 
@@ -185,7 +189,7 @@ class WanModule(L.LightningModule):
         only at log steps, since ``self.log`` turns a number into a device tensor with a blocking copy."""
         self.log("train/loss", loss.detach(), batch_size=batch_size)
         self._log_metrics(metrics)
-        if self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+        if self.run_context.logs_this_step(attached_trainer(self)):
             for name, value in host_values.items():
                 self.log(name, value, batch_size=batch_size)
 
@@ -204,7 +208,7 @@ class WanModule(L.LightningModule):
             if name in acc:
                 total, n = acc[name][0] + total, acc[name][1] + n
             acc[name] = (total, n)
-        if acc and self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+        if acc and self.run_context.logs_this_step(attached_trainer(self)):
             names = list(acc)
             on_device = [k for k in names if isinstance(acc[k][1], torch.Tensor)]
             read = torch.stack([acc[k][1].to(self.device) for k in on_device]).tolist() if on_device else []
@@ -224,7 +228,7 @@ class WanModule(L.LightningModule):
         if self._negative_text is None:
             from wanexp.models.encode import encode_text
 
-            dm = getattr(self._trainer, "datamodule", None)
+            dm = getattr(attached_trainer(self), "datamodule", None)
             cached = dm.cached_text(self.objective.negative_prompt) if hasattr(dm, "cached_text") else None
             if cached is not None:  # the cache command encodes it with the captions
                 self._negative_text = cached[None].to(self.device)
@@ -277,7 +281,7 @@ class WanModule(L.LightningModule):
             optimizer.grad_scale, optimizer.found_inf = None, bad.float()
         elif bool(bad):
             optimizer.zero_grad(set_to_none=True)
-        if not on_device or self.trainer._logger_connector.should_update_logs:
+        if not on_device or self.run_context.logs_this_step(self.trainer):
             in_row = int(self._bad_in_row)
             if in_row and self.global_rank == 0:
                 print(f"wanexp: step {self.global_step + 1}: non-finite loss or gradient; step skipped "
@@ -414,29 +418,6 @@ class WanModule(L.LightningModule):
             )
 
 
-def open_next_epoch_after_resume(trainer) -> None:
-    """Resumed from a checkpoint of an epoch's last step, Lightning (2.6) closes that epoch but still counts the run
-    as restarted mid-epoch, so it does not open the next one: its epoch counters stay one behind in every later
-    checkpoint, and a resume from one of those repeats an epoch. Called at train start (after Lightning's restart
-    bookkeeping): the next epoch then starts as in an uninterrupted run."""
-    loop = trainer.fit_loop
-    epochs = loop.epoch_progress.current
-    if loop.restarted_mid_epoch and epochs.processed == epochs.ready:
-        loop.reset_restart_stage()
-
-
-def mend_epoch_progress(checkpoint: dict) -> None:
-    """A checkpoint saved at a step's end during an epoch counts that epoch as ready and started but not processed;
-    one written by a run resumed from an epoch's last step (before ``open_next_epoch_after_resume``) counts it as
-    processed too. Put such counters back, before Lightning restores its loops, so the resume continues that epoch."""
-    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
-    batches = (fit.get("epoch_loop.batch_progress") or {}).get("current") or {}
-    if not batches or batches.get("completed") != batches.get("processed", 0) - 1:
-        return  # not saved at a step's end
-    for counts in (fit.get("epoch_progress") or {}).values():
-        if counts.get("ready") == counts.get("processed") == counts.get("completed"):
-            counts["ready"] = counts["started"] = counts["processed"] + 1
-
 
 def _readable(spec: ModelSpec, what: str, load, *args):
     """Load weights; a corrupt or truncated file (what a partial download leaves) is one line, not a traceback."""
@@ -454,10 +435,10 @@ def _readable(spec: ModelSpec, what: str, load, *args):
 
 def load_turns(module: WanModule, what: str = "the base") -> tuple[int, int]:
     """(turns, this rank's turn) for loading the base into host memory; (1, 0) when every rank of a node can hold
-    its full copy at once. ``parallel.concurrent_loads`` (on the strategy) sets the ranks per node per turn; null
+    its full copy at once. ``parallel.concurrent_loads`` (the run context's) sets the ranks per node per turn; null
     derives it from the free host memory (the smallest over all ranks, so every rank counts the same turns).
     A collective when derived: every rank calls it. ``what`` names the load in the printed line."""
-    trainer = module._trainer
+    trainer = attached_trainer(module)
     if trainer is None or trainer.world_size == 1:
         return 1, 0
     from lightning.pytorch.strategies import DDPStrategy
@@ -466,7 +447,7 @@ def load_turns(module: WanModule, what: str = "the base") -> tuple[int, int]:
     if not hasattr(strategy, "parallelize_module") and type(strategy) is not DDPStrategy:
         return 1, 0  # DeepSpeed (a DDPStrategy subclass) places the model itself
     per_node = max(1, trainer.num_devices)
-    k = getattr(strategy, "concurrent_loads", None)
+    k = module.run_context.concurrent_loads
     if k is None:
         import psutil
         import torch.distributed as dist

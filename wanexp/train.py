@@ -65,12 +65,17 @@ def prepare_model_folder(spec, boundary: str) -> None:
     spec.check_folder(spec.trained_experts(boundary))
 
 
-def build_trainer(cfg: DictConfig, out: Path):
+def build_trainer(cfg: DictConfig, out: Path, context=None):
+    """The Trainer of a run; ``context`` (a wanexp.context.RunContext) is handed to the callbacks that read it."""
     import lightning as L
     from lightning.pytorch.callbacks import ProgressBar
 
+    from wanexp.context import hand_over
+
     loggers = instantiate_named(cfg.logger)
     callbacks = instantiate_named(cfg.callbacks)
+    if context is not None:
+        hand_over(context, callbacks)
     strategy = cfg.parallel.strategy
     strategy = build(strategy) if OmegaConf.is_dict(strategy) else strategy
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -217,11 +222,14 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
     import lightning as L
 
     from wanexp.callbacks.lora_export import LoraExport
+    from wanexp.context import RunContext
     from wanexp.module import WanModule
     from wanexp.optim import scaled_lr
 
-    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed), sp_size=int(cfg.parallel.sp_size))(
-        encoders=spec.encoder_info())
+    # The run-wide facts, built once and handed to the datamodule, the module and the callbacks (wanexp/context.py)
+    context = RunContext(sp_size=int(cfg.parallel.sp_size), concurrent_loads=cfg.parallel.concurrent_loads)
+    # the encoders' description and the context are dataclasses: passed past Hydra's instantiate, which would make dicts
+    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info(), context=context)
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
     if dm.prompts_only:  # a file of prompts alone (wanexp/data/prompts.py): only an objective needing no clip takes it
@@ -255,12 +263,9 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
         if cfg.parallel.name == "ddp" and (objective.manual or len(spec.trained_experts(cfg.boundary.name)) > 1):
             cfg.parallel.strategy.find_unused_parameters = True
 
-    trainer = build_trainer(cfg, out)
+    trainer = build_trainer(cfg, out, context)
     o = cfg.optim
-    sp = int(cfg.parallel.sp_size)
-    trainer.strategy.sp_size = sp  # read by the module, the datamodule and the status callback
-    trainer.strategy.concurrent_loads = cfg.parallel.concurrent_loads  # read by the module's configure_model
-    dp_size = trainer.world_size // sp
+    sp, dp_size = context.sp_size, context.dp_size(trainer)
     effective = int(cfg.data.batch_size) * dp_size * int(cfg.trainer.accumulate_grad_batches)
     lr = scaled_lr(float(o.lr), o.lr_scaling, effective, int(o.reference_batch))
     if trainer.global_rank == 0:
@@ -276,7 +281,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
                        allow_resume_changes=bool(cfg.allow_resume_changes),
-                       max_bad_steps=int(cfg.guard.max_bad_steps), seed=int(cfg.seed))
+                       max_bad_steps=int(cfg.guard.max_bad_steps), seed=int(cfg.seed), context=context)
     if ckpt is not None:
         check_resume(module, ckpt, cfg.parallel.name)
     if trainer.global_rank == 0:  # before anything is written or loaded: can the folder hold what the run keeps?

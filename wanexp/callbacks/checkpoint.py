@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from wanexp.disk import disk_full_message, is_disk_full
 from wanexp.errors import UserError
+from wanexp.lightning_compat import is_last_batch, save_checkpoint_now
 
 
 class CheckpointWriteError(UserError):
@@ -80,8 +81,6 @@ class RunCheckpoint(ModelCheckpoint):
         steps_done = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
         last_epoch = trainer.max_epochs is not None and trainer.max_epochs > 0 and \
             trainer.current_epoch + 1 >= trainer.max_epochs and \
-            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if (steps_done or last_epoch) and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+            is_last_batch(trainer)
+        if steps_done or last_epoch:
+            save_checkpoint_now(self, trainer)

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from wanexp.errors import Interrupted
+from wanexp.lightning_compat import is_last_batch, save_checkpoint_now, skip_sigterm_broadcast
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -48,7 +49,7 @@ class Preemption(Callback):
         # Lightning broadcasts trainer.received_sigterm from rank 0 before every batch under several ranks, with a
         # blocking read; its handler is not called here (above) and the step-end check below covers a SIGTERM it saw
         # before training started, so that broadcast only costs a host sync per step.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        skip_sigterm_broadcast(trainer)
         for sig in SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handler)
@@ -65,7 +66,7 @@ class Preemption(Callback):
         self._previous = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches and not is_last_batch(trainer):
             return  # only at an optimizer step
         signum = self.received or (signal.SIGTERM if trainer.received_sigterm else 0)
         if trainer.world_size > 1:
@@ -76,11 +77,8 @@ class Preemption(Callback):
             return
         checkpoint = None
         ckpt = trainer.checkpoint_callback
-        if ckpt is not None and not ckpt._should_skip_saving_checkpoint(trainer):
-            candidates = ckpt._monitor_candidates(trainer)
-            ckpt._save_topk_checkpoint(trainer, candidates)
-            ckpt._save_last_checkpoint(trainer, candidates)
         if ckpt is not None:
+            save_checkpoint_now(ckpt, trainer)
             checkpoint = ckpt.last_model_path or ckpt.best_model_path or None
         for cb in trainer.callbacks:
             if hasattr(cb, "interrupted"):

@@ -14,6 +14,8 @@ import sys
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from wanexp.context import RunContext
+
 
 def optimizer_steps_per_epoch(trainer) -> int:
     """Optimizer steps in one epoch on each rank (the batches per rank already divide by world size x batch)."""
@@ -69,7 +71,7 @@ class StepProgressBar(TQDMProgressBar):
         self._bar_step = step
         if step % self.refresh_rate == 0 or step == bar.total:
             bar.n = step
-            if trainer._logger_connector.should_update_logs or step == bar.total:
+            if RunContext.logs_this_step(trainer) or step == bar.total:
                 # loss and samples/s as logged: read from the device at log steps only (a read is a host sync)
                 bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()

@@ -21,6 +21,7 @@ from lightning.pytorch.profilers import Profiler
 
 from wanexp.callbacks import quiet  # noqa: F401  (imported before the Trainer exists: Lightning's adverts off)
 from wanexp.callbacks.progress import optimizer_steps_per_epoch, total_optimizer_steps
+from wanexp.context import RunContext, TakesRunContext
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -107,7 +108,7 @@ def _gpu() -> dict:
     return out
 
 
-class RunStatus(Callback):
+class RunStatus(TakesRunContext, Callback):
     """status.json: state (running/finished/failed/interrupted), step of total, ETA, loss, lr, throughput, memory,
     the last checkpoint, rejects and per-rank fields; also logs perf/* (samples/s, tokens/s, TFLOP/s, % of peak,
     memory, loader wait; the averages since the last logged step) and ``train/grad_norm`` (before clipping) at logged
@@ -214,7 +215,7 @@ class RunStatus(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = len(batch["prompt"]) if "prompt" in batch else int(next(iter(batch.values())).shape[0])
-        sp = int(getattr(trainer.strategy, "sp_size", 1) or 1)  # a sequence group of sp ranks shares each sample
+        sp = self.run_context.sp_size  # a sequence group of sp ranks shares each sample
         self.samples += bs * trainer.world_size // sp
         self.tokens += batch_tokens(batch, getattr(pl_module, "spec", None)) * trainer.world_size // sp
         self.seen += bs
@@ -236,7 +237,7 @@ class RunStatus(Callback):
         # Logged at log steps only, as the window's averages since the last one: ``self.log`` of a number is a blocking
         # host-to-device copy on a GPU, and without a sync per step the host's per-step times are not the GPU's (over
         # a window that ends in the log step's sync they are).
-        if trainer._logger_connector.should_update_logs:
+        if RunContext.logs_this_step(trainer):
             self._log_window(trainer, pl_module)
         logged_step = trainer.global_step % max(1, trainer.log_every_n_steps) == 0
         ranks = self._gather(trainer) if logged_step else None  # a collective: the same steps on every rank

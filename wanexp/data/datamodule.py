@@ -32,6 +32,7 @@ from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
 from wanexp.data.prompts import prompt_dataset, prompt_items
+from wanexp.context import RunContext
 from wanexp.errors import MediaError
 from wanexp.data.probe import nearest_resolution, probe_samples  # (probe assigns buckets the same way)
 from wanexp.data.windows import RANDOM_START, expand, random_start
@@ -269,11 +270,12 @@ class WanDataModule(L.LightningDataModule):
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
                  generate: dict | None, seed: int, val_fraction: float = 0.0,
-                 encoders: object | None = None, sp_size: int = 1):
+                 encoders: object | None = None, context: RunContext | None = None):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
         identifies the model's VAE and text encoder for cache keys, and its latent grid
         (``ModelSpec.encoder_info()``: an EncoderInfo, read by attribute; None: no cache), and
-        ``sp_size`` (``parallel.sp_size``: every bucket's tokens must split into that many parts)."""
+        the run ``context`` (wanexp/context.py; its ``sp_size``: every bucket's tokens must split into that many parts,
+        and the ranks of a sequence-parallel group share batches; None: one process)."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
@@ -284,7 +286,8 @@ class WanDataModule(L.LightningDataModule):
         self.resolutions = [tuple(r) for r in buckets] if buckets else None
         self.probe, self.max_reject_fraction = probe, max_reject_fraction
         self.rejects_path = Path(rejects) if rejects else None
-        self.generate, self.seed, self.sp_size = generate, seed, int(sp_size)
+        self.generate, self.seed = generate, seed
+        self.run_context = context or RunContext()
         self.cache_dir, self.use_cache, self.encoders = (Path(cache_dir) if cache_dir else None), use_cache, encoders
         self.cache_shard_size, self.cache_dtype = cache_shard_size, cache_dtype
         self.cached = False  # every sample's latents and text are in the cache: training never runs the encoders
@@ -415,8 +418,9 @@ class WanDataModule(L.LightningDataModule):
                 self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders.text_len)
             else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
                 self.val_dataset = ClipDataset(vs, vsh, self.frame_stride, vst, vav, self.seed)
-        if self.sp_size > 1 and self.encoders:
-            check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, self.sp_size)
+        sp = self.run_context.sp_size
+        if sp > 1 and self.encoders:
+            check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, sp)
 
     def val_batches(self, limit: int | None = None):
         """The held-out samples as loader batches of one sample each, in a fixed order (the first ``limit``)."""
@@ -476,10 +480,8 @@ class WanDataModule(L.LightningDataModule):
         self.steps_done = int(state.get("steps_done", 0))
 
     def train_dataloader(self) -> DataLoader:
-        rank, world = 0, 1
-        if self.trainer is not None:
-            # data-parallel rank and size: the ranks of one sequence-parallel group (parallel.sp_size) share batches
-            rank, world = self.trainer.global_rank // self.sp_size, self.trainer.world_size // self.sp_size
+        # data-parallel rank and size: the ranks of one sequence-parallel group (parallel.sp_size) share batches
+        rank, world = self.run_context.dp_rank(self.trainer), self.run_context.dp_size(self.trainer)
         sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed,
                                      batch_sizes=self.bucket_batch_sizes())
         if len(sampler) == 0:
