@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.unit.test_adapter_types import TOL, _assert_same_weights, _base, _out, patched_base, trained
+from tests.unit.test_adapter_types import TOL, _assert_same_weights, _base, _out, _randomize, trained
 from wanexp import lora
 from wanexp.cli import merge
 
@@ -63,8 +63,6 @@ def test_combine_concatenates_ranks_exactly(tmp_path, tmp_path_factory):
     ad = lora.LoraAdapter(name="lora", rank=4, alpha=3.0, dropout=0.0, targets=["q", "k", "v", "o", "ffn.0", "ffn.2"],
                           attention=["self", "cross"], init_from=None)
     ad.apply(t)
-    from tests.unit.test_adapter_types import _randomize
-
     _randomize(t, seed=7)
     second = ad.export(t.state_dict(), "", t, tmp_path / "second", "b")[1]  # the diffusers file: formats may differ
     out = merge.main(["combine", "--lora", str(first), "--lora", str(second), "--weight", "1", "--weight", "0.5",

@@ -19,8 +19,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from wanexp.errors import ConfigError, UserError
 
 EXPERT_FOLDER = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
