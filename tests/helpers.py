@@ -1,9 +1,13 @@
 """Components that tests plug in through the config's swap points (``_target_``), as a user would."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import List
+
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from wanexp.config.schema import FlowMatchingConfig
 from wanexp.objectives.base import Objective, ObjectiveOutput
 from wanexp.objectives.flow_matching import FlowMatching, masked_mse
 
@@ -34,7 +38,7 @@ class CleanLatentObjective(Objective):
         super().__init__(name)
         self.sigma = sigma
 
-    def __call__(self, batch, denoiser, generator=None) -> ObjectiveOutput:
+    def __call__(self, batch, denoiser, generator=None, *, step: int = 0, negative_text=None) -> ObjectiveOutput:
         x0 = batch.x0
         sigma = torch.full((batch.size,), self.sigma, device=x0.device)
         noise = torch.randn_like(x0)
@@ -122,17 +126,26 @@ class _NaNGrad(torch.autograd.Function):
         return grad * float("nan")
 
 
+@dataclass
+class FaultyFlowMatchingConfig(FlowMatchingConfig):
+    weighting: str = "none"
+    nan_loss_at: List[int] = field(default_factory=list)
+    nan_grad_at: List[int] = field(default_factory=list)
+
+
 class FaultyFlowMatching(FlowMatching):
     """Flow matching that goes non-finite on chosen calls (1-based): a NaN loss, or a NaN gradient."""
+
+    schema = FaultyFlowMatchingConfig
 
     def __init__(self, *, nan_loss_at=(), nan_grad_at=(), **kwargs):
         super().__init__(**kwargs)
         self.nan_loss_at, self.nan_grad_at = set(nan_loss_at), set(nan_grad_at)
         self.calls = 0
 
-    def __call__(self, batch, denoiser, generator=None):
+    def __call__(self, batch, denoiser, generator=None, *, step: int = 0, negative_text=None):
         self.calls += 1
-        out = super().__call__(batch, denoiser, generator)
+        out = super().__call__(batch, denoiser, generator, step=step, negative_text=negative_text)
         if self.calls in self.nan_loss_at:
             out.loss = out.loss * float("nan")
         if self.calls in self.nan_grad_at:

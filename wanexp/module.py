@@ -150,11 +150,10 @@ class WanModule(L.LightningModule):
         if getattr(self, "_expert_per_step", False):
             from wanexp.models.denoiser import expert_for_step
 
-            sampler = getattr(self.objective, "noise_levels", self.objective)
             self.denoiser.step_expert, self.denoiser.sigma_range = expert_for_step(
-                sampler, self.sigma_range, self.spec.boundary_ratio, self.seed, self.global_step)
+                self.objective, self.sigma_range, self.spec.boundary_ratio, self.seed, self.global_step)
         try:
-            out = self.objective(encoded, self.denoiser)
+            out = self.objective(encoded, self.denoiser, step=self.global_step, negative_text=self.negative_text())
         finally:  # only this step's forward is routed so (validation's held-out loss routes per sample)
             self.denoiser.step_expert, self.denoiser.sigma_range = None, self.sigma_range
         finite = torch.isfinite(out.loss.detach())  # read before the optimizer step (on_before_optimizer_step)

@@ -4,12 +4,15 @@ Each failure is one ConfigError line: the key and value, the problem, and what t
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from wanexp.config.schema import typed_node
 from wanexp.errors import ConfigError
+
 
 def check_boundary(cfg: DictConfig) -> None:
     """Runs before the schema walk: a one-expert boundary interpolates the model's boundary_ratio."""
@@ -46,17 +49,13 @@ def check_rules(cfg: DictConfig) -> None:
     if p.name == "deepspeed":
         check_deepspeed(cfg)
     check_dora(cfg)
-    o, t = cfg.objective, cfg.trainer
+    t = cfg.trainer
     if t.max_steps == 0:  # Lightning would train nothing, and no step would have LoRA files to export
         raise ConfigError("trainer.max_steps=0: trains no step; set trainer.max_steps to the optimizer steps (>= 1), "
                           "or to -1 with trainer.max_epochs=N")
     if t.max_steps == -1 and t.max_epochs is None:  # Lightning's fallback: 1000 epochs
         raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=null: nothing ends the run; set "
                           "trainer.max_epochs=N (or trainer.max_steps=N)")
-    if o.name == "dmd" and p.name == "fsdp" and b.name == "full" and m.boundary_ratio is not None:
-        raise ConfigError(f"objective=dmd with parallel=fsdp and model={m.name} boundary=full: the ranks' critic and "
-                          "generator losses would run different sharded experts in one step; distil one expert per run "
-                          "(boundary=high|low) or use parallel=ddp")
     if p.sp_size > 1:  # sequence parallel (wanexp/models/sequence.py)
         if p.name not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel.sp_size={p.sp_size} with parallel={p.name}: sequence parallel runs under "
@@ -64,13 +63,6 @@ def check_rules(cfg: DictConfig) -> None:
         if not m.fast_modulation:
             raise ConfigError(f"parallel.sp_size={p.sp_size} needs wanexp's transformer forward: set "
                               "model.fast_modulation=true")
-        if o.name == "dmd":
-            raise ConfigError(f"parallel.sp_size={p.sp_size} with objective=dmd: DMD's gradient-free teacher and "
-                              "critic forwards are not sequence-split; use parallel.sp_size=1")
-        if o.name == "kd" and o.get("feature_weight", 0) > 0:
-            raise ConfigError(f"parallel.sp_size={p.sp_size} with objective.feature_weight={o.feature_weight:g}: the "
-                              "student's blocks see 1/sp of the tokens, the teacher's all; set "
-                              "objective.feature_weight=0 or parallel.sp_size=1")
         devices = t.devices if isinstance(t.devices, int) else None
         if devices is not None and (devices * t.num_nodes) % p.sp_size:
             raise ConfigError(f"parallel.sp_size={p.sp_size} with {devices * t.num_nodes} device(s): the device count "
@@ -90,22 +82,43 @@ def check_rules(cfg: DictConfig) -> None:
             raise ConfigError(f"model.fp8=true with trainer.precision={t.precision}: the FP8 GEMMs return bf16; set "
                               "trainer.precision=bf16-mixed")
     _check_low_vram(m, p)
-    if o.name == "kd" and b.name == "full" and m.boundary_ratio is not None:
-        raise ConfigError(f"objective=kd with model={m.name} boundary=full: KD distils one DiT into a student; use "
-                          "boundary=high or boundary=low to distil one expert")
-    if o.name == "dmd":  # each step trains one adapter with its own optimizer (Lightning manual optimization)
-        if t.accumulate_grad_batches != 1:
-            raise ConfigError(f"objective=dmd with trainer.accumulate_grad_batches={t.accumulate_grad_batches}: DMD "
-                              "steps one adapter per batch; set trainer.accumulate_grad_batches=1 (raise "
-                              "data.batch_size instead)")
-        if str(t.precision).startswith("16"):
-            raise ConfigError(f"objective=dmd with trainer.precision={t.precision}: the fp16 grad scaler is not "
-                              "supported with DMD's two optimizers; use bf16-mixed (or 32)")
     check_devices(t.devices)
     for group in ("logger", "callbacks"):
         for name, node in (cfg[group] or {}).items():
             if not switched_off(node):
                 _check_target(f"{group}.{name}", node)
+    check_objective(cfg)
+
+
+def check_objective(cfg: DictConfig) -> None:
+    """The objective's own rules (``Objective.check`` of the class its ``_target_`` names), after every rule above:
+    importing the class imports torch (seconds), which the other config errors are spared. A group that no
+    ConfigStore schema typed at composition (an objective from outside wanexp) is first typed and range-checked by
+    the schema its class names, and replaced by the typed node, so the run gets that schema's defaults too."""
+    cls = objective_class(cfg.objective)
+    schema = getattr(cls, "schema", None)
+    if schema is not None and not dataclasses.is_dataclass(OmegaConf.get_type(cfg.objective)):
+        cfg.objective = typed_node(cfg.objective, schema, "objective")
+    cls.check(cfg)
+
+
+def objective_class(node: DictConfig) -> type:
+    """The class ``objective._target_`` names, imported (nothing is built); a name that does not import, or that
+    is no objective, is one line."""
+    from hydra.utils import get_class
+
+    target = node.get("_target_")
+    try:
+        cls = get_class(str(target))
+    except (ImportError, ValueError) as e:
+        cause = str(e.__cause__ or e).strip().splitlines()[0]
+        raise ConfigError(f"objective._target_={target}: cannot import it ({cause}); pick an objective with "
+                          "objective=<name> (a YAML in conf/objective/ or on hydra.searchpath), or fix the class "
+                          "path") from None
+    if not callable(getattr(cls, "check", None)):  # duck-typed: config imports no objective
+        raise ConfigError(f"objective._target_={target}: not an objective (a subclass of "
+                          "wanexp.objectives.base.Objective); point it at an objective class")
+    return cls
 
 
 def switched_off(node) -> bool:
@@ -175,10 +188,7 @@ def _dit_tokens(frames: int, height: int, width: int, hw_multiple: int) -> int:
 def check_deepspeed(cfg: DictConfig) -> None:
     """parallel=deepspeed: what DeepSpeed through Lightning can train (one optimizer; every rank runs the same
     modules), and that the package is there."""
-    m, b, o, s = cfg.model, cfg.boundary, cfg.objective, cfg.parallel.strategy
-    if o.name == "dmd":
-        raise ConfigError("objective=dmd with parallel=deepspeed: DMD steps two adapters with two optimizers, and "
-                          "DeepSpeed under Lightning takes one; use parallel=ddp or parallel=fsdp")
+    m, b, s = cfg.model, cfg.boundary, cfg.parallel.strategy
     if b.name == "full" and m.boundary_ratio is not None:
         raise ConfigError(f"parallel=deepspeed with model={m.name} boundary=full: each sample goes to one of two "
                           "experts, so ranks run different modules, which ZeRO's collectives cannot follow; use "

@@ -72,7 +72,6 @@ class ModelConfig:
                                          "the GPU ahead of use (null/0: none)")
 
 
-
 @dataclass
 class BoundaryConfig:
     name: str = knob(MISSING, choices=BOUNDARIES)
@@ -481,10 +480,11 @@ def _violation(key: str, value: Any, meta: dict) -> str | None:
     return None
 
 
-def check_schema(cfg) -> None:
+def check_schema(cfg, prefix: str = "") -> None:
     """Check every schema-typed node of a composed config against its fields' constraints (ranges, choices).
 
-    Walks the whole tree, so a schema added to ``SCHEMAS`` is checked without further code. Raises ConfigError.
+    Walks the whole tree, so a schema added to ``SCHEMAS`` is checked without further code. ``prefix``: the key of
+    ``cfg`` when it is one node of the run (e.g. ``objective.``). Raises ConfigError.
     """
     import dataclasses
 
@@ -510,4 +510,33 @@ def check_schema(cfg) -> None:
                 if problem:
                     raise ConfigError(problem)
 
-    walk(cfg, "")
+    walk(cfg, prefix)
+
+
+def typed_node(node, schema: type, key: str):
+    """``node`` (a group that no ConfigStore entry typed at composition) as an instance of the dataclass ``schema``:
+    its values (interpolations resolved) over the schema's defaults, then its ranges and choices checked. A value of
+    the wrong type, a key the schema lacks, a field left unset or a constraint broken is one ConfigError line."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    from wanexp.errors import ConfigError
+
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(node, resolve=True))
+    except ConfigKeyError as e:
+        raise ConfigError(f"{key}.{e.full_key}: no such key in {schema.__name__} (the schema of {key}); check the "
+                          f"spelling, or add the field to {schema.__name__}") from None
+    except OmegaConfBaseException as e:  # a value of the wrong type
+        from wanexp.config.messages import one_line_error
+
+        line = one_line_error(e)
+        if not line.startswith(str(e.full_key)):  # not a conversion OmegaConf words itself
+            line = f"{e.full_key}: {str(e.msg).strip().splitlines()[0]} (in {schema.__name__})"
+        raise ConfigError(f"{key}.{line}") from None
+    unset = sorted(OmegaConf.missing_keys(typed))
+    if unset:  # a field without a default that the YAML leaves out
+        raise ConfigError(f"{key}.{unset[0]} is not set and {schema.__name__} has no default for it; set it in the "
+                          f"{key} YAML or with {key}.{unset[0]}=...")
+    check_schema(typed, f"{key}.")
+    return typed

@@ -1,7 +1,9 @@
 """What an objective is: a component that turns an encoded batch and a denoiser into a loss and its metrics.
 
-To add one: a module here with a subclass of :class:`Objective`, a schema in ``wanexp/config/schema.py`` (extending
-``ObjectiveConfig``) and ``conf/objective/<name>.yaml`` with its ``_target_``. The LightningModule needs no change.
+An objective is one module with a subclass of :class:`Objective` and one YAML file with its ``_target_``
+(docs/extending.md walks through one). Its class carries what is particular to it: its config schema (``schema``),
+its rules across config groups (``check``), its loss (``__call__``). Neither the LightningModule nor
+``wanexp/config`` names an objective.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ class StudentSteps:
 
 
 class Objective:
-    """Base class. ``adapters``: the adapter names it needs on every trained expert; ``export``: the one to export.
+    """Base class: what the LightningModule, the callbacks and the config checks use of an objective, and the
+    defaults a simple loss keeps. ``adapters``: the adapter names it needs on every trained expert; ``export``: the
+    one to export.
 
     An objective with several trained adapters (e.g. DMD's generator and critic) sets ``manual = True``: then each
     training step trains the one adapter ``phase(step)`` names, with its own optimizer settings from
@@ -37,7 +41,20 @@ class Objective:
     adapters: tuple[str, ...] = ("default",)
     export: str = "default"
     manual: bool = False
-    needs_negative_text: bool = False  # True: the module passes the embedding of a negative prompt (CFG)
+    needs_negative_text: bool = False  # True: the module passes the embedding of ``negative_prompt`` (CFG)
+    negative_prompt: str = ""
+    # The dataclass (a subclass of wanexp.config.schema.ObjectiveConfig) that types the objective group's YAML: its
+    # fields' types, ranges (knob(..., gt=...)) and defaults are checked before anything loads. None: untyped.
+    schema: type | None = None
+    # Another objective whose noise levels this one trains at (KD and DMD keep a FlowMatching); see sample_sigmas.
+    noise_levels: "Objective | None" = None
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """This objective's rules across config groups, on the composed config (an omegaconf.DictConfig; read it,
+        never change it): raise ``wanexp.errors.ConfigError("<key>=<value> with ...: <problem>; <what to set>")``,
+        one line. Runs before anything loads, after the generic rules and after the ``objective`` group was checked
+        against ``schema``. Default: no rule."""
 
     def phase(self, step: int) -> str:
         """The adapter trained at optimizer step ``step`` (0-based; a pure function, so a resume keeps the phase)."""
@@ -66,9 +83,28 @@ class Objective:
         """Per trained adapter: optimizer overrides (lr, weight_decay, eps, betas) and ``clip`` (max grad norm)."""
         return {}
 
+    def sample_sigmas(self, n: int, lo: float, hi: float, generator: torch.Generator | None = None,
+                      device="cpu") -> torch.Tensor:
+        """``n`` noise levels (shifted sigma in [lo, hi], shape (n,)) from the distribution this objective trains at.
+        When both A14B experts are sharded (FSDP, boundary=full) the module draws each step's expert from it, so a
+        step's samples all go to one expert as often as per-sample routing would send them there. Default: from
+        ``noise_levels`` when set, else uniform on [lo, hi]."""
+        if self.noise_levels is not None:
+            return self.noise_levels.sample_sigmas(n, lo, hi, generator=generator, device=device)
+        return lo + (hi - lo) * torch.rand(n, generator=generator, device=device)
+
     def __init__(self, name: str):
         self.name = name
 
-    def __call__(self, batch, denoiser, generator: torch.Generator | None = None) -> ObjectiveOutput:
-        """``batch``: wanexp.models.encode.EncodedBatch; ``denoiser``: wanexp.models.denoiser.Denoiser."""
+    def __call__(self, batch, denoiser, generator: torch.Generator | None = None, *, step: int = 0,
+                 negative_text: torch.Tensor | None = None) -> ObjectiveOutput:
+        """The loss of one training step; the LightningModule calls it with exactly these arguments.
+
+        ``batch``: a ``wanexp.models.encode.EncodedBatch`` (``x0`` latents, ``text`` embeddings, ``cond``, ``size``).
+        ``denoiser``: a ``wanexp.models.denoiser.Denoiser``; ``denoiser(x_t, sigma, batch)`` returns the velocity,
+        loss mask and expert route, handling conditioning, expert routing and dtypes; ``denoiser.sigma_range`` is the
+        range of noise levels to train. ``generator``: the random stream for noise and timesteps (None: torch's
+        global one, which the module seeds per rank and a resume restores). ``step``: the optimizer step (0-based;
+        ``phase(step)`` trains). ``negative_text``: the embedding of ``negative_prompt`` (1, text_len, D) when
+        ``needs_negative_text``, else None."""
         raise NotImplementedError

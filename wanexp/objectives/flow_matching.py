@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from wanexp.config.schema import FlowMatchingConfig
 from wanexp.objectives.base import Objective, ObjectiveOutput
 from wanexp.objectives.timesteps import sample_sigmas
 
@@ -83,6 +84,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class FlowMatching(Objective):
     """The Wan2.2 flow-matching loss on the boundary's sigma range (``objective=flow_matching``)."""
 
+    schema = FlowMatchingConfig
+
     def __init__(self, *, name: str, timestep: dict, weighting: str = "none"):
         """``timestep``: sampling, shift, logit_mean, logit_std (config.schema.TimestepConfig); ``weighting``: the
         per-sample loss weight (:func:`loss_weight`)."""
@@ -101,7 +104,7 @@ class FlowMatching(Objective):
         return sample_sigmas(n, lo=lo, hi=hi, shift=self.shift, scheme=self.sampling, logit_mean=self.logit_mean,
                              logit_std=self.logit_std, generator=generator, device=device)
 
-    def __call__(self, batch, denoiser, generator=None) -> ObjectiveOutput:
+    def __call__(self, batch, denoiser, generator=None, *, step: int = 0, negative_text=None) -> ObjectiveOutput:
         x0, b = batch.x0, batch.size
         # sigma and noise are drawn on the host (the same values on any device) and copied without a host sync;
         # the denoiser routes experts from the host sigma

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from wanexp.config.schema import KDConfig
 from wanexp.errors import ConfigError
 from wanexp.objectives.base import Objective, ObjectiveOutput
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
@@ -41,6 +42,23 @@ def teacher_block_for(i: int, student_layers: int, teacher_layers: int) -> int:
 class KnowledgeDistillation(Objective):
     adapters: tuple[str, ...] = ()  # the teacher stays as loaded; the student is a separate, fully trained model
     export = STUDENT
+    schema = KDConfig
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        m, b, o, sp_size = cfg.model, cfg.boundary, cfg.objective, cfg.parallel.sp_size
+        if sp_size > 1 and o.feature_weight > 0:
+            raise ConfigError(f"parallel.sp_size={sp_size} with objective.feature_weight={o.feature_weight:g}: the "
+                              "student's blocks see 1/sp of the tokens, the teacher's all; set "
+                              "objective.feature_weight=0 or parallel.sp_size=1")
+        if b.name == "full" and m.boundary_ratio is not None:
+            raise ConfigError(f"objective=kd with model={m.name} boundary=full: KD distils one DiT into a student; use "
+                              "boundary=high or boundary=low to distil one expert")
+        swap = int(m.get("blocks_to_swap") or 0)
+        if swap or m.get("fp8_storage"):
+            knob = f"model.blocks_to_swap={swap}" if swap else "model.fp8_storage=true"
+            raise ConfigError(f"{knob} with objective=kd: the student is built from the teacher's weights; set "
+                              f"{'model.blocks_to_swap=0' if swap else 'model.fp8_storage=false'}")
 
     def __init__(self, *, name: str, timestep: dict, student: dict, feature_weight: float = 0.0):
         """The arguments are the ``objective=kd`` group (config.schema.KDConfig)."""
@@ -125,7 +143,7 @@ class KnowledgeDistillation(Objective):
         return copied, len(new)
 
     # ---- the loss --------------------------------------------------------------------------------------------------
-    def __call__(self, batch, denoiser, generator=None) -> ObjectiveOutput:
+    def __call__(self, batch, denoiser, generator=None, *, step: int = 0, negative_text=None) -> ObjectiveOutput:
         if self._student_denoiser is None:  # the teacher's denoiser, around the student (same conditioning)
             self._student_denoiser = type(denoiser)(denoiser.spec, {"dense": self.student}, denoiser.sigma_range)
         x0, b = batch.x0, batch.size
