@@ -56,3 +56,15 @@ def test_resume_is_bit_identical_for_a_loha(shared_dir, tmp_path, tmp_path_facto
     cut = _trainable(tiny_run(shared_dir, tmp_path / "cut", [*EXACT, *KIND["loha"], "trainer.max_steps=2",
                                                            "resume=last"]))
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
+
+
+def test_sampling_a_loha_run_says_to_bake_it(shared_dir, tmp_path_factory, capsys):
+    """wanexp-sample --run finds no diffusers file in a LoHa run: one line naming wanexp-merge, not the bare base."""
+    from wanexp.cli import sample
+
+    out, _ = _run("loha", shared_dir, tmp_path_factory)
+    capsys.readouterr()  # the training run's own output
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", str(out), "--prompt", "x", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "ComfyUI-only" in err and "wanexp-merge bake" in err, err

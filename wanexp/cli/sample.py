@@ -73,6 +73,11 @@ def _settings(args) -> dict:
         s["text_len"] = int(cfg.model.text_len)
         s["boundary_ratio"] = cfg.model.get("boundary_ratio")  # the experts' boundary the run trained with
         s["loras"] = s["loras"] or sorted((run / "lora" / "final").glob("*_diffusers.safetensors"))
+        comfy_only = sorted((run / "lora" / "final").glob("*_comfyui.safetensors")) if not s["loras"] else []
+        if comfy_only:  # adapter=loha: diffusers has no LoHa loader, so the run wrote ComfyUI files only
+            raise ConfigError(f"--run {run}: its adapter files are ComfyUI-only ({comfy_only[0].name}; diffusers loads "
+                              "no LoHa): bake them with wanexp-merge bake --model ... --lora ... --out DIR, then pass "
+                              "--model-path DIR without --run")
         s["out"] = s["out"] or str(run / "samples")
     if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
         raise ConfigError(f"--model-path {s['model_path']}: not a diffusers-format model folder; pass --model-path "
