@@ -1061,3 +1061,30 @@ PLAN_JOB = Case(
 )
 
 CASES[PLAN] = PLAN_JOB
+
+
+# ---- learnability: training learns (tests/learn_toy.py, the CPU test's code, larger) -----------------------------
+LEARN = "learnability"
+
+
+def learn_dir(ctx: Ctx) -> Path:
+    return ctx.out / LEARN  # strip.png and learnability.json land in the case's record folder
+
+
+CASES[LEARN] = Case(
+    name=LEARN, gpus=1, model="toy",
+    about="a Wan-architecture DiT (4 layers, width 128) trained from scratch on toy latent videos (a moving square of "
+          "colour A), a LoRA tuned on colour B through wanexp's adapter, flow-matching objective and export (loaded "
+          "as diffusers loads it), and a 4-step DMD student of the base: the LoRA's samples change hue toward B, the "
+          "base's do not; the student's samples are closer (PSNR of the sorted values) to the 50-step teacher's than "
+          "the untrained 4-step sampler's; strip.png: first/middle/last frames of base, LoRA, teacher, student",
+    phases=(Phase("learn", lambda ctx: [ctx.python, "-m", "tests.learn_toy", "--out", str(learn_dir(ctx)),
+                                        "--scale", "3"], minutes=4),),
+    checks=(Check("phases.learn.rc", "==", 0, "learn", "the toy runs exit 0"),
+            Check("metrics.hue_base", ">", 0.1, "learn", "the base generates colour A (hue > 0)"),
+            Check("metrics.hue_lora", "<", 0.0, "learn", "the LoRA's samples moved to colour B (hue < 0)"),
+            Check("metrics.psnr_gain", ">", 0.5, "learn", "DMD: the 4-step student closer to the teacher (dB)"),
+            Check("metrics.strip", "present", None, "learn", "the sample strip PNG")),
+    collect=lambda ctx, phases: _json(learn_dir(ctx) / "learnability.json"),
+    record=("hue_base", "hue_lora", "psnr_untrained", "psnr_student", "psnr_gain", "seconds"),
+)
