@@ -122,12 +122,14 @@ def test_eta_adds_training_validation_checkpoints_and_start_up():
             {"shape": [17, 704, 1280], "start": 10.0, "next": 10.4},
             {"shape": [1, 704, 1280], "start": 10.4, "next": 12.4},
             {"shape": [1, 704, 1280], "start": 12.4, "next": 12.5}]
-    calib = {"rows": rows, "setup_s": 20.0, "end_s": 35.0, "validation_s": 30.0, "teardown_s": 1.0}
+    calib = {"rows": rows, "setup_s": 20.0, "end_s": 35.0, "validation_first_s": 40.0, "validation_s": 30.0,
+             "teardown_s": 1.0}
     e = plan.eta(data, calib, _cfg(), {"imports_s": 8.0, "data_s": 2.0})
     mean = (0.4 * 200 + 0.1 * 100) / 300
     assert e["mean_batch_s"] == pytest.approx(mean)
     assert e["parts"]["train_s"] == pytest.approx(500 * mean + 9.6 + 1.9)  # + each bucket's first batch once
-    assert e["validation_calls"] == 1 + 5 and e["parts"]["validation_s"] == pytest.approx(6 * 30.0)
+    # the first call at the calibration's first call, the others at its later one
+    assert e["validation_calls"] == 1 + 5 and e["parts"]["validation_s"] == pytest.approx(40.0 + 5 * 30.0)
     assert e["checkpoints"] == 2 and e["parts"]["checkpoint_s"] == pytest.approx(2 * 5.0)  # steps 250, 500
     assert (e["parts"]["imports_s"], e["parts"]["data_s"], e["parts"]["weights_s"]) == (8.0, 2.0, 20.0)
     assert e["total_s"] == pytest.approx(sum(e["parts"].values()))
@@ -144,3 +146,28 @@ def test_a_bucket_above_the_budget_is_named_with_the_options():
                                                                      "error": "OutOfMemoryError"}}, {}, 79.1, None)
     assert oom[0].startswith("bucket 81x720x1280 runs out of GPU memory")
     assert plan.fit_problems({"end_peak_gib": 20.0}, e, card_gib=79.1, budget=None) == []
+
+
+def test_timer_keeps_a_validation_call_out_of_the_batch_before_it(tmp_path):
+    from types import SimpleNamespace
+
+    class Validation:  # what the timer reads of wanexp.callbacks.validation.Validation: its results
+        results: list = []
+
+    val = Validation()
+    trainer = SimpleNamespace(callbacks=[val], global_step=0, world_size=1, global_rank=0,
+                              datamodule=SimpleNamespace(dataset=SimpleNamespace(shapes=[(9, 64, 64)])))
+    timer = plan_calibrate.PlanTimer(str(tmp_path / "t.json"))
+    batch = {"index": [0]}
+    for step in (1, 2, 3):
+        timer.on_train_batch_start(trainer, None, batch, 0)
+        timer.on_train_batch_end(trainer, None, None, batch, 0)
+        if step == 2:
+            val.results = [{"seconds": 5.0}]
+            time.sleep(0.2)  # the call's time: not the batch's
+    timer.on_train_end(trainer, None)
+    rows = timer.rows
+    assert rows[0]["next"] == rows[1]["start"] and rows[1]["next"] == rows[1]["end"]
+    assert rows[2]["start"] - rows[1]["next"] >= 0.2
+    assert timer.times["validation_first_s"] == timer.times["validation_s"] == 5.0
+    assert (tmp_path / "t.json").is_file()

@@ -298,7 +298,8 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
         o["callbacks.checkpoint.every_n_train_steps"] = steps
         o["callbacks.checkpoint.dirpath"] = str(tmp / "run" / "checkpoints")
     if validating:
-        o.update({"callbacks.validation.every_n_steps": steps, "callbacks.validation.at_start": False})
+        # two calls (mid-way and at the last step): the first loads what later calls reuse
+        o.update({"callbacks.validation.every_n_steps": max(1, steps // 2), "callbacks.validation.at_start": False})
     for name in ("profile",):
         if OmegaConf.is_dict(cb.get(name)):
             o[f"callbacks.{name}.steps"] = 0
@@ -374,12 +375,13 @@ def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict) -> dict:
     saves = len(save_steps(total, ck.get("every_n_train_steps") if OmegaConf.is_dict(ck) else None) or []) \
         if total else 0
     val_s = calib.get("validation_s") or 0.0
+    first_s = calib.get("validation_first_s") or val_s
     ckpt_s = max(0.0, (calib.get("end_s") or 0.0) - val_s)
     parts = {"imports_s": setup["imports_s"], "data_s": setup["data_s"], "weights_s": calib.get("setup_s") or 0.0,
-             "train_s": train_s, "validation_s": calls * val_s, "checkpoint_s": saves * ckpt_s,
+             "train_s": train_s, "validation_s": first_s + (calls - 1) * val_s if calls else 0.0, "checkpoint_s": saves * ckpt_s,
              "end_s": calib.get("teardown_s") or 0.0}
     return {"buckets": times, "mean_batch_s": mean, "batches": n_batches, "validation_calls": calls,
-            "validation_call_s": val_s, "checkpoints": saves, "checkpoint_s": ckpt_s, "parts": parts,
+            "validation_call_s": val_s, "validation_first_s": first_s, "checkpoints": saves, "checkpoint_s": ckpt_s, "parts": parts,
             "total_s": sum(parts.values())}
 
 
@@ -455,7 +457,8 @@ def report(plan: dict) -> str:
             p = e["parts"]
             startup = p["imports_s"] + p["data_s"] + p["weights_s"]
             lines.append(f"time      ETA {_hms(e['total_s'])}: start-up {_hms(startup)}, training "
-                         f"{_hms(p['train_s'])}, validation {e['validation_calls']} x {e['validation_call_s']:.1f} s, "
+                         f"{_hms(p['train_s'])}, validation {e['validation_calls']} calls (first {e['validation_first_s']:.1f} s, "
+                         f"then {e['validation_call_s']:.1f} s each), "
                          f"checkpoints {e['checkpoints']} x {e['checkpoint_s']:.1f} s")
         m = plan["memory"]
         if m.get("peak_gib") is not None:

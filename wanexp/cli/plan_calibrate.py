@@ -31,8 +31,9 @@ def _peak_gib() -> float | None:
 class PlanTimer(Callback):
     """Times of the calibration run, written as JSON by rank 0 into ``record`` at its end (or when it fails):
     ``setup_s`` (trainer built -> first step: weights, compile set-up), one row per batch (bucket, start, seconds from
-    its start to the next batch's start, peak GiB), and ``end_s`` (last batch's end -> train end: validation and the
-    checkpoint with its LoRA export, which the run does at its last step)."""
+    its start to the next batch's start, or to its end when a validation call came between, peak GiB), the first and
+    the last validation call's seconds, and ``end_s`` (last batch's end -> train end: validation and the checkpoint
+    with its LoRA export, which the run does at its last step)."""
 
     def __init__(self, record: str):
         self.record = Path(record)
@@ -50,11 +51,18 @@ class PlanTimer(Callback):
         _sync()
         self.times["setup_s"] = time.perf_counter() - self.built
 
+    @staticmethod
+    def _validations(trainer) -> list[dict]:
+        return [r for c in trainer.callbacks if type(c).__name__ == "Validation" for r in getattr(c, "results", [])]
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         _sync()
         now = time.perf_counter()
+        validated = len(self._validations(trainer))
         if self.rows and self.rows[-1].get("next") is None:
-            self.rows[-1]["next"] = now
+            # a validation call after the previous batch: that batch ends at its own end
+            self.rows[-1]["next"] = now if validated == self.times.get("validations", 0) else self.rows[-1]["end"]
+        self.times["validations"] = validated
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.rows.append({"shape": self._shape(trainer, batch), "start": now, "next": None})
@@ -72,7 +80,9 @@ class PlanTimer(Callback):
         last = self.rows[-1] if self.rows else None
         self.times["end_s"] = end - last["end"] if last else 0.0
         self.times["end_peak_gib"] = _peak_gib()  # since the last batch began: validation's peak
-        calls = [r for c in trainer.callbacks if type(c).__name__ == "Validation" for r in getattr(c, "results", [])]
+        calls = self._validations(trainer)
+        # the first call also loads what later calls reuse (the VAE, the prompts' embeddings)
+        self.times["validation_first_s"] = calls[0].get("seconds") if calls else 0.0
         self.times["validation_s"] = calls[-1].get("seconds") if calls else 0.0  # the call at the last step
         self._write(trainer, failed=None)
 
