@@ -26,6 +26,13 @@ class RunContext:
         if int(self.sp_size) < 1:
             raise ValueError(f"sp_size={self.sp_size}: a sequence-parallel group holds at least one rank")
 
+    @classmethod
+    def from_config(cls, cfg) -> RunContext:
+        """The context of a composed run config (its ``parallel`` group)."""
+        p = cfg.parallel
+        loads = None if p.concurrent_loads is None else int(p.concurrent_loads)
+        return cls(sp_size=int(p.sp_size), concurrent_loads=loads)
+
     @staticmethod
     def rank(trainer) -> int:
         """The global rank (0 without a trainer)."""

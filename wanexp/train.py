@@ -227,7 +227,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
     from wanexp.optim import scaled_lr
 
     # The run-wide facts, built once and handed to the datamodule, the module and the callbacks (wanexp/context.py)
-    context = RunContext(sp_size=int(cfg.parallel.sp_size), concurrent_loads=cfg.parallel.concurrent_loads)
+    context = RunContext.from_config(cfg)
     # the encoders' description and the context are dataclasses: passed past Hydra's instantiate, which would make dicts
     dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info(), context=context)
     dm.prepare()

@@ -35,7 +35,7 @@ ALLOWED = {
     "sampling": {"errors", "models", "data", "lora", "objectives"},
     "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat"},
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context"},
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora"},  # lora: wanexp-merge
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context"},  # lora: wanexp-merge
 }
 
 

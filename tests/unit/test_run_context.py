@@ -40,3 +40,12 @@ def test_hand_over_reaches_the_parts_that_take_it_and_the_status_callback_is_one
     hand_over(ctx, [status, other])
     assert status.run_context is ctx and not hasattr(other, "run_context")
     assert isinstance(status, TakesRunContext)
+
+
+def test_from_config_reads_the_parallel_group():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"parallel": {"sp_size": 2, "concurrent_loads": None}})
+    assert RunContext.from_config(cfg) == RunContext(sp_size=2)
+    cfg.parallel.concurrent_loads = 3
+    assert RunContext.from_config(cfg) == RunContext(sp_size=2, concurrent_loads=3)
