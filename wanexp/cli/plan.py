@@ -158,7 +158,8 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
     r = dm.report
     return {"rows": r.get("rows"), "rejected": r.get("rejected"), "warnings": r.get("warnings"),
             "heldout": r.get("heldout", 0), "samples": unique, "dataset_repeat": repeat,
-            "world_size": world, "data_parallel_size": world // sp, "sp_size": sp, "batch_size": int(cfg.data.batch_size),
+            "world_size": world, "data_parallel_size": world // sp, "sp_size": sp,
+            "batch_size": int(cfg.data.batch_size),
             "token_budget": cfg.data.token_budget, "accumulate_grad_batches": accumulate,
             "effective_batch": int(cfg.data.batch_size) * (world // sp) * accumulate,
             "buckets": dict(sorted(buckets.items())), "batches_per_epoch": len(loader),
@@ -378,10 +379,12 @@ def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict) -> dict:
     first_s = calib.get("validation_first_s") or val_s
     ckpt_s = max(0.0, (calib.get("end_s") or 0.0) - val_s)
     parts = {"imports_s": setup["imports_s"], "data_s": setup["data_s"], "weights_s": calib.get("setup_s") or 0.0,
-             "train_s": train_s, "validation_s": first_s + (calls - 1) * val_s if calls else 0.0, "checkpoint_s": saves * ckpt_s,
+             "train_s": train_s, "validation_s": first_s + (calls - 1) * val_s if calls else 0.0,
+             "checkpoint_s": saves * ckpt_s,
              "end_s": calib.get("teardown_s") or 0.0}
     return {"buckets": times, "mean_batch_s": mean, "batches": n_batches, "validation_calls": calls,
-            "validation_call_s": val_s, "validation_first_s": first_s, "checkpoints": saves, "checkpoint_s": ckpt_s, "parts": parts,
+            "validation_call_s": val_s, "validation_first_s": first_s, "checkpoints": saves, "checkpoint_s": ckpt_s,
+            "parts": parts,
             "total_s": sum(parts.values())}
 
 
@@ -457,7 +460,8 @@ def report(plan: dict) -> str:
             p = e["parts"]
             startup = p["imports_s"] + p["data_s"] + p["weights_s"]
             lines.append(f"time      ETA {_hms(e['total_s'])}: start-up {_hms(startup)}, training "
-                         f"{_hms(p['train_s'])}, validation {e['validation_calls']} calls (first {e['validation_first_s']:.1f} s, "
+                         f"{_hms(p['train_s'])}, validation {e['validation_calls']} calls "
+                         f"(first {e['validation_first_s']:.1f} s, "
                          f"then {e['validation_call_s']:.1f} s each), "
                          f"checkpoints {e['checkpoints']} x {e['checkpoint_s']:.1f} s")
         m = plan["memory"]
@@ -474,7 +478,8 @@ def report(plan: dict) -> str:
         lines.append(f"gpus      all-reduce bus bandwidth on {comm['measured_on']} GPUs: {bw}; peer-to-peer "
                      f"{'used' if comm['p2p']['used'] else 'not used'}")
         if comm.get("share") is not None:
-            lines.append(f"          gradient all-reduce {_gib(comm['grad_bytes'])} ~{comm['grad_allreduce_s'] * 1e3:.1f}"
+            lines.append(f"          gradient all-reduce {_gib(comm['grad_bytes'])} "
+                         f"~{comm['grad_allreduce_s'] * 1e3:.1f}"
                          f" ms = {100 * comm['share']:.1f} % of an optimizer step (upper bound: DDP overlaps it)")
         for tip in comm.get("advice", []):
             lines.append(f"          try {tip}")
