@@ -14,7 +14,7 @@ and ``wanexp.models.denoiser.Denoiser`` around the transformer. Nothing here wri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -333,4 +333,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["Toy", "hue", "profile", "psnr", "sample_euler", "sample_student", "strip_frames", "toy_latents",
-           "train_base", "train_dmd", "train_lora", "with_lora_file", "replace"]
+           "train_base", "train_dmd", "train_lora", "with_lora_file"]

@@ -12,7 +12,8 @@ from wanexp.errors import ConfigError
 
 PROMPTS = ["a red square drifts left", "a blue circle bounces", "a green bar grows", "a white dot circles"]
 T2V_DMD = ["objective=dmd", "objective.first_frame_cond=0", "objective.generator_every=1",
-           "objective.student_timesteps=[1000,500]", "trainer.max_steps=2", "callbacks.checkpoint.every_n_train_steps=2"]
+           "objective.student_timesteps=[1000,500]", "trainer.max_steps=2",
+           "callbacks.checkpoint.every_n_train_steps=2"]
 
 
 def test_prompt_files_are_read_in_every_format(tmp_path):

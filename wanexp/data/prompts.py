@@ -28,7 +28,8 @@ def latent_grid(encoders, shape: tuple[int, int, int]) -> tuple[int, int, int, i
 
 class PromptDataset(Dataset):
     """One prompt per item: ``{"latents": zeros, "text": cached embedding}`` when every prompt is cached, else
-    ``{"pixels": zeros, "prompt"}`` for the module to encode online (the VAE sees a blank clip of the bucket's shape)."""
+    ``{"pixels": zeros, "prompt"}`` for the module to encode online (the VAE sees a blank clip of the bucket's
+    shape)."""
 
     def __init__(self, samples: list[Sample], shapes: list, text_keys: list[str] | None = None,
                  index: CacheIndex | None = None, text_len: int = 0, grid: tuple[int, int, int, int] | None = None):
