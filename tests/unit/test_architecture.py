@@ -33,9 +33,11 @@ ALLOWED = {
     "parallel": {"config", "errors"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora", "context", "lightning_compat"},
     "sampling": {"errors", "models", "data", "lora", "objectives"},
-    "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat"},
-    "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context"},
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context"},  # lora: wanexp-merge
+    "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
+    "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
+              "data"},  # data: the prompts-only check
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
+            "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
 }
 
 

@@ -135,3 +135,10 @@ class CacheWriter:
 
     def close(self) -> None:
         self.flush()
+
+
+def padded_text(text: torch.Tensor, text_len: int) -> torch.Tensor:
+    """A cached embedding (its real tokens only) zero-padded to the text length, as online encoding feeds the DiT."""
+    padded = text.new_zeros((text_len, text.shape[-1]))
+    padded[: text.shape[0]] = text
+    return padded

@@ -28,7 +28,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from wanexp.data.cache import CacheIndex, folder_identity, latent_key, text_key
+from wanexp.data.cache import CacheIndex, folder_identity, latent_key, padded_text, text_key
 from wanexp.data.media import load_clip
 from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
 from wanexp.data.prompts import prompt_dataset, prompt_items
@@ -57,13 +57,6 @@ def check_sequence_split(shapes, vae_stride: tuple[int, int, int], patch: tuple[
             raise MetadataError(f"parallel.sp_size={sp}: the bucket {f}x{h}x{w} (frames x height x width) gives {n} DiT "
                                 f"tokens, which do not split into {sp} equal parts; use another data.height/width/"
                                 "num_frames (or data.buckets) or another sp_size")
-
-
-def padded_text(text: torch.Tensor, text_len: int) -> torch.Tensor:
-    """A cached embedding (its real tokens only) zero-padded to the text length, as online encoding feeds the DiT."""
-    padded = text.new_zeros((text_len, text.shape[-1]))
-    padded[: text.shape[0]] = text
-    return padded
 
 
 def bucket_shapes(samples: list[Sample], num_frames: int, height: int, width: int,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from wanexp.data.cache import CacheIndex
+from wanexp.data.cache import CacheIndex, padded_text
 from wanexp.data.metadata import Reject, Sample
 from wanexp.errors import ConfigError, MetadataError
 
@@ -44,8 +44,6 @@ class PromptDataset(Dataset):
         if self.index is None:
             f, h, w = self.shapes[i]
             return dict(item, pixels=torch.zeros(3, f, h, w))
-        from wanexp.data.datamodule import padded_text
-
         text = padded_text(self.index.load(self.text_keys[i])["text"], self.text_len)
         return dict(item, latents=torch.zeros(self.grid), text=text)
 
