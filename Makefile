@@ -30,7 +30,7 @@ demo: $(PACKAGE)
 	$(PY) train.py experiment=demo
 
 test: $(PACKAGE)
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --maxschedchunk 2
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

@@ -31,8 +31,9 @@ one_thread_per_process()
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The modules that hold slow (multi-process, end-to-end) tests run first, each module's tests together and in
-    their order: the xdist workers (``make test``: ``--dist worksteal``) start the long runs early and end on short
-    tests, instead of one worker finishing a minute-long run alone."""
+    their order. ``make test`` hands the two xdist workers 2 tests at a time (``--maxschedchunk 2``): both start on
+    the long runs and both end on short tests (longest first), instead of one worker finishing a minute-long run
+    alone (with larger chunks or ``--dist worksteal`` the slow modules landed on one worker and ran last)."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # stable: the order inside each group stays
 
