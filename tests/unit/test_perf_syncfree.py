@@ -32,6 +32,9 @@ def test_loss_breakdown_has_every_group_with_tensor_counts():
 class _Spec:
     boundary_ratio = 0.5
 
+    def compute_dtype(self, transformer):
+        return torch.float32
+
     def model_inputs(self, x_t, x0, sigma, cond):
         return x_t, 1000 * sigma, None
 

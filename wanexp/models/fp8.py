@@ -8,7 +8,7 @@ dequantized weight in bf16, and saves no activation for it. LoRA A/B, the embedd
 untouched. The LoRA files and checkpoints do not change (the FP8 tensors are non-persistent buffers).
 
 Off by default: FP8 (3 mantissa bits) changes what is computed. On random weights a single GEMM's relative error is
-~3.5e-2 against fp32, where bf16's is ~4e-3; the whole model's is measured by ``tests/gpu/fp8_check.sh``.
+~3.5e-2 against fp32, where bf16's is ~4e-3; the whole model's is measured by the GPU case ``fp8_5b`` (``python -m tests.gpu.run fp8_5b``).
 Needs a GPU of compute capability >= 8.9 (Ada, Hopper) for the FP8 GEMM; the CPU runs it too (tests).
 
 **FP8 storage** (``model.fp8_storage=true``, any GPU and the CPU): the same per-row quantization, but the weight is
