@@ -43,6 +43,11 @@ class Ctx:
     def run_dir(self, name: str) -> Path:
         return self.work / "runs" / name
 
+    def results(self, case: str) -> Path:
+        """What a case's phases write for the judge (bench JSON, strips): under ``work``, so a later device call on
+        the same machine (whose ``out`` starts empty) still reads them; run.py copies them into ``<out>/<case>/``."""
+        return self.work / "results" / case  # run.py makes it before each phase
+
 
 @dataclass(frozen=True)
 class KillAt:
@@ -393,7 +398,7 @@ def train(name: str, gpus: int, steps: int, data: Callable[[Ctx], list[str]], *e
 
 def bench(name: str, case: str, *args: str, model: Callable[[Ctx], Path] = dit_dir, cap: int | None = None,
           minutes: float = 4) -> Phase:
-    """``wanexp.cli.bench`` on one GPU; its JSON is ``<out>/<case>/<name>.json`` (removed first: the bench appends).
+    """``wanexp.cli.bench`` on one GPU; its JSON is ``<work>/results/<case>/<name>.json`` (copied to ``<out>/<case>/``) (removed first: the bench appends).
     ``cap``: the process capped at that many GiB (tests/gpu/capped.py)."""
     def argv(ctx: Ctx) -> list[str]:
         head = ["tests/gpu/capped.py", str(cap), "wanexp.cli.bench"] if cap else ["-m", "wanexp.cli.bench"]
@@ -403,7 +408,7 @@ def bench(name: str, case: str, *args: str, model: Callable[[Ctx], Path] = dit_d
 
 
 def bench_json(ctx: Ctx, case: str, name: str) -> Path:
-    return ctx.out / case / f"{name}.json"
+    return ctx.results(case) / f"{name}.json"
 
 
 def _slug(label: str) -> str:
@@ -668,7 +673,7 @@ def strategy_metrics(folders: dict, scale: tuple[tuple[str, str, int], ...] = ()
             a, b = m.get(base, {}).get("median_step_s"), m.get(key, {}).get("median_step_s")
             m[f"{key}_scaling"] = n * a / b if a and b else None
         if sp_json:
-            m["sp_numerics"] = _json(ctx.out / STRAT2 / "sp_numerics.json")
+            m["sp_numerics"] = _json(ctx.results(STRAT2) / "sp_numerics.json")
             m["bench"] = bench_metrics(bench_json(ctx, STRAT2, "bench"))
         return m
     return collect
@@ -693,7 +698,7 @@ STRAT2_JOB = Case(
             Phase("sp_numerics", lambda ctx: [ctx.python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                               "tests/gpu/sp_numerics.py",
                                               "--path", str(light_dir(ctx)), "--ckpt",
-                                              "--json", str(ctx.out / STRAT2 / "sp_numerics.json")],
+                                              "--json", str(ctx.results(STRAT2) / "sp_numerics.json")],
                   minutes=3, env={"CUDA_VISIBLE_DEVICES": "0,1"}),
             _s5("ddp_1", 1, "parallel=ddp"), _s5("single_1", 1, "parallel=single"), _s5("ddp_2", 2, "parallel=ddp"),
             _s5("fsdp_2", 2, "parallel=fsdp"), _s5("fsdp_sp2_2", 2, "parallel=fsdp", "parallel.sp_size=2"),
@@ -867,14 +872,14 @@ DISTILL = "distill_2gpu"
 
 def dmd_phase(name: str, *extra: str) -> Phase:
     return Phase(name, lambda ctx: [ctx.python, "tests/gpu/dmd_step.py", "--model-path", str(dit_dir(ctx)), *extra,
-                                    "--json", str(ctx.out / DISTILL / f"{name}.json")],
+                                    "--json", str(ctx.results(DISTILL) / f"{name}.json")],
                  minutes=4, env={"CUDA_VISIBLE_DEVICES": "0"})
 
 
 def distill_metrics(ctx: Ctx, phases: dict) -> dict:
     m = runs(fsdp_compile="tiny_fsdp_compile", fp16="tiny_fp16", dmd_tiny="tiny_dmd")(ctx, phases)
     for name in ("dmd_5b", "dmd_5b_ckpt"):
-        res = _json(ctx.out / DISTILL / f"{name}.json")
+        res = _json(ctx.results(DISTILL) / f"{name}.json")
         m[name] = {**res.get("dmd", {}), "dtype_error": res.get("dtype_error")}
     return m
 
@@ -1068,7 +1073,7 @@ LEARN = "learnability"
 
 
 def learn_dir(ctx: Ctx) -> Path:
-    return ctx.out / LEARN  # strip.png and learnability.json land in the case's record folder
+    return ctx.results(LEARN)  # strip.png and learnability.json; run.py copies them into the record folder
 
 
 CASES[LEARN] = Case(

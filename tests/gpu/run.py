@@ -104,6 +104,7 @@ def run_phase(ctx: Ctx, case: Case, phase: Phase, env: dict) -> dict:
             path.unlink(missing_ok=True)
     log_dir = ctx.work / "logs" / case.name
     log_dir.mkdir(parents=True, exist_ok=True)
+    ctx.results(case.name).mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{phase.name}.log"
     t0 = time.monotonic()
     with log.open("w") as fh:
@@ -117,6 +118,9 @@ def run_phase(ctx: Ctx, case: Case, phase: Phase, env: dict) -> dict:
     record["seconds"] = round(time.monotonic() - t0, 1)
     record["log"] = str(log)
     (ctx.out / case.name).mkdir(parents=True, exist_ok=True)
+    for f in ctx.results(case.name).iterdir():  # every result so far, this call's and earlier calls' on this machine
+        if f.is_file():
+            shutil.copy2(f, ctx.out / case.name / f.name)
     lines = log.read_text(errors="replace").splitlines()
     (ctx.out / case.name / f"{phase.name}.log").write_text("\n".join(lines[-LOG_TAIL:]) + "\n")
     return record

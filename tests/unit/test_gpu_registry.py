@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import shutil
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,21 @@ def test_a_strategy_case_reads_its_run_folders_and_scaling(tmp_path):
     slow = json.loads(json.dumps(result))
     slow["metrics"]["ddp_4_scaling"] = 3.0
     assert registry.evaluate(case, slow)[0] == "FAIL"
+
+
+def test_a_later_device_call_reads_what_an_earlier_phase_wrote(runner, monkeypatch, tmp_path, capsys):
+    """Each device call starts with an empty --out: a phase's JSON lives under --work (kept on the warm machine), so
+    the call that runs the last phase judges every phase's numbers, and each call's --out gets copies."""
+    write = "import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); p.write_text(json.dumps({'v': 7}))"
+    case = Case(name="two", gpus=1, model="tiny", about="two calls",
+                checks=(Check("metrics.a.v", "==", 7), Check("phases.b.rc", "==", 0)),
+                collect=lambda ctx, phases: {"a": json.loads((ctx.results("two") / "a.json").read_text())},
+                phases=(Phase("a", lambda ctx: [sys.executable, "-c", write, str(ctx.results("two") / "a.json")],
+                              minutes=0.1, timeout_s=30),
+                        Phase("b", lambda ctx: [sys.executable, "-c", "pass"], minutes=0.1, timeout_s=30)))
+    monkeypatch.setitem(run.CASES, "two", case)
+    assert runner("two", "--phase", "a") == 0
+    shutil.rmtree(tmp_path / "o")  # the next call's $OUT is a new, empty folder
+    assert runner("two", "--phase", "b") == 0
+    assert "PASS two" in capsys.readouterr().out
+    assert json.loads((tmp_path / "o" / "two" / "a.json").read_text()) == {"v": 7}
