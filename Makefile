@@ -25,9 +25,14 @@ $(PACKAGE): $(STAMP) pyproject.toml
 
 setup: $(PACKAGE)
 
+# The demo overfits two clips at a high lr so that its loss falls visibly in 30 steps, and samples the base model at
+# step 0 and the LoRA at the end (DIR/validation/strip.png); tests/integration/test_demo_learns.py reads this line.
+DEMO := experiment=demo data.max_samples=2 optim.lr=1e-2 callbacks.validation.every_n_steps=30 \
+	callbacks.validation.steps=10
+
 demo: $(PACKAGE)
-	$(PY) -m wanexp.cli.cache experiment=demo
-	$(PY) train.py experiment=demo
+	$(PY) -m wanexp.cli.cache $(DEMO)
+	$(PY) train.py $(DEMO)
 
 test: $(PACKAGE)
 	$(PY) -m pytest -q -n 2 --maxschedchunk 2

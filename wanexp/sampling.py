@@ -79,6 +79,30 @@ def write_mp4(path: Path, video: torch.Tensor, fps: int) -> None:
     write_video(path, to_uint8(video), fps=fps)
 
 
+def strip_frames(video: torch.Tensor):
+    """The first, middle and last frames of a (F, H, W, 3) video in [0, 1], side by side, as uint8 (quantised as
+    :func:`write_mp4` writes them): one half of a row of :func:`write_strip`. Small enough to keep between calls."""
+    import numpy as np
+
+    frames = to_uint8(video[[0, video.shape[0] // 2, video.shape[0] - 1]].float().cpu())
+    return np.concatenate(list(frames), axis=1)
+
+
+def write_strip(path: Path, rows: list[tuple]) -> None:
+    """A PNG of before/after pairs: one row per (base, LoRA) pair of :func:`strip_frames`, the base's three frames
+    then the LoRA's; rows of narrower shapes are padded with black. Written to a temporary name, then renamed: a
+    viewer never sees half a file."""
+    import numpy as np
+    from PIL import Image
+
+    lines = [np.concatenate(pair, axis=1) for pair in rows]  # a pair: the same prompt, seed and shape
+    width = max(x.shape[1] for x in lines)
+    grid = np.concatenate([np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0))) for x in lines], axis=0)
+    tmp = path.with_name(path.name + ".tmp")
+    Image.fromarray(grid).save(tmp, format="PNG")
+    tmp.replace(path)
+
+
 @contextmanager
 def recorded_timesteps(pipe):
     """Collect the timestep each transformer call of ``pipe`` gets (the last token's: a clean TI2V first frame has

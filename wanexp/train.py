@@ -32,6 +32,9 @@ def quiet_warnings() -> None:
     # slow a small CPU run), and from the cache a batch is one file read; python -m wanexp.cli.bench_loader measures
     # what more workers give.
     warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck.*")
+    # Lightning counts log_every_n_steps over the whole run, not per epoch: an epoch shorter than it (make demo's two
+    # clips) still logs every N steps.
+    warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
 
 
 quiet_warnings()
@@ -332,10 +335,35 @@ def cli(cfg: DictConfig) -> None:
         sys.exit(1)
     _finish_wandb(failed=False)  # the next point of a sweep starts its own W&B run
     if result["rank"] == 0:
-        print(f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}")
-        label = "LoRA file" if result["module"].objective.export_checkpoint is None else "exported"
-        for f in result["lora_files"]:
-            print(f"wanexp: {label} {f}")
+        print("\n".join(end_lines(cfg, result)))
+
+
+def end_lines(cfg: DictConfig, result: dict) -> list[str]:
+    """What a finished run prints (rank 0): the run folder, the first and last logged loss, the LoRA files, and the
+    validation's before/after strip when it wrote one."""
+    lines = [f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}"]
+    trend = loss_trend(Path(result["output_dir"]) / "status.jsonl")
+    if trend:
+        lines.append("wanexp: training loss {:.4g} at step {} -> {:.4g} at step {}".format(*trend))
+    label = "LoRA file" if result["module"].objective.export_checkpoint is None else "exported"
+    lines += [f"wanexp: {label} {f}" for f in result["lora_files"]]
+    strip = next((c.strip for c in result["trainer"].callbacks if getattr(c, "strip", None)), None)
+    if strip is not None:
+        lines.append(f"wanexp: before/after strip {strip} (the base model's first, middle and last frames, then the "
+                     "LoRA's; a row per validation video)")
+    return lines
+
+
+def loss_trend(history: Path) -> tuple[float, int, float, int] | None:
+    """The first and last logged training loss in DIR/status.jsonl (the status callback's lines): (loss, step, loss,
+    step), or None without two logged losses (callbacks.status=null, a run shorter than log_every_n_steps)."""
+    if not history.is_file():
+        return None
+    import json
+
+    lines = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
+    logged = [(x["loss"], x["step"]) for x in lines if x.get("loss") is not None]
+    return (*logged[0], *logged[-1]) if len(logged) > 1 else None
 
 
 USAGE = """usage: python train.py [group=option ...] [key=value ...]     (installed: wanexp-train ...)

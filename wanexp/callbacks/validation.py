@@ -7,7 +7,9 @@ Every ``every_n_steps`` optimizer steps and at the last step (``every_n_steps: 0
   or loaded from ``model.path`` for the call and freed after when the run trains from the cache). A one-expert A14B run
   loads the other expert from ``model.path`` for the call (sharded over the ranks under FSDP2). Written to
   ``DIR/validation/step_NNNNNN/p<i>_s<seed>.mp4`` and logged to W&B (``val/video/p<i>_s<seed>``). At step 0 of a
-  fresh run the base model (adapters off) is sampled once (``..._base.mp4``, ``val/base/...``). TI2V with
+  fresh run the base model (adapters off) is sampled once (``..._base.mp4``, ``val/base/...``);
+  ``DIR/validation/strip.png`` then shows it against the latest LoRA (first, middle and last frames, a row per video),
+  rewritten at each validation. TI2V with
   ``first_frame`` and I2V sample image-to-video from the first frames of the held-out clips (else the training clips),
   prompt i with clip i.
 - **Distilled LoRA** (an objective with ``student_timesteps``, i.e. ``objective=dmd``): sampled on exactly its
@@ -64,6 +66,8 @@ class Validation(Callback):
         self._embeds: dict[str, torch.Tensor] = {}  # prompt -> UMT5 embedding (text_len, D) on the CPU, made once
         self._vae = None  # a run from the cache: the VAE from model.path, loaded at the first call, kept on the CPU
         self.results: list[dict] = []  # what each validation produced (also DIR/validation/step_N/metrics.json)
+        self._before: dict[str, object] = {}  # video name -> the base model's strip frames (sampling.strip_frames)
+        self.strip: Path | None = None  # DIR/validation/strip.png once written: the base vs the latest LoRA
 
     def sizes(self, dm) -> list[dict]:
         """The shapes sampled: {height, width, frames} each (see ``shapes``)."""
@@ -252,6 +256,7 @@ class Validation(Callback):
             psnr,
             recorded_timesteps,
             ssim,
+            strip_frames,
             student_scheduler,
             write_mp4,
         )
@@ -306,6 +311,7 @@ class Validation(Callback):
                                                      embeds=(embeds[prompt], embeds[self.negative_prompt]))
                             teacher[key] = (lat, video)
                             if base and write:
+                                self._before[name] = strip_frames(video)
                                 f = folder / f"{name}_base.mp4"
                                 write_mp4(f, video, self.fps)
                                 out["videos"][f"val/base/{name}"] = (str(f), f"base: {prompt}")
@@ -319,6 +325,7 @@ class Validation(Callback):
                     steps, guidance = len(student.timesteps), 1.0
                 else:
                     pipe.scheduler, steps, guidance = default, self.steps, self.guidance
+                after = {}
                 with adapter(modules, objective.export):
                     for key, name, prompt, s, img in each():
                         lat, video, used = generate(pipe, prompt, key[1], s, steps, guidance, self.negative_prompt,
@@ -329,10 +336,12 @@ class Validation(Callback):
                             f = folder / f"{name}.mp4"
                             write_mp4(f, video, self.fps)
                             out["videos"][f"val/video/{name}"] = (str(f), prompt)
+                            after[name] = strip_frames(video)
                         if student is not None:
                             t_lat, t_video = self._teacher[key]
                             gaps.append((float(((lat - t_lat) ** 2).mean()), psnr(video, t_video),
                                          ssim(video, t_video)))
+                self._write_strip(after)
         finally:
             del pipe, extra
             if encoders is None:
@@ -342,6 +351,16 @@ class Validation(Callback):
             out["metrics"].update({"val/teacher_latent_mse": sum(g[0] for g in gaps) / n,
                                    "val/teacher_psnr": sum(min(g[1], 100.0) for g in gaps) / n,
                                    "val/teacher_ssim": sum(g[2] for g in gaps) / n})
+
+    def _write_strip(self, after: dict) -> None:
+        """DIR/validation/strip.png: a row per video, the base model's (sampled at step 0 of this session) first,
+        middle and last frames, then the latest LoRA's. Rewritten at each validation: always base vs latest."""
+        from wanexp.sampling import write_strip
+
+        rows = [(self._before[name], frames) for name, frames in after.items() if name in self._before]
+        if rows:
+            self.strip = self.dir / "strip.png"
+            write_strip(self.strip, rows)
 
 
 def _tag(size: dict) -> str:
