@@ -114,6 +114,18 @@ def test_resume_with_aspect_buckets_is_bit_identical(shared_dir, tmp_path):
     assert_same_lora(lora(full), lora(tiny_run(shared_dir, tmp_path / "cut", [*common, "resume=last"])))
 
 
+def test_resume_with_caption_dropout_is_bit_identical(shared_dir, tmp_path):
+    """data.caption_dropout=0.5 (encoded online): stopped mid-epoch 1 (5 batches per epoch) and resumed, the LoRA
+    of the run without the stop; the captions a resumed run drops are those the uninterrupted run drops."""
+    common = [*EXACT, "data.caption_dropout=0.5", "data.use_cache=false"]
+    full = tiny_run(shared_dir, tmp_path / "full", [*common, "trainer.max_steps=7"])
+    ds = full["trainer"].datamodule.dataset
+    assert 0 < sum(ds[(i, 1)]["prompt"] == "" for i in range(len(ds))) < len(ds)
+    tiny_run(shared_dir, tmp_path / "cut", [*common, "trainer.max_steps=6"])
+    assert_same_lora(lora(full), lora(tiny_run(shared_dir, tmp_path / "cut", [*common, "trainer.max_steps=7",
+                                                                              "resume=last"])))
+
+
 @pytest.mark.slow
 def test_resume_mid_epoch_under_ddp_gives_each_rank_its_unseen_batches(shared_dir, tmp_path):
     common = ["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={tmp_path}/data",

@@ -90,7 +90,8 @@ def build_cache(cfg: DictConfig) -> dict:
         if tkey not in index:
             texts.setdefault(tkey, (tkey, sample.prompt))
     wanted = {k for pair in keys for k in pair if k is not None}
-    for prompt in extra_prompts(cfg):  # validation's prompts and the negative prompts: training never loads UMT5
+    dropout = [""] if dm.caption_dropout > 0 else []  # a dropped caption trains on the empty prompt's embedding
+    for prompt in [*extra_prompts(cfg), *dropout]:  # validation's, negative prompts: training never loads UMT5
         tkey = dm.text_cache_key(prompt)
         wanted.add(tkey)
         if tkey not in index:

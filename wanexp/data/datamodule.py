@@ -17,6 +17,7 @@ batch late.)
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -73,18 +74,30 @@ def bucket_shapes(samples: list[Sample], num_frames: int, height: int, width: in
     return shapes
 
 
+def caption_dropped(seed: int, epoch: int, index: int, p: float) -> bool:
+    """Whether caption dropout gives this sample the empty prompt in this epoch (probability ``p``): a pure function
+    of (seed, epoch, index), so a resumed run drops exactly the captions an uninterrupted one drops, with no RNG
+    state to carry, on any rank and with any number of loader workers."""
+    if p <= 0:
+        return False
+    digest = hashlib.sha256(f"caption-dropout:{seed}:{epoch}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < p
+
+
 class ClipDataset(Dataset):
     """Decodes one sample at its bucket's shape into ``{"pixels": (3, F, H, W) in [-1, 1], "prompt", "index"}``.
 
     ``starts``: each sample's first frame (``RANDOM_START``: a window drawn per epoch, then indexes are
-    ``(index, epoch)`` pairs and ``available`` holds each clip's frame count).
+    ``(index, epoch)`` pairs and ``available`` holds each clip's frame count). ``caption_dropout``: the share of
+    samples per epoch trained with the empty prompt (indexes are ``(index, epoch)`` pairs too).
     """
 
     def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int = 1,
-                 starts: list[int] | None = None, available: list[int] | None = None, seed: int = 0):
+                 starts: list[int] | None = None, available: list[int] | None = None, seed: int = 0,
+                 caption_dropout: float = 0.0):
         self.samples, self.shapes, self.frame_stride = samples, shapes, frame_stride
         self.starts = starts or [0] * len(samples)
-        self.available, self.seed = available, seed
+        self.available, self.seed, self.caption_dropout = available, seed, caption_dropout
         self.same_shape: dict[Shape, list[int]] = {}
         for i, shape in enumerate(shapes):
             self.same_shape.setdefault(shape, []).append(i)
@@ -99,7 +112,8 @@ class ClipDataset(Dataset):
         if start == RANDOM_START:
             start = random_start(self.available[i], frames, self.frame_stride, self.seed, epoch, i)
         pixels = load_clip(s, frames, height, width, self.frame_stride, start=start)
-        return {"pixels": pixels, "prompt": s.prompt, "index": i}
+        prompt = "" if caption_dropped(self.seed, epoch, i, self.caption_dropout) else s.prompt
+        return {"pixels": pixels, "prompt": prompt, "index": i}
 
     def __getitem__(self, i) -> dict:
         """A sample that fails to decode now (it passed the pre-flight check) is replaced by the next one of its
@@ -122,20 +136,27 @@ class ClipDataset(Dataset):
 
 
 class CachedDataset(Dataset):
-    """Reads one sample's latents and text embeddings from the cache (``wanexp.data.cache``)."""
+    """Reads one sample's latents and text embeddings from the cache (``wanexp.data.cache``). With
+    ``caption_dropout`` indexes are ``(index, epoch)`` pairs and a dropped caption reads ``empty_key``'s entry (the
+    empty prompt's embedding)."""
 
     def __init__(self, samples: list[Sample], shapes: list[Shape], keys: list[tuple[str, str]], index: CacheIndex,
-                 text_len: int):
+                 text_len: int, caption_dropout: float = 0.0, empty_key: str | None = None, seed: int = 0):
         self.samples, self.shapes, self.keys, self.index, self.text_len = samples, shapes, keys, index, text_len
+        self.caption_dropout, self.empty_key, self.seed = caption_dropout, empty_key, seed
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i) -> dict:
+        i, epoch = i if isinstance(i, tuple) else (i, 0)
         lkey, tkey = self.keys[i]
+        prompt = self.samples[i].prompt
+        if caption_dropped(self.seed, epoch, i, self.caption_dropout):
+            tkey, prompt = self.empty_key, ""
         item = self.index.load(lkey)
         text = padded_text(self.index.load(tkey)["text"], self.text_len)
-        return dict(item, text=text, prompt=self.samples[i].prompt, index=i)
+        return dict(item, text=text, prompt=prompt, index=i)
 
 
 class _Epoch:
@@ -262,7 +283,7 @@ class WanDataModule(L.LightningDataModule):
                  frame_stride: int, window: str, windows_per_clip: int, batch_size: int, token_budget: int | None, num_workers: int, max_samples: int | None, dataset_repeat: int,
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
-                 generate: dict | None, seed: int, val_fraction: float = 0.0,
+                 generate: dict | None, seed: int, val_fraction: float = 0.0, caption_dropout: float = 0.0,
                  encoders: object | None = None, context: RunContext | None = None):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
         identifies the model's VAE and text encoder for cache keys, and its latent grid
@@ -274,6 +295,7 @@ class WanDataModule(L.LightningDataModule):
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
         self.batch_size, self.num_workers, self.max_samples = batch_size, num_workers, max_samples
         self.dataset_repeat = dataset_repeat
+        self.caption_dropout = float(caption_dropout)  # share of samples per epoch trained with the empty prompt
         self.window, self.windows_per_clip = window, windows_per_clip
         self.token_budget = token_budget
         self.resolutions = [tuple(r) for r in buckets] if buckets else None
@@ -383,6 +405,10 @@ class WanDataModule(L.LightningDataModule):
             return
         samples, shapes, starts, available = self.items()
         if self.prompts_only:
+            if self.caption_dropout > 0:
+                raise MetadataError(f"data.caption_dropout={self.caption_dropout}: {self.metadata} holds prompts "
+                                    "alone (no media), whose prompts are what a distillation samples from; set "
+                                    "data.caption_dropout=0")
             self.dataset, self.cached = prompt_dataset(self, samples, shapes)
             return
         base = Path(self.root) if self.root else self.metadata.parent  # the split is the same wherever the data is
@@ -395,15 +421,19 @@ class WanDataModule(L.LightningDataModule):
         cacheable = self.encoders and self.cache_dir and self.window != "random"  # random windows change each epoch
         self.keys = self.cache_keys(samples, shapes, starts) if cacheable else []
         index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
-        missing = sum(1 for k in {k for pair in self.keys for k in pair} if index is None or k not in index)
+        empty_key = self.text_cache_key("") if self.keys and self.caption_dropout > 0 else None
+        needed = {k for pair in self.keys for k in pair} | ({empty_key} if empty_key else set())
+        missing = sum(1 for k in needed if index is None or k not in index)
         self.cached = index is not None and missing == 0
         self.report["cache"] = {"dir": str(self.cache_dir) if self.cache_dir else None, "used": self.cached,
                                 "missing_entries": missing if self.keys else None}
-        r = self.dataset_repeat
+        r, p = self.dataset_repeat, self.caption_dropout
         if self.cached:
-            self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders.text_len)
+            self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders.text_len,
+                                         p, empty_key, self.seed)
         else:
-            self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride, starts * r, available * r, self.seed)
+            self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride, starts * r, available * r, self.seed,
+                                       p)
         if val:
             vs, vsh, vst, vav = val_items
             vkeys = self.cache_keys(vs, vsh, vst) if cacheable else []
@@ -484,7 +514,7 @@ class WanDataModule(L.LightningDataModule):
             )
         if self.trainer is not None:  # the position is the trainer's step: a restored checkpoint's, then each pass's
             sampler.follow(lambda: self.trainer.global_step, self.trainer.accumulate_grad_batches)
-        if self.window == "random":
+        if self.window == "random" or self.caption_dropout > 0:  # the dataset draws per (index, epoch)
             sampler = EpochTagged(sampler)
         # Its own generator: the loader's worker base seed is drawn from it, not from the global RNG, whose state a
         # checkpoint restores (so a resumed run draws the same noise and timesteps as an uninterrupted one).
