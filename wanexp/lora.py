@@ -477,19 +477,9 @@ _PEFT_TO_COMFY = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up
 def read_adapter_file(path, what: str = "adapter file", sd: dict | None = None) -> AdapterFile:
     """Read a wanexp (or ComfyUI-named) LoRA/DoRA/LoKr/LoHa file, or a diffusers/peft one with its
     ``lora_adapter_metadata`` header; one line on anything else."""
-    from safetensors import SafetensorError, safe_open
-
     header = {}
     if sd is None:
-        try:
-            sd = load_file(os.fspath(path))
-            with safe_open(os.fspath(path), "pt") as f:
-                header = f.metadata() or {}
-        except OSError as e:
-            raise ConfigError(f"{what}: cannot read it ({e.strerror or e}); name an existing adapter .safetensors "
-                              "file") from None
-        except SafetensorError as e:
-            raise ConfigError(f"{what}: not a safetensors file ({(str(e).splitlines() or ['?'])[0]})") from None
+        sd, header = read_safetensors(path, what, "name an existing adapter .safetensors file", "")
     modules: dict[str, dict[str, torch.Tensor]] = {}
     peft_named = False
     for key, w in sd.items():
@@ -636,19 +626,25 @@ _KIND_MODULES = [f"blocks.0.{a}.{p}" for a in ("attn1", "attn2") for p in ATTN_T
 def read_lora_file(path: str | Path, what: str = "LoRA file") -> tuple[dict[str, torch.Tensor], int, float]:
     """Read a Wan LoRA file of any format in :data:`LORA_FORMATS` -> (peft-named fp32 weights, rank, alpha).
     ``what`` starts every error message (e.g. the config key that named the file)."""
+    sd, header = read_safetensors(path, what, "name an existing LoRA .safetensors file",
+                                  f"; formats accepted: {LORA_FORMATS}")
+    return convert_lora_state_dict(sd, header, what)
+
+
+def read_safetensors(path, what: str, fix: str, accepted: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, header) of an adapter file; a missing or unreadable file is one ConfigError line starting ``what``
+    (``fix``: what to name instead; ``accepted``: appended to the not-safetensors line)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         sd = load_file(os.fspath(path))
         with safe_open(os.fspath(path), "pt") as f:
-            header = f.metadata() or {}
+            return sd, f.metadata() or {}
     except OSError as e:
-        raise ConfigError(f"{what}: cannot read it ({e.strerror or e}); name an existing LoRA .safetensors file"
-                          ) from None
+        raise ConfigError(f"{what}: cannot read it ({e.strerror or e}); {fix}") from None
     except SafetensorError as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{what}: not a safetensors file ({reason}); formats accepted: {LORA_FORMATS}") from None
-    return convert_lora_state_dict(sd, header, what)
+        raise ConfigError(f"{what}: not a safetensors file ({reason}){accepted}") from None
 
 
 def convert_lora_state_dict(sd: dict[str, torch.Tensor], header: dict | None = None,

@@ -55,6 +55,18 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x.to(ctx.in_dtype), None, None, None, None
 
 
+def _store_rows(module: nn.Module, linear: nn.Linear) -> None:
+    """``linear``'s weight as float8 rows with their scales, and its bias, as buffers of ``module`` (not saved: the
+    checkpoint holds the adapters only)."""
+    weight_fp8, scale = quantize_rows(linear.weight.detach())
+    module.register_buffer("weight_fp8", weight_fp8, persistent=False)
+    module.register_buffer("weight_scale", scale, persistent=False)
+    if linear.bias is not None:
+        module.register_buffer("bias", linear.bias.detach().clone(), persistent=False)
+    else:
+        module.bias = None
+
+
 class FrozenFP8Linear(nn.Module):
     """A frozen ``nn.Linear`` in FP8 (see the module docstring). ``out_dtype``: bf16 unless the input is fp32 and no
     autocast is active (then fp32, as the linear it replaces would return)."""
@@ -62,13 +74,7 @@ class FrozenFP8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight_fp8, scale = quantize_rows(linear.weight.detach())
-        self.register_buffer("weight_fp8", weight_fp8, persistent=False)
-        self.register_buffer("weight_scale", scale, persistent=False)
-        if linear.bias is not None:
-            self.register_buffer("bias", linear.bias.detach().clone(), persistent=False)
-        else:
-            self.bias = None
+        _store_rows(self, linear)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -148,13 +154,7 @@ class StoredFP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
-        weight_fp8, scale = quantize_rows(linear.weight.detach())
-        self.register_buffer("weight_fp8", weight_fp8, persistent=False)
-        self.register_buffer("weight_scale", scale, persistent=False)
-        if linear.bias is not None:
-            self.register_buffer("bias", linear.bias.detach().clone(), persistent=False)
-        else:
-            self.bias = None
+        _store_rows(self, linear)
 
     # the stored tensors and how they become the weight: what block swap (models/blockswap.py) moves and rebuilds
     def stored_tensors(self) -> dict[str, torch.Tensor]:
