@@ -247,6 +247,9 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
         if r.get("rejected") or r.get("warnings"):
             print(f"wanexp: data: {r['rejected']} of {r['rows']} rows rejected, {r['warnings']} warnings "
                   f"(reasons in {r['rejects_file']})", flush=True)
+        if len(r.get("datasets") or {}) > 1:  # data.datasets: what each dataset gives an epoch
+            print("wanexp: data: samples per epoch: " + ", ".join(
+                f"{n} {d['samples']} ({d['items']} x{d['repeat']})" for n, d in r["datasets"].items()), flush=True)
         c = r.get("cache") or {}
         if c.get("used"):
             print(f"wanexp: data: training from the cache {c['dir']} (the VAE and text encoder are not loaded)")

@@ -108,6 +108,16 @@ def _gpu() -> dict:
     return out
 
 
+def dataset_metrics(report: dict) -> dict:
+    """Each dataset's rows, rejects and samples per epoch (repeats included), as logged metrics (W&B, CSV)."""
+    out = {}
+    for name, d in (report.get("datasets") or {}).items():
+        for key in ("rows", "rejected", "samples"):
+            if d.get(key) is not None:
+                out[f"data/{name}/{key}"] = float(d[key])
+    return out
+
+
 class RunStatus(TakesRunContext, Callback):
     """status.json: state (running/finished/failed/interrupted), step of total, ETA, loss, lr, throughput, memory,
     the last checkpoint, rejects and per-rank fields; also logs perf/* (samples/s, tokens/s, TFLOP/s, % of peak,
@@ -194,8 +204,8 @@ class RunStatus(TakesRunContext, Callback):
         report = getattr(trainer.datamodule, "report", None) or {}
         if "rejected" in report and trainer.global_rank == 0:
             for lg in trainer.loggers:  # once: rows rejected before training (reasons in DIR/rejects.jsonl)
-                lg.log_metrics({"data/rejected": float(report["rejected"]), "data/rows": float(report["rows"])},
-                               step=trainer.global_step)
+                lg.log_metrics({"data/rejected": float(report["rejected"]), "data/rows": float(report["rows"]),
+                                **dataset_metrics(report)}, step=trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """``train/grad_norm`` (total L2 norm of the trainable gradients, before clipping) at logged steps only:

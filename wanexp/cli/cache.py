@@ -27,16 +27,16 @@ from wanexp.models.encode import encode_image_condition, encode_text, encode_vid
 class _Clips(Dataset):
     """Decodes the clips to encode; a clip that fails to decode comes back as its error (listed, then skipped)."""
 
-    def __init__(self, todo, stride: int):
-        self.todo, self.stride = todo, stride
+    def __init__(self, todo):
+        self.todo = todo  # (key, sample, shape, first frame, frame stride)
 
     def __len__(self) -> int:
         return len(self.todo)
 
     def __getitem__(self, i):
-        key, sample, (frames, height, width), start = self.todo[i]
+        key, sample, (frames, height, width), start, stride = self.todo[i]
         try:
-            return key, sample, load_clip(sample, frames, height, width, self.stride, start=start)
+            return key, sample, load_clip(sample, frames, height, width, stride, start=start)
         except (MediaError, OSError, ValueError) as e:
             return key, sample, str(e).strip().splitlines()[-1]
 
@@ -80,13 +80,18 @@ def build_cache(cfg: DictConfig) -> dict:
         cfg.data.rejects = os.path.join(str(cfg.data.cache_dir), "rejects.jsonl")
     dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info())
     dm.prepare()
+    random_windows = [p.name for p in dm.parts if p.window == "random"]
+    if dm.several and random_windows:
+        raise ConfigError(f"data.datasets.{random_windows[0]}.window=random draws a new window every epoch, which no "
+                          "cache can hold; cache window=uniform or chunks, or train online")
     samples, shapes, starts, _ = dm.items()
-    keys = dm.cache_keys(samples, shapes, starts)
+    strides = dm.item_stride or [dm.frame_stride] * len(samples)  # each dataset's own (data.datasets)
+    keys = dm.cache_keys(samples, shapes, starts, strides)
     index = CacheIndex(dm.cache_dir)
     latents, texts = {}, {}
-    for sample, shape, start, (lkey, tkey) in zip(samples, shapes, starts, keys):
+    for sample, shape, start, stride, (lkey, tkey) in zip(samples, shapes, starts, strides, keys):
         if lkey is not None and lkey not in index:  # None: a prompt alone (no media)
-            latents.setdefault(lkey, (lkey, sample, shape, start))
+            latents.setdefault(lkey, (lkey, sample, shape, start, stride))
         if tkey not in index:
             texts.setdefault(tkey, (tkey, sample.prompt))
     wanted = {k for pair in keys for k in pair if k is not None}
@@ -127,7 +132,7 @@ def build_cache(cfg: DictConfig) -> dict:
     text_writer.close()
     latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dm.cache_dtype]
-    loader = DataLoader(_Clips(todo_latents, dm.frame_stride), batch_size=None, num_workers=dm.num_workers)
+    loader = DataLoader(_Clips(todo_latents), batch_size=None, num_workers=dm.num_workers)
     for key, sample, pixels in loader:
         if isinstance(pixels, str):
             rejects.append((sample.path, pixels))

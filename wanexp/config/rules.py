@@ -41,6 +41,7 @@ def check_rules(cfg: DictConfig) -> None:
             raise ConfigError(f"data.{key}={v}: model={m.name} needs a multiple of {m.hw_multiple} "
                               f"(e.g. {down or m.hw_multiple} or {down + m.hw_multiple})")
     check_buckets(cfg)
+    check_dataset_shapes(cfg)
     if d.window != "first" and not d.probe:
         raise ConfigError(f"data.window={d.window} with data.probe=false: windows need each clip's frame count; "
                           "set data.probe=true or data.window=first")
@@ -171,6 +172,32 @@ def check_buckets(cfg: DictConfig) -> None:
                 raise ConfigError(f"data.token_budget={d.token_budget}: one sample of the {where} at "
                                   f"data.num_frames={d.num_frames} is {tokens} DiT tokens, more than the budget; set "
                                   f"data.token_budget >= {tokens}, or a smaller bucket or data.num_frames")
+
+
+def check_dataset_shapes(cfg: DictConfig) -> None:
+    """Each data.datasets entry's own height, width and buckets are multiples of model.hw_multiple, as the group's
+    are (the datamodule checks the entries' other keys when it reads them, before anything loads)."""
+    m, sets = cfg.model, cfg.data.get("datasets")
+    entries = sets.items() if OmegaConf.is_dict(sets) else enumerate(sets) if OmegaConf.is_list(sets) else []
+    for name, e in entries:
+        if not OmegaConf.is_dict(e):
+            continue
+        name = e.get("name") or name
+        if e.get("window") not in (None, "first") and not cfg.data.probe:
+            raise ConfigError(f"data.datasets.{name}.window={e.window} with data.probe=false: windows need each "
+                              "clip's frame count; set data.probe=true or that dataset's window=first")
+        for key in ("height", "width"):
+            v = e.get(key)
+            if isinstance(v, int) and v % m.hw_multiple:
+                raise ConfigError(f"data.datasets.{name}.{key}={v}: model={m.name} needs a multiple of "
+                                  f"{m.hw_multiple} (e.g. {_multiple_near(v, m.hw_multiple, -1)} or "
+                                  f"{_multiple_near(v, m.hw_multiple, 1)})")
+        for i, b in enumerate(e.get("buckets") or []):
+            b = list(b) if OmegaConf.is_list(b) else b
+            if isinstance(b, list) and len(b) == 2 and all(isinstance(v, int) for v in b) and (
+                    b[0] % m.hw_multiple or b[1] % m.hw_multiple):
+                raise ConfigError(f"data.datasets.{name}.buckets[{i}]={b}: height and width must be multiples of "
+                                  f"{m.hw_multiple} for model={m.name}")
 
 
 def _multiple_near(value: int, multiple: int, side: int) -> int:

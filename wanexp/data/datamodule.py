@@ -17,6 +17,8 @@ batch late.)
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -34,11 +36,77 @@ from wanexp.data.media import load_clip
 from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
 from wanexp.data.prompts import prompt_dataset, prompt_items
 from wanexp.context import RunContext
-from wanexp.errors import MediaError
+from wanexp.errors import ConfigError, MediaError
 from wanexp.data.probe import nearest_resolution, probe_samples  # (probe assigns buckets the same way)
 from wanexp.data.windows import RANDOM_START, expand, random_start
 
 Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
+
+# what each entry of data.datasets may set (the rest comes from the data group's own keys)
+PART_KEYS = ("name", "metadata", "root", "repeat", "num_frames", "height", "width", "buckets", "frame_stride",
+             "window", "windows_per_clip", "caption_prefix")
+
+
+@dataclasses.dataclass
+class Part:
+    """One dataset of a run (``data.datasets``): its metadata and what its samples train with."""
+
+    name: str
+    metadata: Path
+    root: str | None
+    repeat: int
+    num_frames: int
+    height: int
+    width: int
+    resolutions: list | None
+    frame_stride: int
+    window: str
+    windows_per_clip: int
+    caption_prefix: str = ""
+
+
+def _part(entry, name: str, top: dict) -> Part:
+    """A ``data.datasets`` entry, its missing keys taken from the data group (``top``); one line for a bad entry."""
+    where = f"data.datasets.{name}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: an entry is a mapping with at least `metadata`; got {entry!r}")
+    unknown = sorted(set(entry) - set(PART_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]}; an entry sets {', '.join(PART_KEYS)}")
+    if not entry.get("metadata"):
+        raise ConfigError(f"{where}: no metadata; set {where}.metadata to its metadata file or folder")
+    v = {**top, **{k: val for k, val in entry.items() if val is not None or k in ("root", "buckets")}}
+    for key, low in (("repeat", 1), ("num_frames", 1), ("height", 1), ("width", 1), ("frame_stride", 1),
+                     ("windows_per_clip", 0)):
+        if not isinstance(v[key], int) or isinstance(v[key], bool) or v[key] < low:
+            raise ConfigError(f"{where}.{key}={v[key]!r}: must be an integer >= {low}")
+    if (v["num_frames"] - 1) % 4:
+        raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be 4k+1 (e.g. {v['num_frames'] // 4 * 4 + 1})")
+    if v["window"] not in ("first", "uniform", "chunks", "random"):
+        raise ConfigError(f"{where}.window={v['window']!r}: one of first, uniform, chunks, random")
+    buckets = v["buckets"]
+    return Part(name=str(entry.get("name") or name), metadata=Path(str(v["metadata"])), root=v["root"],
+                repeat=v["repeat"], num_frames=v["num_frames"], height=v["height"], width=v["width"],
+                resolutions=[tuple(r) for r in buckets] if buckets else None, frame_stride=v["frame_stride"],
+                window=v["window"], windows_per_clip=v["windows_per_clip"],
+                caption_prefix=str(v.get("caption_prefix") or ""))
+
+
+def parse_datasets(datasets, top: dict) -> list[Part]:
+    """``data.datasets`` (a list, or a mapping name -> entry) as Parts; names must differ (rejects files, counts)."""
+    if isinstance(datasets, dict):
+        parts = [_part(entry, str(name), top) for name, entry in datasets.items()]
+    elif isinstance(datasets, (list, tuple)):
+        parts = [_part(entry, str(i), top) for i, entry in enumerate(datasets)]
+    else:
+        raise ConfigError(f"data.datasets={datasets!r}: a list of datasets or a mapping name -> dataset")
+    if not parts:
+        raise ConfigError("data.datasets is empty; list at least one dataset, or set it to null (data.metadata)")
+    names = [p.name for p in parts]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ConfigError(f"data.datasets: two datasets are named {dup}; give each its own name")
+    return parts
 
 
 def dit_tokens(shape: Shape, vae_stride: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
@@ -89,10 +157,11 @@ class ClipDataset(Dataset):
 
     ``starts``: each sample's first frame (``RANDOM_START``: a window drawn per epoch, then indexes are
     ``(index, epoch)`` pairs and ``available`` holds each clip's frame count). ``caption_dropout``: the share of
-    samples per epoch trained with the empty prompt (indexes are ``(index, epoch)`` pairs too).
+    samples per epoch trained with the empty prompt (indexes are ``(index, epoch)`` pairs too). ``frame_stride``: one
+    for all samples, or each sample's (several datasets).
     """
 
-    def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int = 1,
+    def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int | list[int] = 1,
                  starts: list[int] | None = None, available: list[int] | None = None, seed: int = 0,
                  caption_dropout: float = 0.0):
         self.samples, self.shapes, self.frame_stride = samples, shapes, frame_stride
@@ -109,9 +178,10 @@ class ClipDataset(Dataset):
         s = self.samples[i]
         frames, height, width = self.shapes[i]
         start = self.starts[i]
+        stride = self.frame_stride if isinstance(self.frame_stride, int) else self.frame_stride[i]
         if start == RANDOM_START:
-            start = random_start(self.available[i], frames, self.frame_stride, self.seed, epoch, i)
-        pixels = load_clip(s, frames, height, width, self.frame_stride, start=start)
+            start = random_start(self.available[i], frames, stride, self.seed, epoch, i)
+        pixels = load_clip(s, frames, height, width, stride, start=start)
         prompt = "" if caption_dropped(self.seed, epoch, i, self.caption_dropout) else s.prompt
         return {"pixels": pixels, "prompt": prompt, "index": i}
 
@@ -284,7 +354,8 @@ class WanDataModule(L.LightningDataModule):
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
                  generate: dict | None, seed: int, val_fraction: float = 0.0, caption_dropout: float = 0.0,
-                 encoders: object | None = None, context: RunContext | None = None):
+                 datasets: list | dict | None = None, encoders: object | None = None,
+                 context: RunContext | None = None):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
         identifies the model's VAE and text encoder for cache keys, and its latent grid
         (``ModelSpec.encoder_info()``: an EncoderInfo, read by attribute; None: no cache), and
@@ -315,6 +386,24 @@ class WanDataModule(L.LightningDataModule):
         # loader takes its position from the trainer's restored global step)
         self.val_fraction = float(val_fraction)  # share of the media files held out of training (validation loss)
         self.val_dataset: ClipDataset | CachedDataset | None = None  # the held-out samples (never trained on)
+        self.parts = self._parts(datasets)  # the datasets of the run: data.datasets, else the group's own keys
+        self.several = datasets is not None
+        self.item_part: list[int] = []  # each item's dataset (an index into parts), set by items()
+        self.item_stride: list[int] = []  # each item's frame stride
+        self.dataset_part: list[int] = []  # each training sample's dataset (repeats included), set by setup()
+
+    def _parts(self, datasets) -> list[Part]:
+        from omegaconf import OmegaConf
+
+        if datasets is not None and OmegaConf.is_config(datasets):
+            datasets = OmegaConf.to_container(datasets, resolve=True)
+        top = {"metadata": None, "root": self.root, "repeat": self.dataset_repeat, "num_frames": self.num_frames,
+               "height": self.height, "width": self.width, "buckets": self.resolutions,
+               "frame_stride": self.frame_stride, "window": self.window, "windows_per_clip": self.windows_per_clip,
+               "caption_prefix": ""}
+        if datasets is None:  # the single-dataset keys: one dataset
+            return [_part(dict(top, metadata=str(self.metadata)), self.name, top)]
+        return parse_datasets(datasets, top)
 
     def prepare(self) -> None:
         """Generate the synthetic clips if this data group asks for them (idempotent, safe across ranks)."""
@@ -359,7 +448,58 @@ class WanDataModule(L.LightningDataModule):
         return samples, sizes, frames
 
     def items(self) -> tuple[list[Sample], list[Shape], list[int], list[int | None]]:
-        """Training samples: (sample, bucket shape, first frame, frames available), one per frame window."""
+        """Training samples of every dataset: (sample, bucket shape, first frame, frames available), one per frame
+        window (``item_part``, ``item_stride``: each one's dataset and frame stride). Each dataset is read, probed
+        and windowed with its own settings and lists its rejects in its own file; ``report["datasets"]`` counts
+        each one's rows, rejects and samples."""
+        if not self.several:  # the single-dataset keys
+            out = self._part_items()
+            self.item_part, self.item_stride = [0] * len(out[0]), [self.frame_stride] * len(out[0])
+            counts = {k: self.report.get(k) for k in ("rows", "rejected")}
+            self.report["datasets"] = {self.name: dict(self._part_report(0, out[0]), **counts)}
+            return out
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        self.item_part, self.item_stride, reports = [], [], {}
+        for p, part in enumerate(self.parts):
+            child = self._child(part)
+            samples, shapes, starts, available = child._part_items()
+            if child.prompts_only:
+                raise MetadataError(f"data.datasets.{part.name}: {part.metadata} holds prompts alone (no media); "
+                                    "a prompts file trains alone: set data.metadata to it and data.datasets=null")
+            if part.caption_prefix:
+                samples = [dataclasses.replace(s, prompt=part.caption_prefix + s.prompt) for s in samples]
+            for lst, values in zip(out, (samples, shapes, starts, available)):
+                lst += values
+            self.item_part += [p] * len(samples)
+            self.item_stride += [part.frame_stride] * len(samples)
+            reports[part.name] = dict(child.report, **self._part_report(p, samples))
+        self.report = {"rows": sum(r["rows"] for r in reports.values()),
+                       "rejected": sum(r["rejected"] for r in reports.values()),
+                       "warnings": sum(r["warnings"] for r in reports.values()),
+                       "long_captions": sum(r["long_captions"] for r in reports.values()),
+                       "rejects_file": str(self.rejects_path.parent) if self.rejects_path else None,
+                       "datasets": reports}
+        return out
+
+    def _part_report(self, p: int, items: list) -> dict:
+        part = self.parts[p]
+        return {"metadata": str(part.metadata), "items": len(items), "repeat": part.repeat}
+
+    def _child(self, part: Part) -> "WanDataModule":
+        """This datamodule with one dataset's settings, to read, probe and window that dataset (rejects: in
+        ``rejects-<name>.jsonl`` beside data.rejects)."""
+        child = copy.copy(self)
+        child.metadata, child.root, child.num_frames = part.metadata, part.root, part.num_frames
+        child.height, child.width, child.resolutions = part.height, part.width, part.resolutions
+        child.frame_stride, child.window, child.windows_per_clip = part.frame_stride, part.window, part.windows_per_clip
+        if self.rejects_path is not None:
+            r = self.rejects_path
+            child.rejects_path = r.with_name(f"{r.stem}-{part.name}{r.suffix}")
+        child.report, child.prompts_only = {}, False
+        return child
+
+    def _part_items(self) -> tuple[list[Sample], list[Shape], list[int], list[int | None]]:
+        """One dataset's items (this datamodule's metadata and settings)."""
         found = read_prompts(self.metadata)
         if found is not None:  # prompts alone (DMD): nothing to probe, window or bucket by aspect
             return prompt_items(self, *found)
@@ -411,15 +551,23 @@ class WanDataModule(L.LightningDataModule):
                                     "data.caption_dropout=0")
             self.dataset, self.cached = prompt_dataset(self, samples, shapes)
             return
-        base = Path(self.root) if self.root else self.metadata.parent  # the split is the same wherever the data is
-        held = heldout_rows([os.path.relpath(s.path, base) for s in samples], self.val_fraction)
+        bases = [Path(p.root) if p.root else p.metadata.parent for p in self.parts]  # the split is the same
+        held = heldout_rows([os.path.relpath(s.path, bases[p]) for s, p in zip(samples, self.item_part)],
+                            self.val_fraction)  # wherever the data is
         val = [i for i in range(len(samples)) if held[i]]
-        train = [i for i in range(len(samples)) if not held[i]]
-        val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available)]
-        samples, shapes, starts, available = ([lst[i] for i in train] for lst in (samples, shapes, starts, available))
+        # each dataset's samples, its repeat times over (one dataset: the samples, repeated)
+        train = [i for p, part in enumerate(self.parts) for _ in range(part.repeat)
+                 for i in range(len(samples)) if not held[i] and self.item_part[i] == p]
+        strides = self.item_stride
+        val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available, strides)]
+        samples, shapes, starts, available, strides = ([lst[i] for i in train]
+                                                       for lst in (samples, shapes, starts, available, strides))
+        self.dataset_part = [self.item_part[i] for i in train]
         self.report["heldout"] = len(val)
-        cacheable = self.encoders and self.cache_dir and self.window != "random"  # random windows change each epoch
-        self.keys = self.cache_keys(samples, shapes, starts) if cacheable else []
+        for p, part in enumerate(self.parts):  # samples per epoch, repeats included
+            self.report["datasets"][part.name]["samples"] = self.dataset_part.count(p)
+        cacheable = self.encoders and self.cache_dir and all(p.window != "random" for p in self.parts)  # random
+        self.keys = self.cache_keys(samples, shapes, starts, strides) if cacheable else []  # windows change
         index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
         empty_key = self.text_cache_key("") if self.keys and self.caption_dropout > 0 else None
         needed = {k for pair in self.keys for k in pair} | ({empty_key} if empty_key else set())
@@ -427,20 +575,19 @@ class WanDataModule(L.LightningDataModule):
         self.cached = index is not None and missing == 0
         self.report["cache"] = {"dir": str(self.cache_dir) if self.cache_dir else None, "used": self.cached,
                                 "missing_entries": missing if self.keys else None}
-        r, p = self.dataset_repeat, self.caption_dropout
+        p = self.caption_dropout
         if self.cached:
-            self.dataset = CachedDataset(samples * r, shapes * r, self.keys * r, index, self.encoders.text_len,
-                                         p, empty_key, self.seed)
+            self.dataset = CachedDataset(samples, shapes, self.keys, index, self.encoders.text_len, p, empty_key,
+                                         self.seed)
         else:
-            self.dataset = ClipDataset(samples * r, shapes * r, self.frame_stride, starts * r, available * r, self.seed,
-                                       p)
+            self.dataset = ClipDataset(samples, shapes, strides, starts, available, self.seed, p)
         if val:
-            vs, vsh, vst, vav = val_items
-            vkeys = self.cache_keys(vs, vsh, vst) if cacheable else []
+            vs, vsh, vst, vav, vstr = val_items
+            vkeys = self.cache_keys(vs, vsh, vst, vstr) if cacheable else []
             if self.cached and all(k in index for pair in vkeys for k in pair):
                 self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders.text_len)
             else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
-                self.val_dataset = ClipDataset(vs, vsh, self.frame_stride, vst, vav, self.seed)
+                self.val_dataset = ClipDataset(vs, vsh, vstr, vst, vav, self.seed)
         sp = self.run_context.sp_size
         if sp > 1 and self.encoders:
             check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, sp)
@@ -461,13 +608,16 @@ class WanDataModule(L.LightningDataModule):
             frames.append(load_clip(s, 1, height, width)[:, 0])
         return frames
 
-    def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int]) -> list[tuple[str, str]]:
-        """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers)."""
+    def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int],
+                   strides: list[int] | None = None) -> list[tuple[str, str]]:
+        """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers); ``strides``: each
+        sample's frame stride (default data.frame_stride)."""
         e = self.encoders
         vae_id = folder_identity(e.vae, [e.vae_dtype, e.layout, self.cache_dtype])
+        strides = strides or [self.frame_stride] * len(samples)
         return [(None if s.kind == PROMPT_KIND else  # a prompt alone has text only
-                 latent_key(vae_id, s.path, shape, self.frame_stride if shape[0] > 1 else 1, start, e.image_latent),
-                 self.text_cache_key(s.prompt)) for s, shape, start in zip(samples, shapes, starts)]
+                 latent_key(vae_id, s.path, shape, stride if shape[0] > 1 else 1, start, e.image_latent),
+                 self.text_cache_key(s.prompt)) for s, shape, start, stride in zip(samples, shapes, starts, strides)]
 
     def text_cache_key(self, prompt: str) -> str:
         """The cache key of a prompt's UMT5 embedding (training captions and validation prompts alike)."""
@@ -514,7 +664,7 @@ class WanDataModule(L.LightningDataModule):
             )
         if self.trainer is not None:  # the position is the trainer's step: a restored checkpoint's, then each pass's
             sampler.follow(lambda: self.trainer.global_step, self.trainer.accumulate_grad_batches)
-        if self.window == "random" or self.caption_dropout > 0:  # the dataset draws per (index, epoch)
+        if any(p.window == "random" for p in self.parts) or self.caption_dropout > 0:  # drawn per (index, epoch)
             sampler = EpochTagged(sampler)
         # Its own generator: the loader's worker base seed is drawn from it, not from the global RNG, whose state a
         # checkpoint restores (so a resumed run draws the same noise and timesteps as an uninterrupted one).
