@@ -45,6 +45,13 @@ def instantiate_named(nodes: DictConfig | None) -> list:
     return [build(node) for node in (nodes or {}).values() if not switched_off(node)]
 
 
+def build_datamodule(cfg: DictConfig, spec, context=None):
+    """The run's datamodule (``cfg.data``) with the model's encoder facts and, for a run, its context (None: one
+    process). Both are dataclasses, passed past Hydra's instantiate, which would turn them into dicts."""
+    extra = {} if context is None else {"context": context}
+    return build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info(), **extra)
+
+
 def build(node: DictConfig, **kwargs):
     """Instantiate one component; a user-input error raised by its constructor stays that error (one line)."""
     from hydra.errors import InstantiationException
@@ -231,8 +238,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
 
     # The run-wide facts, built once and handed to the datamodule, the module and the callbacks (wanexp/context.py)
     context = RunContext.from_config(cfg)
-    # the encoders' description and the context are dataclasses: passed past Hydra's instantiate, which would make dicts
-    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info(), context=context)
+    dm = build_datamodule(cfg, spec, context)
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
     if dm.prompts_only:  # a file of prompts alone (wanexp/data/prompts.py): only an objective needing no clip takes it

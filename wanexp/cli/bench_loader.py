@@ -15,13 +15,13 @@ from omegaconf import DictConfig, open_dict
 
 
 def loader_rate(cfg: DictConfig, use_cache: bool, batches: int) -> dict:
-    from wanexp.train import build, prepare_model_folder
+    from wanexp.train import build, build_datamodule, prepare_model_folder
 
     spec = build(cfg.model)
     prepare_model_folder(spec, cfg.boundary.name)
     with open_dict(cfg):
         cfg.data.use_cache = use_cache
-    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info())
+    dm = build_datamodule(cfg, spec)
     dm.prepare()
     dm.setup()
     if use_cache and not dm.cached:

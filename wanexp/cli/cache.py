@@ -66,7 +66,7 @@ def build_cache(cfg: DictConfig) -> dict:
     from omegaconf import open_dict
 
     from wanexp.config import check_config
-    from wanexp.train import build, prepare_model_folder
+    from wanexp.train import build, build_datamodule, prepare_model_folder
 
     check_config(cfg)
     spec = build(cfg.model)
@@ -78,7 +78,7 @@ def build_cache(cfg: DictConfig) -> dict:
                           "data.window=uniform or chunks (several fixed windows per clip), or train online")
     with open_dict(cfg):
         cfg.data.rejects = os.path.join(str(cfg.data.cache_dir), "rejects.jsonl")
-    dm = build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info())
+    dm = build_datamodule(cfg, spec)
     dm.prepare()
     random_windows = [p.name for p in dm.parts if p.window == "random"]
     if dm.several and random_windows:

@@ -578,10 +578,9 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
 def datamodule(cfg: DictConfig, spec):
     """The run's datamodule, built as wanexp.train builds it (with the run context)."""
     from wanexp.context import RunContext
-    from wanexp.train import build
+    from wanexp.train import build_datamodule
 
-    context = RunContext(sp_size=int(cfg.parallel.sp_size), concurrent_loads=cfg.parallel.concurrent_loads)
-    return build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info(), context=context)
+    return build_datamodule(cfg, spec, RunContext.from_config(cfg))
 
 
 def measure_cache(cfg: DictConfig, dm, folder: Path, samples: int = 2) -> dict:
