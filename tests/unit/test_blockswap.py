@@ -9,25 +9,14 @@ import pytest
 import torch
 
 from tests.conftest import compose_cfg
-from tests.unit.test_perf_fast import TARGETS, TINY, output_and_grads, ti2v_batch, tiny_transformer
+from tests.unit.test_perf_fast import output_and_grads, ti2v_batch, tiny_transformer
 from wanexp.config import check_config
 from wanexp.errors import ConfigError
-from wanexp.lora import add_lora
 from wanexp.models import blockswap, fp8
 
 
 def four_blocks():
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    t = WanTransformer3DModel(**{**TINY, "num_layers": 4}, in_channels=48, out_channels=48, patch_size=[1, 2, 2])
-    t.requires_grad_(False)
-    add_lora(t, rank=4, alpha=2.0, dropout=0.0, targets=TARGETS, attention=["self", "cross"])
-    with torch.no_grad():
-        for n, p in t.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
-    return t
+    return tiny_transformer(num_layers=4)
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["eager", "activation-ckpt"])

@@ -18,11 +18,12 @@ TINY = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers
 TARGETS = ["q", "k", "v", "o", "ffn.0", "ffn.2"]
 
 
-def tiny_transformer(channels: int = 48, seed: int = 0):
+def tiny_transformer(channels: int = 48, seed: int = 0, num_layers: int = TINY["num_layers"]):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    t = WanTransformer3DModel(**TINY, in_channels=channels, out_channels=channels, patch_size=[1, 2, 2]).float()
+    t = WanTransformer3DModel(**{**TINY, "num_layers": num_layers}, in_channels=channels, out_channels=channels,
+                              patch_size=[1, 2, 2]).float()
     t.requires_grad_(False)
     add_lora(t, rank=4, alpha=2.0, dropout=0.0, targets=TARGETS, attention=["self", "cross"])
     with torch.no_grad():
