@@ -168,6 +168,8 @@ def judge(case: Case, ctx: Ctx, phases: dict, gpus: list[str]) -> dict:
 
 
 def _commit() -> str | None:
+    if os.environ.get("WANEXP_COMMIT"):  # a snapshot of a commit, run outside its git checkout
+        return os.environ["WANEXP_COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
