@@ -65,6 +65,8 @@ class ModelConfig:
     compile: bool = knob(MISSING, doc="torch.compile each transformer block (regional compilation)")
     compile_checkpoint: bool = knob(True, doc="with compile: a checkpointed block's recompute inside its compiled graph")
     memory_budget_gib: Optional[float] = knob(MISSING, gt=0.0, doc="checkpoint only the blocks this GPU budget needs")
+    offload_activations: bool = knob(False, doc="the checkpointed blocks' inputs kept in pinned host memory between "
+                                     "the forward and the backward (needs gradient_checkpointing)")
     fp8: bool = knob(False, doc="frozen block linears in FP8 (per-row scales), LoRA unchanged; changes the numerics")
     fp8_storage: bool = knob(False, doc="frozen block linears stored in FP8 (per-row scales), dequantized at use: "
                              "any GPU; changes the numerics")

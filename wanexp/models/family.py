@@ -99,6 +99,7 @@ class ModelSpec:
         compile_checkpoint: bool = True,
         fp8_storage: bool = False,
         blocks_to_swap: int | None = None,
+        offload_activations: bool = False,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -121,6 +122,10 @@ class ModelSpec:
         self.fp8 = fp8  # frozen block linears in FP8 after the adapters are added (models/fp8.py)
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
         self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
+        self.offload_activations = offload_activations  # checkpointed blocks' inputs in host memory (fast.py)
+        if offload_activations and not (gradient_checkpointing and fast_modulation):
+            raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
+                              "needs model.gradient_checkpointing=true and model.fast_modulation=true")
         if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
                               "needs model.gradient_checkpointing=true and model.fast_modulation=true")

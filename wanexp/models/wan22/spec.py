@@ -48,6 +48,7 @@ class WanSpec(ModelSpec):
         if self.fast_modulation:
             fast.use_frame_modulation(model)
             fast.set_memory_budget(model, self.memory_budget_gib)
+            model._wanexp_offload_activations = self.offload_activations
         if self.compile:  # lazy: compiles at the first call, after the adapters are added (and FSDP2 has sharded)
             fast.compile_blocks(model, checkpoint=self.compile_checkpoint)
         return model
