@@ -122,10 +122,19 @@ def log_config(trainer, cfg: DictConfig) -> None:
 
 def check_resume(module, ckpt: str, parallel: str) -> None:
     """The checkpoint of a resume agrees with this run's settings (the module's own check), read before the run
-    writes anything, so that a refused resume leaves its run folder as it was. Only the saved settings are read
-    (memory-mapped); a DeepSpeed checkpoint is checked when Lightning loads it."""
+    writes anything, so that a refused resume leaves its run folder as it was. A DeepSpeed checkpoint is checked when
+    Lightning loads it."""
+    checkpoint = read_resume_checkpoint(ckpt, parallel)
+    if checkpoint is not None:
+        module.check_resume(checkpoint["wanexp"])
+
+
+def read_resume_checkpoint(ckpt: str, parallel: str) -> dict | None:
+    """A resume's Lightning checkpoint, memory-mapped (only what is read is read: the settings, the step), or None
+    for a DeepSpeed checkpoint. One line when it cannot be read or is no wanexp checkpoint. wanexp-plan reads the
+    step of a resume through here too."""
     if checkpoint_kind(ckpt, parallel) != "torch":
-        return
+        return None
     import torch
 
     fix = "pass another .ckpt of the run's checkpoints/ folder, or resume=last"
@@ -136,7 +145,7 @@ def check_resume(module, ckpt: str, parallel: str) -> None:
         raise ConfigError(f"resume={ckpt}: cannot read the checkpoint ({reason}); {fix}") from None
     if not isinstance(checkpoint, dict) or "wanexp" not in checkpoint:
         raise ConfigError(f"resume={ckpt}: not a checkpoint of a wanexp run (it holds no run settings); {fix}")
-    module.check_resume(checkpoint["wanexp"])
+    return checkpoint
 
 
 def launcher_devices(cfg: DictConfig, environ=os.environ) -> None:
@@ -203,8 +212,9 @@ def run(cfg: DictConfig) -> dict:
 
         for e in spec.trained_experts(cfg.boundary.name):
             check_heads(int(spec.transformer_config(e)["num_attention_heads"]), int(cfg.parallel.sp_size))
-    from wanexp.models.blockswap import check_fit  # model.memory_budget_gib: weights + activations, nothing loads
+    from wanexp.models.blockswap import check_fit, resolve_blocks_to_swap  # weights + activations, nothing loads
 
+    resolve_blocks_to_swap(cfg, spec, verbose=launch_rank() == 0)  # model.blocks_to_swap=auto: N, and why
     check_fit(cfg, spec)
 
     out = Path(cfg.paths.output_dir).resolve()
@@ -254,8 +264,9 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
             print(f"wanexp: data: {r['rejected']} of {r['rows']} rows rejected, {r['warnings']} warnings "
                   f"(reasons in {r['rejects_file']})", flush=True)
         if len(r.get("datasets") or {}) > 1:  # data.datasets: what each dataset gives an epoch
-            print("wanexp: data: samples per epoch: " + ", ".join(
-                f"{n} {d['samples']} ({d['items']} x{d['repeat']})" for n, d in r["datasets"].items()), flush=True)
+            from wanexp.data.datamodule import samples_per_epoch_line
+
+            print("wanexp: data: samples per epoch: " + samples_per_epoch_line(r["datasets"]), flush=True)
         c = r.get("cache") or {}
         if c.get("used"):
             print(f"wanexp: data: training from the cache {c['dir']} (the VAE and text encoder are not loaded)")

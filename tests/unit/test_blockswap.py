@@ -198,3 +198,84 @@ def test_a_run_that_cannot_fit_writes_nothing(tiny_overrides, tmp_path):
                                           r"set .*parallel.sp_size=2 .*parallel=fsdp"):
         run(cfg)
     assert not (tmp_path / "run").exists()
+
+
+# ---- model.blocks_to_swap=auto ------------------------------------------------------------------------------------
+def test_auto_picks_the_fewest_blocks_check_fit_accepts(capsys):
+    """auto with a budget: the N it picks passes check_fit, N - 1 is refused (one estimator), the config and the
+    spec hold N, and the start line says why."""
+    spec = a14b_spec()
+    cfg = fit_cfg("data.height=480", "data.width=832", "model.blocks_to_swap=auto", "model.path=/m",
+                  "model.compile=false")
+    check_config(cfg)  # auto passes the config rules
+    n = blockswap.resolve_blocks_to_swap(cfg, spec)
+    assert 0 < n < 40 and cfg.model.blocks_to_swap == n and spec.blocks_to_swap == n
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"wanexp: model.blocks_to_swap=auto: {n} of 40 blocks swapped (the fewest whose weights "
+                           "and least activations fit model.memory_budget_gib=28:") and f"; {n - 1} would need" in line
+    blockswap.check_fit(fit_cfg("data.height=480", "data.width=832", f"model.blocks_to_swap={n}"), spec)
+    with pytest.raises(ConfigError, match=rf"; set model.blocks_to_swap={n} "):
+        blockswap.check_fit(fit_cfg("data.height=480", "data.width=832", f"model.blocks_to_swap={n - 1}"), spec)
+    # a larger budget needs fewer; one that fits the whole expert swaps none
+    assert blockswap.resolve_blocks_to_swap(
+        fit_cfg("data.height=480", "data.width=832", "model.blocks_to_swap=auto", "model.memory_budget_gib=34"),
+        spec, verbose=False) < n
+    assert blockswap.resolve_blocks_to_swap(
+        fit_cfg("data.height=480", "data.width=832", "model.blocks_to_swap=auto", "model.memory_budget_gib=80"),
+        spec, verbose=False) == 0
+
+
+def test_auto_that_cannot_fit_is_the_one_line_refusal_and_no_budget_on_the_cpu_swaps_none(capsys):
+    spec = a14b_spec()
+    with pytest.raises(ConfigError) as e:
+        blockswap.check_fit(fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=auto"), spec)
+    line = str(e.value)
+    assert line.startswith("model.memory_budget_gib=28: this run needs at least") and "\n" not in line
+    assert "blocks_to_swap=" not in line.split("; set ")[1] and "parallel.sp_size=2" in line
+    cfg = fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=auto", "model.memory_budget_gib=null",
+                  "trainer.accelerator=cpu")
+    assert blockswap.resolve_blocks_to_swap(cfg, spec) == 0 and cfg.model.blocks_to_swap == 0
+    assert "0 of 40 blocks swapped (no model.memory_budget_gib to size it from, and no GPU)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,message", [
+    ("-1", "model.blocks_to_swap=-1: must be >= 0"),
+    ("foo", "model.blocks_to_swap=foo: must be a block count (an integer >= 0), auto"),
+    ("1.5", "model.blocks_to_swap=1.5: must be a block count"),
+])
+def test_a_bad_blocks_to_swap_exits_2_with_one_line(value, message, tiny_overrides, tmp_path, capsys):
+    from wanexp.train import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(compose_cfg([*tiny_overrides, f"model.blocks_to_swap={value}"]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"wanexp: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_with_auto_swaps_the_count_it_picked_and_records_it(shared_dir, tmp_path, capsys):
+    """In process through wanexp.train.run, a four-block tiny model (2 swapped blocks are on the device at once, so
+    only 3 or 4 save memory): a budget between the estimated needs of 2 and 3 swapped blocks picks 3; the run swaps
+    3 blocks, prints why, and config.yaml holds 3."""
+    from omegaconf import OmegaConf
+
+    from tests.integration.conftest import tiny_run
+    from wanexp.train import build, prepare_model_folder
+
+    four = ["model.name=tiny4", "model.build.transformer.num_layers=4", "model.blocks_to_swap=auto",
+            "model.gradient_checkpointing=true"]
+    probe = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", *four])
+    spec = build(probe.model)
+    prepare_model_folder(spec, probe.boundary.name)
+    est = blockswap.FitEstimate(probe, spec)
+    assert est.layers == 4 and est.need(3) < est.need(2) == est.need(0)
+    budget = (est.need(2) + est.need(3)) / 2
+    out = tmp_path / "run"
+    result = tiny_run(shared_dir, out, ["data.use_cache=false", "trainer.max_steps=1", *four,
+                                        f"model.memory_budget_gib={budget!r}", "callbacks.validation.every_n_steps=0"])
+    printed = capsys.readouterr().out
+    assert "wanexp: model.blocks_to_swap=auto: 3 of 4 blocks swapped (the fewest whose weights and least " \
+           f"activations fit model.memory_budget_gib={budget:g}" in printed
+    assert result["module"].transformers["dense"]._wanexp_blockswap.indices == [1, 2, 3]
+    saved = OmegaConf.load(out / "config.yaml")
+    assert saved.model.blocks_to_swap == 3

@@ -290,19 +290,27 @@ def check_paths(cfg: DictConfig) -> None:
         checkpoint_kind(cfg.resume, cfg.parallel.name)  # its bytes: a checkpoint, not config.yaml or a LoRA file
 
 
+def blocks_to_swap_setting(value) -> int | str:
+    """model.blocks_to_swap as given: a block count (null: 0) or "auto" (resolved from the memory budget or the GPU
+    by wanexp.models.blockswap.resolve_blocks_to_swap, once the model's config is readable)."""
+    if value is None or value == "auto":
+        return value or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"model.blocks_to_swap={value}: must be a block count (an integer >= 0), auto (the fewest "
+                          "blocks that fit model.memory_budget_gib, or this GPU's free memory) or null; set "
+                          "model.blocks_to_swap=N or model.blocks_to_swap=auto")
+    return value
+
+
 def _check_low_vram(m, p) -> None:
     """model.fp8_storage and model.blocks_to_swap (wanexp/models/blockswap.py) against the other settings."""
-    from wanexp.errors import ConfigError
-
-    swap = int(m.get("blocks_to_swap") or 0)
+    swap = blocks_to_swap_setting(m.get("blocks_to_swap"))
     if m.get("fp8_storage") and m.fp8:
         raise ConfigError("model.fp8_storage=true with model.fp8=true: the FP8 base already stores its weights in FP8; "
                           "set one of them to false")
-    if not (swap or m.get("fp8_storage")):
-        return
-    knob = f"model.blocks_to_swap={swap}" if swap else "model.fp8_storage=true"
     if not swap:
         return
+    knob = f"model.blocks_to_swap={swap}"
     if p.name in ("fsdp", "deepspeed"):
         raise ConfigError(f"{knob} with parallel={p.name}: sharded weights are gathered by the strategy, not swapped; "
                           "use parallel=ddp (or one GPU) with block swap, or model.blocks_to_swap=0 to shard")

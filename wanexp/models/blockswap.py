@@ -228,7 +228,10 @@ def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) ->
         if verbose:
             print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8",
                   flush=True)
-    n, layers = int(getattr(spec, "blocks_to_swap", 0) or 0), len(transformer.blocks)
+    n, layers = getattr(spec, "blocks_to_swap", 0) or 0, len(transformer.blocks)
+    if n == "auto":  # a command that builds the model without wanexp.train.run's resolve_blocks_to_swap
+        raise ConfigError("model.blocks_to_swap=auto: this command does not size block swap; set "
+                          "model.blocks_to_swap=N (wanexp-train prints the N auto picks on its start line)")
     if not n:
         return None
     if n > layers:
@@ -268,47 +271,129 @@ def base_gib(config: dict, weight_bytes: float, other_bytes: float, resident_blo
     return (resident_blocks * per_block * weight_bytes + other * other_bytes) / 2**30
 
 
-def check_fit(cfg, spec) -> None:
-    """With ``model.memory_budget_gib`` set, refuse a run whose weights on one device plus the least activation
-    memory it can have (every block checkpointed) exceed the budget, naming what would make room. Reads the
-    transformers' config.json only; nothing loads."""
-    from types import SimpleNamespace
+class FitEstimate:
+    """A run's least memory on one device in GiB, from the transformers' config.json (nothing loads): the weights
+    with ``n`` blocks swapped (2 of them on the device at once) plus the least activation memory (with activation
+    checkpointing: every block checkpointed)."""
 
-    from wanexp.errors import ConfigError
-    from wanexp.models.wan22.fast import block_activation_gib
+    def __init__(self, cfg, spec):
+        from types import SimpleNamespace
+
+        from wanexp.models.wan22.fast import block_activation_gib
+
+        m = cfg.model
+        self.sp = int(cfg.parallel.get("sp_size", 1) or 1)
+        shards = 1
+        if cfg.parallel.name in ("fsdp", "deepspeed") and isinstance(cfg.trainer.devices, int):
+            shards = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+        self.shards, self.tokens = shards, _tokens(cfg.data, spec, self.sp)
+        self.checkpointing = bool(m.get("gradient_checkpointing"))
+        self._dtype_bytes = spec.dtype.itemsize
+        self._weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else self._dtype_bytes
+        self._configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
+        self.layers = max(int(c["num_layers"]) for c in self._configs)
+        self.activations = 0.0
+        for c in self._configs:
+            per_block = block_activation_gib(SimpleNamespace(**c), self.tokens)
+            if self.checkpointing:  # every block keeps its bf16 input; one block's backward recomputes it (fast.py)
+                d = c["num_attention_heads"] * c["attention_head_dim"]
+                act = c["num_layers"] * self.tokens * d * 2 / 2**30 + 1.5 * per_block
+            else:  # every block keeps its activations for the backward
+                act = c["num_layers"] * per_block
+            self.activations = max(self.activations, act)
+
+    def weights(self, n: int) -> float:
+        """GiB of weights per device with n blocks swapped (at most 2 of them on the device at once)."""
+        return sum(base_gib(c, self._weight_bytes, self._dtype_bytes,
+                            c["num_layers"] - min(n, c["num_layers"]) + min(2, n)) for c in self._configs) / self.shards
+
+    def need(self, n: int) -> float:
+        return self.weights(n) + self.activations
+
+    def fewest(self, budget: float, start: int = 0) -> int | None:
+        """The smallest block count from ``start`` whose need fits ``budget``; None when even every block does not."""
+        return next((n for n in range(start, self.layers + 1) if self.need(n) <= budget), None)
+
+    def refusal(self, source: str, n: int, budget: float):
+        """The one-line ConfigError of a run that needs more than ``budget`` with ``n`` blocks swapped."""
+        from wanexp.errors import ConfigError
+
+        fits = self.fewest(budget, start=n + 1)
+        options = [f"model.blocks_to_swap={fits} (frozen weights in host memory)"] if fits is not None else []
+        if not self.checkpointing:
+            options.append("model.gradient_checkpointing=true")
+        options += [f"parallel.sp_size={2 * self.sp} (sequence parallel: each GPU holds a share of the tokens)",
+                    "parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
+        base, ckpt = self.weights(n), "every block" if self.checkpointing else "no block"
+        return ConfigError(f"{source}: this run needs at least {self.need(n):.1f} GiB per GPU ({base:.1f} GiB of "
+                           f"weights, {self.activations:.1f} GiB of activations at {self.tokens} tokens with {ckpt} "
+                           f"checkpointed); set " + ", or ".join(options))
+
+
+AUTO_HEADROOM = 0.9  # of a GPU's free memory, the share auto plans for (fast.blocks_to_checkpoint keeps 10 % free too)
+
+
+def usable_gib(cfg) -> float | None:
+    """GiB this rank's GPU has free for the run (within the process's memory fraction), or None on the CPU."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    if str(cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available():
+        return None
+    local = int(os.environ.get("LOCAL_RANK", 0))  # Lightning's and torchrun's ranks on this node
+    devices = cfg.trainer.devices
+    index = int(devices[local]) if OmegaConf.is_list(devices) else local % torch.cuda.device_count()
+    free, total = torch.cuda.mem_get_info(index)
+    capped = total * torch.cuda.get_per_process_memory_fraction(index) - torch.cuda.memory_reserved(index)
+    return min(free, capped) / 2**30
+
+
+def resolve_blocks_to_swap(cfg, spec, verbose: bool = True) -> int:
+    """``model.blocks_to_swap=auto``: the fewest blocks whose weights and least activations (:class:`FitEstimate`)
+    fit ``model.memory_budget_gib``, or 90 % of this GPU's free memory without one (0 on the CPU). Sets the count in
+    the config (``cfg.model.blocks_to_swap``: what config.yaml and wanexp-plan read) and on the spec, says why on
+    the start line, and refuses in one line when even every block does not fit. A count is returned as it is."""
+    from omegaconf import open_dict
 
     m = cfg.model
-    budget = m.get("memory_budget_gib")
+    if m.get("blocks_to_swap") != "auto":
+        return int(m.get("blocks_to_swap") or 0)
+    est, budget = FitEstimate(cfg, spec), m.get("memory_budget_gib")
+    if budget is not None:
+        source, where = f"model.memory_budget_gib={budget:g}", f"model.memory_budget_gib={budget:g}"
+    else:
+        usable = usable_gib(cfg)
+        budget = None if usable is None else usable * AUTO_HEADROOM
+        source = f"model.blocks_to_swap=auto on a GPU with {usable or 0:.1f} GiB free"
+        where = f"{AUTO_HEADROOM:.0%} of this GPU's {usable or 0:.1f} GiB free ({budget or 0:.1f} GiB)"
+    if budget is None:
+        n, why = 0, "no model.memory_budget_gib to size it from, and no GPU"
+    else:
+        n = est.fewest(budget)
+        if n is None:
+            raise est.refusal(source, est.layers, budget)
+        why = (f"the fewest whose weights and least activations fit {where}: {est.need(n):.1f} GiB estimated, "
+               f"{est.weights(n):.1f} of weights and {est.activations:.1f} of activations at {est.tokens} tokens")
+        if n:
+            why += f"; {n - 1} would need {est.need(n - 1):.1f}"
+    with open_dict(m):
+        m.blocks_to_swap = n
+    spec.blocks_to_swap = n
+    if verbose:
+        print(f"wanexp: model.blocks_to_swap=auto: {n} of {est.layers} blocks swapped ({why})", flush=True)
+    return n
+
+
+def check_fit(cfg, spec) -> None:
+    """With ``model.memory_budget_gib`` set, refuse a run whose weights on one device plus the least activation
+    memory it can have (:class:`FitEstimate`) exceed the budget, naming what would make room (the block count that
+    fits, when one does). ``blocks_to_swap=auto`` is resolved first. Reads the transformers' config.json only;
+    nothing loads."""
+    n = resolve_blocks_to_swap(cfg, spec, verbose=False)
+    budget = cfg.model.get("memory_budget_gib")
     if budget is None:
         return
-    sp = int(cfg.parallel.get("sp_size", 1) or 1)
-    shards = 1
-    if cfg.parallel.name in ("fsdp", "deepspeed") and isinstance(cfg.trainer.devices, int):
-        shards = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    tokens = _tokens(cfg.data, spec, sp)
-    dtype_bytes = spec.dtype.itemsize
-    weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else dtype_bytes
-    configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
-    layers = max(int(c["num_layers"]) for c in configs)
-
-    def weights(n: int) -> float:
-        """GiB of weights per device with n blocks swapped (at most 2 of them on the device at once)."""
-        return sum(base_gib(c, weight_bytes, dtype_bytes, c["num_layers"] - min(n, c["num_layers"]) + min(2, n))
-                   for c in configs) / shards
-
-    act = 0.0
-    for c in configs:  # every block keeps its bf16 input; one block's backward recomputes it, ~half more (fast.py)
-        d = c["num_attention_heads"] * c["attention_head_dim"]
-        act = max(act, c["num_layers"] * tokens * d * 2 / 2**30
-                  + 1.5 * block_activation_gib(SimpleNamespace(**c), tokens))
-    n_swap = int(m.get("blocks_to_swap") or 0)
-    base = weights(n_swap)
-    if base + act <= budget:
-        return
-    fits = [n for n in range(n_swap + 1, layers + 1) if weights(n) + act <= budget]
-    options = [f"model.blocks_to_swap={fits[0]} (frozen weights in host memory)"] if fits else []
-    options += [f"parallel.sp_size={2 * sp} (sequence parallel: each GPU holds a share of the tokens)",
-                "parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
-    raise ConfigError(f"model.memory_budget_gib={budget:g}: this run needs at least {base + act:.1f} GiB per GPU "
-                      f"({base:.1f} GiB of weights, {act:.1f} GiB of activations at {tokens} tokens with every block "
-                      f"checkpointed); set " + ", or ".join(options))
+    est = FitEstimate(cfg, spec)
+    if est.need(n) > budget:
+        raise est.refusal(f"model.memory_budget_gib={budget:g}", n, budget)

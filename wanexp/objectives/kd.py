@@ -54,7 +54,7 @@ class KnowledgeDistillation(Objective):
         if b.name == "full" and m.boundary_ratio is not None:
             raise ConfigError(f"objective=kd with model={m.name} boundary=full: KD distils one DiT into a student; use "
                               "boundary=high or boundary=low to distil one expert")
-        swap = int(m.get("blocks_to_swap") or 0)
+        swap = m.get("blocks_to_swap") or 0  # a count or auto
         if swap or m.get("fp8_storage"):
             knob = f"model.blocks_to_swap={swap}" if swap else "model.fp8_storage=true"
             raise ConfigError(f"{knob} with objective=kd: the student is built from the teacher's weights; set "
