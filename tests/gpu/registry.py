@@ -1094,3 +1094,58 @@ CASES[LEARN] = Case(
     collect=lambda ctx, phases: _json(learn_dir(ctx) / "learnability.json"),
     record=("hue_base", "hue_lora", "psnr_untrained", "psnr_student", "psnr_gain", "seconds"),
 )
+
+
+# ---- the step against the strongest plain loop: every plain loop, compiled ones included (one H100) ----------------
+VS_COMPILED = "perf_vs_compiled"
+VS_PATHS = "plain,plain_compiled,plain_tokens,plain_tokens_compiled,wanexp"
+VS_RUNS = ("bench", "bench_ckpt")
+
+
+def strongest_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
+    """bench_metrics of each bench JSON plus, per path, ``vs_strongest`` (its speed-up against the fastest plain
+    loop of the same run) and the run's ``strongest_plain``."""
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        out = {}
+        for n in names:
+            path = bench_json(ctx, case, n)
+            m = bench_metrics(path)
+            runs = json.loads(path.read_text()) if path.is_file() else []
+            if runs:
+                m["strongest_plain"] = runs[-1].get("strongest_plain")
+                for r in runs[-1].get("results", []):
+                    m.setdefault(_slug(r["path"]), {})["vs_strongest"] = r.get("speedup_vs_strongest")
+            out[n] = m
+        return out
+    return collect
+
+
+PERF_VS_COMPILED_JOB = Case(
+    name=VS_COMPILED, gpus=1, model="ti2v5b",
+    about="wanexp.cli.bench on the real-size TI2V-5B DiT at 704x1280x17 (4,400 tokens), every path in one process: "
+          "the plain loops (scalar and per-token timesteps, eager and with each block compiled) and wanexp's step, "
+          "without (bench) and with checkpointing (bench_ckpt); each path's speed-up against the strongest (fastest) "
+          "plain loop. One call: --phase build_dit,bench,bench_ckpt (build_dit keeps a DiT perf_5b already built); "
+          "where that does not fit, build_dit,bench then bench_ckpt on the same machine",
+    phases=(BUILD_DIT,
+            bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--warmup", "3", "--steps", "6",
+                  minutes=4),
+            bench("bench_ckpt", VS_COMPILED, "--frames", "17", "--ckpt", "--paths", VS_PATHS, "--warmup", "3",
+                  "--steps", "6", minutes=4)),
+    checks=(
+        *(Check(f"metrics.{p}.numerics_ok", "==", True, p, f"{p}: wanexp and the compiled per-token plain loop "
+                "compute the plain loop's function") for p in VS_RUNS),
+        *(Check(f"metrics.{p}.strongest_plain", "present", None, p, f"{p}: the fastest plain loop") for p in VS_RUNS),
+        Check("metrics.bench.wanexp.vs_strongest", ">=", 0.95, "bench",
+              "no slower than the strongest plain loop (0.98x measured 2026-11-26; the target is 1.3x)"),
+        Check("metrics.bench_ckpt.wanexp.vs_strongest", ">=", 1.15, "bench_ckpt",
+              "vs the strongest checkpointed plain loop (1.26x measured 2026-11-26; the target is 1.5x)"),
+        Check("metrics.bench_ckpt.wanexp.peak_gib", "<=", 14, "bench_ckpt", "12.4 GiB measured (H100)"),
+    ),
+    collect=strongest_metrics(VS_COMPILED, *VS_RUNS),
+    record=tuple(f"{p}.{k}" for p in VS_RUNS for k in (
+        "strongest_plain", *(f"{path}.median_s" for path in VS_PATHS.split(",")),
+        *(f"{path}.peak_gib" for path in ("plain_tokens_compiled", "wanexp")), "wanexp.vs_strongest")),
+)
+
+CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB

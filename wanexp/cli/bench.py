@@ -6,6 +6,11 @@
                   (PyTorch's default implementation: foreach, not fused), eager, one timestep per sample.
     plain_tokens  TI2V-5B only: the same loop with the pipeline's per-token timesteps (shape (B, tokens)), the first
                   latent frame clean at t=0 (what a correct TI2V step computes).
+    plain_compiled, plain_tokens_compiled
+                  the same loops with each transformer block compiled (``block.compile()`` for each block of
+                  ``transformer.blocks``, the one line a skilled user adds; --compile-backend, default inductor),
+                  checkpointed with --ckpt as the eager loops are (diffusers' enable_gradient_checkpointing: each
+                  compiled block under torch.utils.checkpoint).
     wanexp        the project's step as `python train.py` builds it from the default config (+ --set overrides):
                   WanModule with its spec (fast modulation, compiled blocks, attention backend as configured), adapter,
                   objective (sigma, noise and first-frame draws, TI2V conditioning, masked loss) and the configured
@@ -16,9 +21,10 @@ Numerics: the wanexp step and the plain loop of the same function (plain_tokens 
 and without; plain for A14B) are run on identical weights (the same random LoRA A and B) and inputs (the same sigma,
 noise and first-frame draws): the relative error of the DiT output and of the LoRA gradients is printed. With the
 plain loop's function also run in fp32 (--fp32-floor; on by default where it fits), each bf16 path's distance to it
-is printed too. A path passes when it is within --tol (1e-2) of the plain bf16 loop, or no further from the fp32
-function than the plain loop is (a compiled graph may round in other places than eager bf16: see ``verdict``); the
-command exits 1 when a path does neither.
+is printed too. The compiled plain loop of that function (plain_tokens_compiled, or plain_compiled for A14B) is checked
+the same way, when it runs. A path passes when it is within --tol (1e-2) of the plain bf16 loop, or no further from
+the fp32 function than the plain loop is (a compiled graph may round in other places than eager bf16: see
+``verdict``); the command exits 1 when a path does neither.
 
     python -m wanexp.cli.bench --model-path /models/Wan2.2-TI2V-5B-Diffusers --frames 17 --json bench.json
     python -m wanexp.cli.bench --model t2v14b --model-path /models/Wan2.2-T2V-A14B-Diffusers --height 480 \\
@@ -26,7 +32,8 @@ command exits 1 when a path does neither.
 
 Inputs are cached-latent-shaped random tensors (throughput does not depend on values). The table gives ms/step (median
 after warm-up), TFLOP/s (wanexp.perf.transformer_step_flops), % of 790 TFLOP/s (a large bf16 matmul on H100), peak
-GiB (torch.cuda.max_memory_allocated, weights included) and each path's speed-up over each plain loop; each path's
+GiB (torch.cuda.max_memory_allocated, weights included) and each path's speed-up over the strongest plain loop (the
+fastest plain path measured; the JSON also has the speed-up over each plain loop); each path's
 line below the table also gives its steps run back to back (``back_to_back_s``: no sync between steps, as a training
 loop runs them; the table's steps are each synchronized so that each can be timed).
 """
@@ -104,9 +111,24 @@ def _autocast(device):
 
 
 # ---- the plain loop ----------------------------------------------------------------------------------------------
-def plain_model(args, device, dtype=torch.bfloat16):
+PLAIN_PATHS = ("plain", "plain_compiled", "plain_tokens", "plain_tokens_compiled")
+PATHS = (*PLAIN_PATHS, "wanexp")
+
+
+def plain_kind(name: str) -> tuple[bool, bool]:
+    """(per-token timesteps, blocks compiled) of a plain path."""
+    return name.startswith("plain_tokens"), name.endswith("_compiled")
+
+
+def default_paths(per_token: bool) -> list[str]:
+    """Every plain loop that applies (per-token ones for TI2V only), then wanexp."""
+    return [p for p in PLAIN_PATHS if per_token or not plain_kind(p)[0]] + ["wanexp"]
+
+
+def plain_model(args, device, dtype=torch.bfloat16, compiled: bool = False):
     """bf16 DiT from the folder + peft LoRA (fp32 parameters) as a user adds it (``dtype=float32``: the fp32
-    reference of the numerics check, always with activation checkpointing, which does not change the function)."""
+    reference of the numerics check, always with activation checkpointing, which does not change the function).
+    ``compiled``: each transformer block compiled, as a user adds it after the adapter (``block.compile()``)."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
@@ -120,6 +142,9 @@ def plain_model(args, device, dtype=torch.bfloat16):
         p.requires_grad_(True)
     if args.ckpt or dtype == torch.float32:
         t.enable_gradient_checkpointing()
+    if compiled:
+        for block in t.blocks:
+            block.compile(backend=args.compile_backend)
     return t, params
 
 
@@ -145,8 +170,8 @@ def plain_loss(pred, target, mask):
     return ((err * m).sum(dim=(1, 2, 3, 4)) / m.sum(dim=(1, 2, 3, 4))).mean()
 
 
-def plain_step(args, device, data, per_token: bool):
-    t, params = plain_model(args, device)
+def plain_step(args, device, data, per_token: bool, compiled: bool = False, model=None):
+    t, params = model or plain_model(args, device, compiled=compiled)
     opt = torch.optim.AdamW(params, lr=1e-4)  # as users write it: PyTorch's default (foreach) implementation
     x0, text = data
 
@@ -162,7 +187,8 @@ def plain_step(args, device, data, per_token: bool):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return t, step, {"optimizer": "torch.optim.AdamW (default: foreach, not fused)"}
+    return t, step, {"optimizer": "torch.optim.AdamW (default: foreach, not fused)",
+                     "compile": args.compile_backend if compiled else False}
 
 
 # ---- wanexp's step -----------------------------------------------------------------------------------------------
@@ -231,10 +257,12 @@ def draws(objective, sigma_range, x0, first_frame_cond: float, seed: int):
     return sigma, noise, first
 
 
-def reference(args, device, data, objective, sigma_range, per_token: bool, dtype=torch.bfloat16) -> list[dict]:
-    """Plain loop outputs and LoRA gradients for each first-frame case (fresh model, seeded LoRA values); with
-    ``dtype=float32`` the same function in fp32 without autocast (the exact function, up to fp32 rounding)."""
-    t, params = plain_model(args, device, dtype)
+def reference(args, device, data, objective, sigma_range, per_token: bool, dtype=torch.bfloat16,
+              model=None) -> list[dict]:
+    """Plain loop outputs and LoRA gradients for each first-frame case (fresh model, or ``model``: a plain_model
+    (transformer, LoRA params); seeded LoRA values); with ``dtype=float32`` the same function in fp32 without autocast
+    (the exact function, up to fp32 rounding)."""
+    t, params = model or plain_model(args, device, dtype)
     named = _lora_names(t.named_parameters())
     values = lora_tensors(named, CHECK_SEED)
     with torch.no_grad():
@@ -309,25 +337,38 @@ def check(module, data, refs, values, tol: float, floor: list[dict] | None = Non
             loss = module.objective(EncodedBatch(*data), rec, generator=torch.Generator().manual_seed(CHECK_SEED)).loss
         loss.backward()
         # the objective drew what the plain loop drew (sigma, noise, first frame): x_t is the same tensor
-        same_input = (rec.seen["x_t"].float().cpu() - ref["x_t"]).abs().max().item()
-        out = rec.seen["out"].cpu()
-        grads = {n: p.grad.cpu() for n, p in named}
-        grad_err = {n: rel(g, ref["grads"][n]) for n, g in grads.items()}
-        worst = max(grad_err, key=grad_err.get)
-        g_all = grads_rel(grads, ref["grads"])
-        rows.append({"first_frame": bool(ref["first_frame_cond"]), "input_max_abs_diff": same_input,
-                     "out_rel_err": rel(out, ref["out"]), "grad_rel_err_all": g_all,
-                     "grad_rel_err_worst": grad_err[worst], "grad_worst_tensor": worst,
-                     "loss": loss.item(), "loss_plain": ref["loss"]})
-        if floor is not None:  # both bf16 computations measured against the fp32 function
-            f = floor[len(rows) - 1]
-            rows[-1].update(out_vs_fp32=rel(out, f["out"]), grad_vs_fp32=grads_rel(grads, f["grads"]),
-                            plain_out_vs_fp32=f["plain_out_vs_fp32"], plain_grad_vs_fp32=f["plain_grad_vs_fp32"])
+        got = {"x_t": rec.seen["x_t"].float().cpu(), "out": rec.seen["out"].cpu(),
+               "grads": {n: p.grad.cpu() for n, p in named}, "loss": loss.item()}
+        rows.append(compare(got, ref, None if floor is None else floor[len(rows)]))
         module.zero_grad(set_to_none=True)
     spec.first_frame_cond = saved_ffc
     for r in rows:
         verdict(r, tol)
     return rows
+
+
+def compare(got: dict, ref: dict, floor: dict | None) -> dict:
+    """One numerics row: a path's input, output and LoRA gradients (``got``, keyed as reference() keys them) against
+    the plain bf16 loop's (``ref``) and, with ``floor``, both against the fp32 function."""
+    grad_err = {n: rel(g, ref["grads"][n]) for n, g in got["grads"].items()}
+    worst = max(grad_err, key=grad_err.get)
+    row = {"first_frame": bool(ref["first_frame_cond"]),
+           "input_max_abs_diff": (got["x_t"].float() - ref["x_t"]).abs().max().item(),
+           "out_rel_err": rel(got["out"], ref["out"]), "grad_rel_err_all": grads_rel(got["grads"], ref["grads"]),
+           "grad_rel_err_worst": grad_err[worst], "grad_worst_tensor": worst,
+           "loss": got["loss"], "loss_plain": ref["loss"]}
+    if floor is not None:  # both bf16 computations measured against the fp32 function
+        row.update(out_vs_fp32=rel(got["out"], floor["out"]), grad_vs_fp32=grads_rel(got["grads"], floor["grads"]),
+                   plain_out_vs_fp32=floor["plain_out_vs_fp32"], plain_grad_vs_fp32=floor["plain_grad_vs_fp32"])
+    return row
+
+
+def check_plain(label: str, got: list[dict], refs: list[dict], tol: float,
+                floor: list[dict] | None = None) -> list[dict]:
+    """The numerics rows of a compiled plain loop: its reference() (same seeded LoRA values and draws) against the
+    eager plain loop's, per first-frame case."""
+    rows = [compare(g, r, None if floor is None else floor[i]) for i, (g, r) in enumerate(zip(got, refs))]
+    return [verdict({**r, "path": label}, tol) for r in rows]
 
 
 FP32_MARGIN = 1.1  # a path as far from the fp32 function as the plain bf16 loop, within 10 %, computes it as well
@@ -394,6 +435,8 @@ def profile_kinds(step, steps: int = 2) -> dict:
 
 def measure(name, make, args, device, data, flops) -> dict:
     _free()
+    # each path compiles its own graphs: another path's shapes would make dynamo recompile them dynamic in shape
+    torch.compiler.reset()
     t0 = time.perf_counter()
     model, step, info = make()
     build_s = time.perf_counter() - t0
@@ -431,7 +474,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ckpt", action="store_true", help="activation (gradient) checkpointing")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--paths", default=None, help="comma list of plain,plain_tokens,wanexp (default: all that apply)")
+    ap.add_argument("--paths", default=None, help=f"comma list of {','.join(PATHS)} (default: all that apply)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled plain loops (block.compile(backend=...))")
     ap.add_argument("--variants", default="", help="extra wanexp runs, ';'-separated lists of space-separated "
                     "overrides, e.g. 'model.compile=false;model.attention_backend=_native_cudnn'")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides for the wanexp path")
@@ -463,7 +508,13 @@ def main(argv=None) -> list[dict]:
     x0 = torch.randn(latent_shape, device=device, generator=g)
     text = torch.randn(args.batch, args.text_len, cfg["text_dim"], device=device, generator=g).to(torch.bfloat16)
     data = (x0, text)
-    paths = args.paths.split(",") if args.paths else ["plain"] + (["plain_tokens"] if per_token else []) + ["wanexp"]
+    paths = args.paths.split(",") if args.paths else default_paths(per_token)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise SystemExit(f"--paths: unknown path {unknown[0]!r} ({', '.join(PATHS)})")
+    # the compiled plain loop of the function the numerics check measures is checked too
+    plain_ref = "plain_tokens" if per_token else "plain"
+    checked = [p for p in ("wanexp", plain_ref + "_compiled") if p in paths] if not args.no_check else []
     variants = [v.split() for v in args.variants.split(";") if v.strip()]
     print(f"wanexp bench: {args.model} {args.height}x{args.width}x{args.frames}, latents {tuple(latent_shape)}, "
           f"{tokens} tokens, ckpt={args.ckpt}, LoRA r{args.rank}, {flops / 1e12:.1f} TFLOP/step, "
@@ -475,7 +526,7 @@ def main(argv=None) -> list[dict]:
     check_data = data
     if plan == "short" and latent_shape[2] > SHORT_LATENT_FRAMES:
         check_data = (x0[:, :, :SHORT_LATENT_FRAMES].contiguous(), text)
-    if "wanexp" in paths and not args.no_check:  # the plain loop's output and LoRA gradients, kept on the host
+    if checked:  # the plain loop's output and LoRA gradients, kept on the host
         if check_data is not data:
             print(f"wanexp bench: the numerics check runs on the clip's first {SHORT_LATENT_FRAMES} latent frames "
                   f"(--fp32-floor {args.fp32_floor}: the fp32 function on a short clip; on: on the whole clip)",
@@ -490,9 +541,19 @@ def main(argv=None) -> list[dict]:
             del exact
             _free()
     for name in paths:
-        if name in ("plain", "plain_tokens"):
-            results.append(measure(name, lambda n=name: plain_step(args, device, data, n == "plain_tokens"),
-                                   args, device, data, flops))
+        if name in PLAIN_PATHS:
+            def make_plain(name=name):
+                tokens_t, compiled = plain_kind(name)
+                model = plain_model(args, device, compiled=compiled)
+                if refs is not None and name in checked:  # before timing: warms the compiled blocks up too
+                    got, _ = reference(args, device, check_data, _objective(args), _sigma_range(args), per_token,
+                                       model=model)
+                    checks.extend(check_plain(name, got, refs, args.tol, floor))
+                    if check_data is not data:  # else the timed steps would run graphs made dynamic in shape
+                        torch.compiler.reset()
+                return plain_step(args, device, data, tokens_t, compiled, model)
+
+            results.append(measure(name, make_plain, args, device, data, flops))
         elif name == "wanexp":
             for extra in [[]] + variants:
                 run_args = argparse.Namespace(**{**vars(args), "set": [*args.set, *extra]})
@@ -510,19 +571,11 @@ def main(argv=None) -> list[dict]:
                     return wanexp_step(run_args, device, data, module_cfg)
 
                 results.append(measure(label, make, args, device, data, flops))
-        else:
-            raise SystemExit(f"--paths: unknown path {name!r} (plain, plain_tokens, wanexp)")
 
     for r in results:
         r.update(tokens=tokens, ckpt=args.ckpt, flops=flops)
-    bases = [r for r in results if r["path"] in ("plain", "plain_tokens")]
-    print(f"\n{'path':58} {'ms/step':>8} {'TFLOP/s':>8} {'% 790':>6} {'peak GiB':>9} "
-          + " ".join(f"{'vs ' + b['path']:>15}" for b in bases))
-    for r in results:
-        for b in bases:
-            r[f"speedup_vs_{b['path']}"] = b["median_s"] / r["median_s"]
-        print(f"{r['path'][:58]:58} {1000 * r['median_s']:>8.1f} {r['tflops']:>8.1f} {r['pct_of_peak']:>6.1f} "
-              f"{r['peak_gib']:>9.1f} " + " ".join(f"{b['median_s'] / r['median_s']:>14.2f}x" for b in bases))
+    strongest = speedups(results)
+    print("\n" + "\n".join(table(results, strongest)))
     for r in results:
         print(f"  {r['path']}: {r.get('optimizer')}; times ms {[round(1000 * t, 1) for t in r['times_s']]}; "
               f"back to back (no sync between steps) {1000 * r['back_to_back_s']:.1f} ms/step")
@@ -555,15 +608,43 @@ def main(argv=None) -> list[dict]:
                "shape": [args.height, args.width, args.frames], "latent_shape": list(latent_shape),
                "tokens": tokens, "ckpt": args.ckpt, "rank": args.rank, "flops_per_step": flops,
                "results": results, "numerics": checks, "numerics_ok": ok, "fp32_plan": plan,
-               "check_latent_frames": check_data[0].shape[2]}
+               "check_latent_frames": check_data[0].shape[2], "strongest_plain": strongest,
+               "compile_backend": args.compile_backend}
         path.write_text(json.dumps(old + [run], indent=2))
     if not ok:
         unsettled = "" if floor is not None else (" within --tol, and the fp32 function that could settle it did "
                                                    "not run (--fp32-floor short or on, with fewer --frames if needed)")
-        print(f"wanexp bench: error: wanexp's step does not compute the plain loop's function{unsettled} (see "
+        failed = sorted({c["path"] for c in checks
+                         if not c["ok"] and not any(k in c["path"] for k in CHANGES_NUMERICS)})
+        print(f"wanexp bench: error: {', '.join(failed)} does not compute the plain loop's function{unsettled} (see "
               "numerics above)", file=sys.stderr)
         raise SystemExit(1)
     return results
+
+
+def speedups(results: list[dict]) -> str | None:
+    """Sets each path's ``speedup_vs_<plain path>`` for every plain loop measured and ``speedup_vs_strongest``
+    against the fastest of them (the baseline a skilled user would have: compiled blocks, where that is faster);
+    returns that loop's name (None without a plain loop)."""
+    bases = [r for r in results if r["path"] in PLAIN_PATHS]
+    strongest = min(bases, key=lambda b: b["median_s"]) if bases else None
+    for r in results:
+        for b in bases:
+            r[f"speedup_vs_{b['path']}"] = b["median_s"] / r["median_s"]
+        r["speedup_vs_strongest"] = strongest["median_s"] / r["median_s"] if strongest else None
+    return strongest["path"] if strongest else None
+
+
+def table(results: list[dict], strongest: str | None) -> list[str]:
+    """The summary: one row per path, its speed-up against the strongest plain loop (speedups())."""
+    head = f"{'path':58} {'ms/step':>8} {'TFLOP/s':>8} {'% 790':>6} {'peak GiB':>9} {'vs strongest':>12}"
+    lines = [f"strongest plain loop (fastest measured): {strongest or 'none measured'}", head]
+    for r in results:
+        ratio = f"{r['speedup_vs_strongest']:>11.2f}x" if strongest else f"{'-':>12}"
+        mark = " <- strongest" if r["path"] == strongest else ""
+        lines.append(f"{r['path'][:58]:58} {1000 * r['median_s']:>8.1f} {r['tflops']:>8.1f} "
+                     f"{r['pct_of_peak']:>6.1f} {r['peak_gib']:>9.1f} {ratio}{mark}")
+    return lines
 
 
 def _objective(args):

@@ -1,0 +1,69 @@
+"""wanexp.cli.bench's summary: every path against the strongest (fastest) plain loop, in one table; the paths each
+model runs by default; the GPU case that times them all reads the ratios back."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.gpu import registry, run
+from tests.gpu.registry import CASES, Ctx
+from wanexp.cli.bench import default_paths, speedups, table
+
+
+def _row(path: str, ms: float) -> dict:
+    return {"path": path, "median_s": ms / 1000, "tflops": 1.0, "pct_of_peak": 0.1, "peak_gib": 10.0}
+
+
+def test_every_path_is_compared_with_the_fastest_plain_loop():
+    results = [_row("plain", 392.9), _row("plain_compiled", 260.0), _row("plain_tokens", 420.0),
+               _row("plain_tokens_compiled", 249.8), _row("wanexp", 255.8)]
+    assert speedups(results) == "plain_tokens_compiled"
+    by = {r["path"]: r for r in results}
+    assert by["wanexp"]["speedup_vs_strongest"] == pytest.approx(249.8 / 255.8)
+    assert by["plain"]["speedup_vs_strongest"] == pytest.approx(249.8 / 392.9)
+    assert by["plain_tokens_compiled"]["speedup_vs_strongest"] == 1.0
+    assert by["wanexp"]["speedup_vs_plain_tokens"] == pytest.approx(420.0 / 255.8)  # each plain loop's, in the JSON
+    lines = table(results, "plain_tokens_compiled")
+    assert lines[0].endswith(": plain_tokens_compiled") and "vs strongest" in lines[1]
+    assert len(lines) == 2 + len(results)  # one table, a row per path
+    assert lines[2 + 4].split()[:2] == ["wanexp", "255.8"] and lines[2 + 4].rstrip().endswith("0.98x")
+    assert lines[2 + 3].endswith("<- strongest") and sum("<- strongest" in line for line in lines) == 1
+
+
+def test_without_a_plain_loop_there_is_no_ratio():
+    results = [_row("wanexp", 255.8)]
+    assert speedups(results) is None and results[0]["speedup_vs_strongest"] is None
+    assert table(results, None)[2].split()[-1] == "-"
+
+
+def test_default_paths_include_the_compiled_plain_loops():
+    assert default_paths(True) == ["plain", "plain_compiled", "plain_tokens", "plain_tokens_compiled", "wanexp"]
+    assert default_paths(False) == ["plain", "plain_compiled", "wanexp"]  # A14B: no per-token timesteps
+
+
+def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_path):
+    case = CASES[registry.VS_COMPILED]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    bench_phases = [p for p in case.phases if p.name != "build_dit"]
+    assert [p.name for p in bench_phases] == ["bench", "bench_ckpt"]
+    for p in bench_phases:
+        argv = p.argv(ctx)
+        assert argv[argv.index("--paths") + 1].split(",") == default_paths(True)
+        assert ("--ckpt" in argv) == (p.name == "bench_ckpt") and argv[argv.index("--frames") + 1] == "17"
+    times = {"bench": (392.9, 255.0, 420.0, 249.8, 255.8), "bench_ckpt": (568.0, 440.0, 683.8, 433.9, 344.8)}
+    for name, ms in times.items():
+        results = [_row(p, t) for p, t in zip(default_paths(True), ms)]
+        strongest = speedups(results)
+        path = registry.bench_json(ctx, registry.VS_COMPILED, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([{"results": results, "numerics": [], "numerics_ok": True,
+                                     "strongest_plain": strongest}]))
+    result = run.judge(case, ctx, {p.name: {"ok": True, "rc": 0} for p in case.phases}, ["NVIDIA H100 80GB HBM3"])
+    m = result["metrics"]
+    assert m["bench"]["strongest_plain"] == "plain_tokens_compiled"
+    assert m["bench_ckpt"]["wanexp"]["vs_strongest"] == pytest.approx(433.9 / 344.8)
+    assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
+    row = run.record_row(case, result, tmp_path / "bench").read_text()
+    assert "bench.strongest_plain plain_tokens_compiled" in row and f"bench_ckpt.wanexp.vs_strongest " \
+        f"{433.9 / 344.8:.4g}" in row
