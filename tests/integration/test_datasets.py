@@ -16,37 +16,123 @@ from wanexp.errors import ConfigError
 
 
 def test_two_datasets_of_different_shapes_and_repeats_train_in_one_run(shared_dir, tmp_path, capsys):
+    """Shapes, repeats and a fractional weight; the progress bar shows each dataset's samples of the epoch."""
     from wanexp.data.synthetic import make_demo_dataset
 
     a = make_demo_dataset(tmp_path / "a", num_videos=4, num_images=0, num_frames=9, height=64, width=64)
     b = make_demo_dataset(tmp_path / "b", num_videos=3, num_images=0, num_frames=9, height=64, width=96)
-    datasets = (f"data.datasets={{a:{{metadata:'{a}'}},b:{{metadata:'{b}',repeat:2,num_frames:5,frame_stride:2,"
-                f"height:64,width:96,caption_prefix:'style b, '}}}}")
-    # a: 4 samples at 9x64x64 = 2 batches of 2; b: 3 clips x 2 = 6 samples at 5x64x96 = 3 batches: 5 per epoch
-    r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", datasets, "data.use_cache=false", "trainer.max_steps=10",
-                                                "+callbacks.recorder._target_=tests.helpers.BatchRecorder"])
+    datasets = (f"data.datasets={{a:{{metadata:'{a}',weight:1.5}},b:{{metadata:'{b}',repeat:2,num_frames:5,"
+                f"frame_stride:2,height:64,width:96,caption_prefix:'style b, '}}}}")
+    # a: 4 clips x 1.5 = 6 samples at 9x64x64 = 3 batches of 2 (each clip once, 2 of them twice, drawn per epoch);
+    # b: 3 clips x 2 = 6 samples at 5x64x96 = 3 batches: 6 per epoch
+    r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", datasets, "data.use_cache=false", "trainer.max_steps=12",
+                                                "+callbacks.recorder._target_=tests.helpers.BatchRecorder",
+                                                "+callbacks.bar._target_=wanexp.callbacks.progress.StepProgressBar"])
     dm = r["trainer"].datamodule
     batches = next(c for c in r["trainer"].callbacks if type(c).__name__ == "BatchRecorder").batches
-    assert len(batches) == 10 and r["trainer"].num_training_batches == 5
+    assert len(batches) == 12 and r["trainer"].num_training_batches == 6
     names = [p.name for p in dm.parts]
-    for epoch in (batches[:5], batches[5:]):
-        assert Counter(names[dm.dataset_part[i]] for batch in epoch for i in batch) == {"a": 4, "b": 6}
+    for epoch in (batches[:6], batches[6:]):
+        assert Counter(names[dm.dataset_part[i]] for batch in epoch for i in batch) == {"a": 6, "b": 6}
+        a_clips = Counter(dm.dataset.samples[i].path for batch in epoch for i in batch if dm.dataset_part[i] == 0)
+        assert sorted(a_clips.values()) == [1, 1, 2, 2]
         for batch in epoch:  # one dataset's bucket per batch, at that dataset's shape
             assert len({dm.dataset.shapes[i] for i in batch}) == 1
-    assert batches[:5] != batches[5:]  # a new order each epoch
+    assert batches[:6] != batches[6:]  # a new order each epoch
+    bar = next(c for c in r["trainer"].callbacks if type(c).__name__ == "StepProgressBar")
+    assert bar.train_progress_bar.postfix.endswith("a=6/6, b=6/6")  # the last step: the whole epoch seen
     shapes = {names[p]: dm.dataset.shapes[i] for i, p in enumerate(dm.dataset_part)}
     assert shapes == {"a": (9, 64, 64), "b": (5, 64, 96)}
     b_prompts = [s.prompt for s, p in zip(dm.dataset.samples, dm.dataset_part) if names[p] == "b"]
     assert all(p.startswith("style b, ") for p in b_prompts) and len(b_prompts) == 6
-    assert dm.dataset.frame_stride == [1] * 4 + [2] * 6
+    assert dm.dataset.frame_stride == [1] * 8 + [2] * 6  # a: its clips, then the copy an epoch draws 2 of
     status = json.loads((Path(r["output_dir"]) / "status.json").read_text())
     per = status["data"]["datasets"]
-    assert {n: (per[n]["samples"], per[n]["repeat"], per[n]["rows"]) for n in per} == {"a": (4, 1, 4), "b": (6, 2, 3)}
+    assert {n: (per[n]["samples"], per[n]["repeat"], per[n]["weight"], per[n]["rows"]) for n in per} == \
+        {"a": (6, 1, 1.5, 4), "b": (6, 2, 1, 3)}
     out = Path(r["output_dir"])
     assert (out / "rejects-a.jsonl").is_file() and (out / "rejects-b.jsonl").is_file()  # each its own
     logged = next(x for x in csv.DictReader(open(out / "logs" / "version_0" / "metrics.csv")) if x["data/a/samples"])
-    assert (float(logged["data/a/samples"]), float(logged["data/b/samples"])) == (4, 6)  # W&B gets the same metrics
-    assert "wanexp: data: samples per epoch: a 4 (4 x1), b 6 (3 x2)" in capsys.readouterr().out
+    assert (float(logged["data/a/samples"]), float(logged["data/b/samples"])) == (6, 6)  # W&B gets the same metrics
+    assert "wanexp: data: samples per epoch: a 6 (4 x1 x weight 1.5), b 6 (3 x2)" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def weighted(tmp_path_factory):
+    """Three datasets set up (no model): a 4 clips weight 2, b 3 clips repeat 2, c 4 clips (another shape) weight
+    0.5; batch 2."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose_cfg
+    from wanexp.data.synthetic import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("weighted")
+    meta = {name: make_demo_dataset(root / name, num_videos=n, num_images=0, num_frames=9, height=h, width=w)
+            for name, n, h, w in (("a", 4, 64, 64), ("b", 3, 64, 96), ("c", 4, 96, 64))}
+    cfg = compose_cfg(["experiment=demo", f"paths.output_dir={root}/run", "data.use_cache=false",
+                       f"data.datasets={{a:{{metadata:'{meta['a']}',weight:2}},b:{{metadata:'{meta['b']}',repeat:2,"
+                       f"width:96}},c:{{metadata:'{meta['c']}',weight:0.5,height:96}}}}"])
+    dm = instantiate(cfg.data, seed=0, _convert_="all")
+    dm.setup("fit")
+    return dm
+
+
+def _epoch(sampler, epoch: int) -> list[list[int]]:
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_weights_set_each_datasets_samples_per_epoch_and_a_fraction_is_drawn_anew(weighted):
+    """weight 2 vs repeat 2 vs weight 0.5: 8 + 6 + 2 samples every epoch, one bucket per batch; c's 2 are a new draw
+    each epoch, so over epochs all of its clips train."""
+    dm = weighted
+    assert {n: d["samples"] for n, d in dm.report["datasets"].items()} == {"a": 8, "b": 6, "c": 2}
+    sampler = dm.train_dataloader().batch_sampler
+    assert len(sampler) == 8  # 4 + 3 + 1 batches of 2
+    drawn = []
+    for epoch in range(4):
+        batches = _epoch(sampler, epoch)
+        assert Counter("abc"[dm.dataset_part[i]] for b in batches for i in b) == {"a": 8, "b": 6, "c": 2}
+        assert all(len({dm.dataset.shapes[i] for i in b}) == 1 for b in batches)
+        drawn.append(frozenset(dm.dataset.samples[i].path for b in batches for i in b if dm.dataset_part[i] == 2))
+    assert len(set(drawn)) > 1 and len(frozenset().union(*drawn)) == 4
+    assert _epoch(sampler, 3) == _epoch(sampler, 3)  # a function of (seed, epoch)
+
+
+def test_weighted_epochs_split_over_ranks_and_resume_exactly(weighted):
+    """Two ranks (batch 1 each) draw disjoint halves of the one-process steps; a sampler that follows a restored step
+    count yields exactly the rest of that epoch."""
+    from wanexp.data.datamodule import BucketBatchSampler
+
+    dm = weighted
+    shapes, pools = dm.dataset.shapes, dm.epoch_pools
+    one = BucketBatchSampler(shapes, 2, seed=0, subsets=pools)
+    ranks = [BucketBatchSampler(shapes, 1, rank, 2, seed=0, subsets=pools) for rank in (0, 1)]
+    for epoch in (0, 1):
+        full = _epoch(one, epoch)
+        assert [r0 + r1 for r0, r1 in zip(*(_epoch(r, epoch) for r in ranks))] == full
+    for steps in (3, 8, 11):  # mid-epoch 0, its end, mid-epoch 1
+        resumed = BucketBatchSampler(shapes, 2, seed=0, subsets=pools)
+        resumed.follow(lambda: steps, 1)
+        assert list(resumed) == _epoch(one, steps // 8)[steps % 8:]
+
+
+def test_the_progress_bar_shows_each_datasets_samples_of_the_epoch(weighted):
+    """The bar's postfix after optimizer step k: each dataset's samples in the epoch's first k batches (all ranks)
+    of those the epoch trains, from the loader's order; a new epoch starts from 0."""
+    from types import SimpleNamespace
+
+    from wanexp.callbacks.progress import dataset_postfix
+
+    dm = weighted
+    sampler = dm.train_dataloader().batch_sampler
+    for step in (1, 3, 8, 9, 12):
+        epoch, k = divmod(step - 1, 8)
+        seen = Counter("abc"[dm.dataset_part[i]] for b in _epoch(sampler, epoch)[:k + 1] for i in b)
+        shown = dataset_postfix(SimpleNamespace(datamodule=dm, global_step=step))
+        assert shown == {n: f"{seen[n]}/{total}" for n, total in (("a", 8), ("b", 6), ("c", 2))}
+    assert dataset_postfix(SimpleNamespace(datamodule=dm, global_step=0)) == {}
+    assert dataset_postfix(SimpleNamespace(datamodule=None, global_step=5)) == {}
 
 
 TOP = {"metadata": None, "root": None, "repeat": 1, "num_frames": 9, "height": 64, "width": 64, "buckets": None,
@@ -60,6 +146,11 @@ TOP = {"metadata": None, "root": None, "repeat": 1, "num_frames": 9, "height": 6
     ({"x": {"metadata": "m.csv", "repeat": 0}}, "data.datasets.x.repeat=0: must be an integer >= 1"),
     ([{"metadata": "a.csv", "name": "s"}, {"metadata": "b.csv", "name": "s"}], "two datasets are named s"),
     ([], "data.datasets is empty"),
+    ({"x": {"metadata": "m.csv", "weight": -1}}, "data.datasets.x.weight=-1: must be a number >= 0"),
+    ({"x": {"metadata": "m.csv", "weight": "2x"}}, "data.datasets.x.weight='2x': must be a number >= 0"),
+    ({"x": {"metadata": "m.csv", "weight": float("nan")}}, "data.datasets.x.weight=nan: must be a number >= 0"),
+    ({"x": {"metadata": "m.csv", "weight": True}}, "data.datasets.x.weight=True: must be a number >= 0"),
+    ([{"metadata": "a.csv", "weight": 0}, {"metadata": "b.csv", "weight": 0.0}], "data.datasets: every weight is 0"),
 ])
 def test_a_bad_datasets_entry_is_one_line_naming_it(datasets, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
@@ -85,9 +176,11 @@ def test_the_cache_encodes_each_dataset_at_its_shape_and_a_run_trains_from_it(sh
     assert sorted(set(r["trainer"].datamodule.dataset.shapes)) == [(5, 64, 96), (9, 64, 64)]
 
 
-def test_a_bad_entry_stops_the_run_before_anything_is_written(shared_dir, tmp_path):
-    with pytest.raises(ConfigError, match=re.escape("data.datasets.0: unknown key reapeat")):
-        tiny_run(shared_dir, tmp_path / "run", ["model=tiny", "data.datasets=[{metadata:x.csv,reapeat:2}]"])
+@pytest.mark.parametrize("entry, says", [("{metadata:x.csv,reapeat:2}", "data.datasets.0: unknown key reapeat"),
+                                         ("{metadata:x.csv,weight:-0.5}", "data.datasets.0.weight=-0.5: must be")])
+def test_a_bad_entry_stops_the_run_before_anything_is_written(shared_dir, tmp_path, entry, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.datasets=[{entry}]"])
     assert not (tmp_path / "run").exists()
 
 

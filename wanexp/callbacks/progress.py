@@ -35,8 +35,18 @@ def total_optimizer_steps(trainer) -> int:
     return by_epochs
 
 
+def dataset_postfix(trainer) -> dict[str, str]:
+    """With several datasets (``data.datasets``): each one's samples trained so far in this epoch (all ranks) of
+    those the epoch trains, ``{"clips": "40/120", "stills": "130/400"}``; from the loader's order, no device read."""
+    seen = getattr(getattr(trainer, "datamodule", None), "samples_seen", None)
+    if seen is None:
+        return {}
+    return {name: f"{done}/{total}" for name, (done, total) in seen(trainer.global_step).items()}
+
+
 class StepProgressBar(TQDMProgressBar):
-    """``Training: 45%|████▌     | 450/1000 [02:10<02:39, 3.45step/s, loss=0.123, samples/s=13.8]`` (rank 0).
+    """``Training: 45%|████▌     | 450/1000 [02:10<02:39, 3.45step/s, loss=0.123, samples/s=13.8]`` (rank 0);
+    with several datasets, each one's samples this epoch follow: ``..., clips=40/120, stills=130/400]``.
 
     One bar from the first to the last optimizer step (no per-epoch bars); ``refresh_rate`` in optimizer steps.
     """
@@ -44,6 +54,7 @@ class StepProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 1):
         super().__init__(refresh_rate=refresh_rate, leave=False)
         self._bar_step = 0
+        self._shown: dict = {}  # loss and samples/s of the last logged step
 
     def init_train_tqdm(self) -> Tqdm:
         # created with its total and start step, so no "Training: 0/?" bar is ever drawn
@@ -73,7 +84,8 @@ class StepProgressBar(TQDMProgressBar):
             bar.n = step
             if RunContext.logs_this_step(trainer) or step == bar.total:
                 # loss and samples/s as logged: read from the device at log steps only (a read is a host sync)
-                bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+                self._shown = self.get_metrics(trainer, pl_module)
+            bar.set_postfix({**self._shown, **dataset_postfix(trainer)}, refresh=False)
             bar.refresh()
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

@@ -43,7 +43,7 @@ from wanexp.data.windows import RANDOM_START, expand, random_start
 Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
 
 # what each entry of data.datasets may set (the rest comes from the data group's own keys)
-PART_KEYS = ("name", "metadata", "root", "repeat", "num_frames", "height", "width", "buckets", "frame_stride",
+PART_KEYS = ("name", "metadata", "root", "repeat", "weight", "num_frames", "height", "width", "buckets", "frame_stride",
              "window", "windows_per_clip", "caption_prefix")
 
 
@@ -63,6 +63,20 @@ class Part:
     window: str
     windows_per_clip: int
     caption_prefix: str = ""
+    weight: float = 1.0  # samples per epoch: items x repeat x weight (see epoch_share)
+
+    @property
+    def share(self) -> float:
+        """How many times over an epoch holds each of this dataset's items: repeat x weight (may be fractional)."""
+        return self.repeat * self.weight
+
+
+def _weight(value, where: str) -> float:
+    """A dataset's sampling weight: a finite number >= 0 (0: listed, not trained on)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{where}.weight={value!r}: must be a number >= 0 (its samples per epoch are items x repeat "
+                          "x weight; default 1)")
+    return float(value)
 
 
 def _part(entry, name: str, top: dict) -> Part:
@@ -89,7 +103,7 @@ def _part(entry, name: str, top: dict) -> Part:
                 repeat=v["repeat"], num_frames=v["num_frames"], height=v["height"], width=v["width"],
                 resolutions=[tuple(r) for r in buckets] if buckets else None, frame_stride=v["frame_stride"],
                 window=v["window"], windows_per_clip=v["windows_per_clip"],
-                caption_prefix=str(v.get("caption_prefix") or ""))
+                caption_prefix=str(v.get("caption_prefix") or ""), weight=_weight(v.get("weight", 1), where))
 
 
 def parse_datasets(datasets, top: dict) -> list[Part]:
@@ -106,7 +120,62 @@ def parse_datasets(datasets, top: dict) -> list[Part]:
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ConfigError(f"data.datasets: two datasets are named {dup}; give each its own name")
+    if not any(p.weight > 0 for p in parts):
+        raise ConfigError("data.datasets: every weight is 0, so an epoch holds no sample; give at least one dataset "
+                          "a weight > 0")
     return parts
+
+
+def epoch_items(item_part: list[int], shapes: list[Shape], held: list[bool], parts: list[Part]
+                ) -> tuple[list[int], list[tuple[list[int], int]], list[int]]:
+    """The training samples of an epoch: dataset p gives (its items) x repeat x weight of them.
+
+    The whole part of repeat x weight is that many copies of the dataset's items. The fraction is one more copy of
+    which each epoch keeps round(fraction x items), a new draw per (seed, epoch) (the batch sampler's ``subsets``),
+    so every item trains equally often over epochs. The kept count is split over the dataset's buckets by largest
+    remainder and fixed per bucket: every epoch has the same batches (resume, steps per epoch, the progress bar).
+    Returns (each training sample's item, the pools a draw keeps part of: (positions in the first list, how many
+    kept), each dataset's samples per epoch).
+    """
+    train: list[int] = []
+    pools: list[tuple[list[int], int]] = []
+    counts: list[int] = []
+    for p, part in enumerate(parts):
+        idx = [i for i in range(len(item_part)) if not held[i] and item_part[i] == p]
+        full = math.floor(part.share + 1e-9)  # (0.1 x 30 is 3.0000000000000004)
+        train += idx * full  # weight 1: the items, repeat times over
+        keep = _largest_remainder(max(0.0, part.share - full), [shapes[i] for i in idx])
+        total = sum(keep.values())
+        if total:
+            positions: dict[Shape, list[int]] = {}
+            for i in idx:
+                positions.setdefault(shapes[i], []).append(len(train))
+                train.append(i)
+            pools += [(positions[shape], keep[shape]) for shape in sorted(positions)]
+        counts.append(len(idx) * full + total)
+    return train, pools, counts
+
+
+def samples_per_epoch_line(datasets: dict) -> str:
+    """``clips 120 (120 x1), stills 200 (100 x4 x weight 0.5)``: each dataset's samples per epoch (a report's
+    ``datasets``) and where they come from."""
+    def one(name: str, d: dict) -> str:
+        weight = d.get("weight", 1)
+        return f"{name} {d['samples']} ({d['items']} x{d['repeat']}{'' if weight == 1 else f' x weight {weight:g}'})"
+    return ", ".join(one(n, d) for n, d in datasets.items())
+
+
+def _largest_remainder(fraction: float, shapes: list[Shape]) -> dict[Shape, int]:
+    """round(fraction x len(shapes)) samples split over the buckets in proportion to their sizes."""
+    sizes: dict[Shape, int] = {}
+    for shape in shapes:
+        sizes[shape] = sizes.get(shape, 0) + 1
+    exact = {shape: fraction * n for shape, n in sizes.items()}
+    keep = {shape: math.floor(x) for shape, x in exact.items()}
+    short = math.floor(fraction * len(shapes) + 0.5) - sum(keep.values())
+    for shape in sorted(sizes, key=lambda s: (keep[s] - exact[s], s))[:max(0, short)]:
+        keep[shape] += 1
+    return keep
 
 
 def dit_tokens(shape: Shape, vae_stride: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
@@ -264,13 +333,17 @@ class BucketBatchSampler(Sampler[list[int]]):
     """Batches of one bucket, sharded over ranks; the order is a pure function of (seed, epoch).
 
     ``batch_sizes`` maps a bucket to its per-rank batch size (token-budget batching), else ``batch_size`` for all.
+    ``subsets``: (indexes of one bucket, how many of them an epoch keeps) for fractional dataset weights
+    (``epoch_items``): which ones is drawn per (seed, epoch), the same on every rank; how many is fixed.
     """
 
     def __init__(self, keys: list, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, batch_sizes: dict | None = None):
+                 shuffle: bool = True, batch_sizes: dict | None = None,
+                 subsets: list[tuple[list[int], int]] | None = None):
         self.keys, self.batch_size, self.rank, self.world = keys, batch_size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.batch_sizes = batch_sizes or {}
+        self.subsets = subsets or []
         self.sampler = _Epoch()
         self.steps_done: Callable[[], int] | None = None  # the data position (see ``follow``)
         self.accumulate = 1
@@ -294,16 +367,29 @@ class BucketBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def _groups(self) -> dict:
+    def _left_out(self, epoch: int) -> set[int]:
+        """The indexes this epoch leaves out of ``subsets`` (a draw of its own: the order's RNG is untouched)."""
+        out: set[int] = set()
+        if self.subsets:
+            rng = random.Random(f"dataset-weight:{self.seed}:{epoch}")
+            for pool, keep in self.subsets:
+                out.update(pool)
+                out.difference_update(rng.sample(pool, keep))
+        return out
+
+    def _groups(self, epoch: int = 0) -> dict:
+        """Each bucket's indexes in this epoch (their count is the same in every epoch)."""
         groups: dict = {}
+        left_out = self._left_out(epoch)
         for i, k in enumerate(self.keys):
-            groups.setdefault(k, []).append(i)
+            if i not in left_out:
+                groups.setdefault(k, []).append(i)
         return groups
 
     def _global_batches(self, epoch: int) -> list[list[int]]:
         rng = random.Random(self.seed + epoch)
         steps = []
-        for key, idx in sorted(self._groups().items()):
+        for key, idx in sorted(self._groups(epoch).items()):
             per_step = self.batch_sizes.get(key, self.batch_size) * self.world
             if self.shuffle:
                 rng.shuffle(idx)
@@ -391,6 +477,9 @@ class WanDataModule(L.LightningDataModule):
         self.item_part: list[int] = []  # each item's dataset (an index into parts), set by items()
         self.item_stride: list[int] = []  # each item's frame stride
         self.dataset_part: list[int] = []  # each training sample's dataset (repeats included), set by setup()
+        self.epoch_pools: list[tuple[list[int], int]] = []  # fractional weights: part of each pool trains per epoch
+        self.sampler: BucketBatchSampler | None = None  # the last train loader's (the progress bar reads it)
+        self._seen: tuple[int, list[list[int]]] | None = None  # samples_seen's counts of one epoch
 
     def _parts(self, datasets) -> list[Part]:
         from omegaconf import OmegaConf
@@ -555,17 +644,16 @@ class WanDataModule(L.LightningDataModule):
         held = heldout_rows([os.path.relpath(s.path, bases[p]) for s, p in zip(samples, self.item_part)],
                             self.val_fraction)  # wherever the data is
         val = [i for i in range(len(samples)) if held[i]]
-        # each dataset's samples, its repeat times over (one dataset: the samples, repeated)
-        train = [i for p, part in enumerate(self.parts) for _ in range(part.repeat)
-                 for i in range(len(samples)) if not held[i] and self.item_part[i] == p]
+        # each dataset's samples, repeat x weight times over (one dataset: the samples, repeated)
+        train, self.epoch_pools, counts = epoch_items(self.item_part, shapes, held, self.parts)
         strides = self.item_stride
         val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available, strides)]
         samples, shapes, starts, available, strides = ([lst[i] for i in train]
                                                        for lst in (samples, shapes, starts, available, strides))
         self.dataset_part = [self.item_part[i] for i in train]
         self.report["heldout"] = len(val)
-        for p, part in enumerate(self.parts):  # samples per epoch, repeats included
-            self.report["datasets"][part.name]["samples"] = self.dataset_part.count(p)
+        for part, count in zip(self.parts, counts):  # samples per epoch, repeat and weight included
+            self.report["datasets"][part.name].update(samples=count, weight=part.weight)
         cacheable = self.encoders and self.cache_dir and all(p.window != "random" for p in self.parts)  # random
         self.keys = self.cache_keys(samples, shapes, starts, strides) if cacheable else []  # windows change
         index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
@@ -645,6 +733,26 @@ class WanDataModule(L.LightningDataModule):
         return {shape: max(1, self.token_budget // dit_tokens(shape, (st, sh, sw), (pt, ph, pw)))
                 for shape in set(self.dataset.shapes)}
 
+    def samples_seen(self, steps: int) -> dict[str, tuple[int, int]]:
+        """Each dataset's (samples trained so far in the epoch of optimizer step ``steps``, samples that epoch trains),
+        all ranks together, counted from the loader's own order (a function of seed and epoch): nothing is read from
+        the device. Empty for one dataset, before a train loader exists and before the first step."""
+        s = self.sampler
+        if s is None or len(self.parts) < 2 or steps <= 0:
+            return {}
+        epoch, k = divmod(steps - 1, math.ceil(len(s) / s.accumulate))
+        if self._seen is None or self._seen[0] != epoch:  # cumulative counts after each batch of the epoch
+            rows = [[0] * len(self.parts)]
+            for step in s._global_batches(epoch):
+                row = rows[-1][:]
+                for i in step:
+                    row[self.dataset_part[i]] += 1
+                rows.append(row)
+            self._seen = (epoch, rows)
+        rows = self._seen[1]
+        done = rows[min((k + 1) * s.accumulate, len(rows) - 1)]
+        return {p.name: (done[j], rows[-1][j]) for j, p in enumerate(self.parts) if rows[-1][j]}
+
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the data position is the optimizer steps done (see the module docstring)."""
         return {"steps_done": self.trainer.global_step if self.trainer is not None else 0}
@@ -656,12 +764,14 @@ class WanDataModule(L.LightningDataModule):
         # data-parallel rank and size: the ranks of one sequence-parallel group (parallel.sp_size) share batches
         rank, world = self.run_context.dp_rank(self.trainer), self.run_context.dp_size(self.trainer)
         sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed,
-                                     batch_sizes=self.bucket_batch_sizes())
+                                     batch_sizes=self.bucket_batch_sizes(), subsets=self.epoch_pools)
         if len(sampler) == 0:
+            n = sum(len(idx) for idx in sampler._groups().values())
             raise MetadataError(
-                f"data={self.name}: {len(self.dataset)} samples give no full batch of {self.batch_size} per rank on "
+                f"data={self.name}: {n} samples give no full batch of {self.batch_size} per rank on "
                 f"{world} ranks; lower data.batch_size or add samples"
             )
+        self.sampler = sampler
         if self.trainer is not None:  # the position is the trainer's step: a restored checkpoint's, then each pass's
             sampler.follow(lambda: self.trainer.global_step, self.trainer.accumulate_grad_batches)
         if any(p.window == "random" for p in self.parts) or self.caption_dropout > 0:  # drawn per (index, epoch)
