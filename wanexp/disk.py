@@ -2,8 +2,9 @@
 
 A run keeps ``save_top_k`` step checkpoints plus ``last.ckpt`` and ``keep_last`` LoRA exports plus milestones and
 ``final``; their sizes follow from the trained parameters, which are counted here on the meta device from the
-transformer configs (no weight loads): a checkpoint holds each trained parameter and AdamW's two fp32 moments, an
-export the exported adapter in fp32, once per file (ComfyUI + diffusers).
+transformer configs (no weight loads) with the tensor shapes peft gives each adapter kind (``adapter_tensor_shapes``):
+a checkpoint holds each trained parameter and AdamW's two fp32 moments, an export the adapter in fp32, once per file
+(ComfyUI, and diffusers but for LoHa, which diffusers cannot load).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextlib
 import copy
 import errno
 import io
+import math
 import os
 import re
 import shutil
@@ -24,6 +26,8 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # error 28)"), torch.save's zip writer only "unexpected pos" / "file write failed" (its OSError is the __context__).
 FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded|os error (28|122)\b", re.IGNORECASE)
 MOMENTS = 2  # AdamW: exp_avg and exp_avg_sq, fp32, one of each per trained parameter
+HEADER_BYTES = 128  # a safetensors header entry per tensor (name, dtype, shape, offsets), about
+CONFIG_BYTES = 1024  # the peft config a diffusers file carries in its header, about
 RETENTION_KEYS = "callbacks.lora_export.keep_last / callbacks.checkpoint.save_top_k"
 
 
@@ -128,34 +132,80 @@ def held_exports(steps: list[int] | None, keep_last: int, keep_every: int | None
 
 
 def trained_parameters(spec, adapter, objective, boundary: str) -> tuple[int, int, int]:
-    """(parameters a checkpoint holds, bytes per parameter there without the moments, parameters one export holds)
-    for this run, counted on the meta device from the transformer configs: nothing is loaded."""
+    """(parameters a checkpoint holds, bytes per parameter there without the moments, bytes of one export) for this
+    run, counted on the meta device from the transformer configs: nothing is loaded."""
     import torch
 
     experts = spec.trained_experts(boundary)
     with torch.device("meta"):
         transformers = {e: spec.transformer_type().from_config(spec.transformer_config(e)).requires_grad_(False)
                         for e in experts}
-        per_adapter = sum(lora_parameters(t, adapter) for t in transformers.values())
+        sizes = [adapter_size(t, adapter) for t in transformers.values()]
         with contextlib.redirect_stdout(io.StringIO()):  # e.g. KD's student: its own line prints when it is built
             students = copy.deepcopy(objective).build_trainable(transformers, spec)
     student = [p for m in students.values() for p in m.parameters() if p.requires_grad]
     n_student = sum(p.numel() for p in student)
-    in_checkpoint = per_adapter * len(objective.adapters) + n_student
-    size = max([p.element_size() for p in student] + [4])  # LoRA parameters are fp32 (lora.add_lora)
-    exported = n_student if objective.export_checkpoint is not None else per_adapter
-    return in_checkpoint, size, exported
+    in_checkpoint = sum(s.parameters for s in sizes) * len(objective.adapters) + n_student
+    size = max([p.element_size() for p in student] + [4])  # adapter parameters are fp32 (lora.add_lora)
+    if objective.export_checkpoint is not None:  # a student folder, counted in fp32
+        return in_checkpoint, size, n_student * 4
+    return in_checkpoint, size, sum(export_bytes(s, getattr(adapter, "kind", "lora")) for s in sizes)
 
 
-def lora_parameters(transformer, adapter) -> int:
-    """Parameters of one LoRA adapter on ``transformer``: rank x (in + out) per targeted linear (peft's matching)."""
+@dataclass
+class AdapterSize:
+    """One adapter on one transformer: its parameters, tensors, adapted linears and the alphas its ComfyUI file
+    holds (one per linear, but none for a LoKr of two full factors, whose scale is folded into a factor)."""
+
+    parameters: int = 0
+    tensors: int = 0
+    modules: int = 0
+    alphas: int = 0
+
+
+def adapter_tensor_shapes(kind: str, rank: int, use_dora: bool, in_features: int, out_features: int) -> list[tuple]:
+    """The tensors peft gives one adapted linear (its layers' ``update_layer``, default configs as wanexp.lora sets
+    them): LoRA A (rank, in) and B (out, rank), DoRA also a magnitude (out,); LoHa two such pairs; LoKr a full factor
+    of the smaller halves of peft's factorizations of out and in, and a second one of the larger halves, split at
+    the rank unless the rank reaches half its larger side."""
+    if kind == "loha":
+        return [(out_features, rank), (rank, in_features)] * 2
+    if kind == "lokr":
+        from peft.tuners.lokr.layer import factorization
+
+        in_m, in_n = factorization(in_features, -1)
+        out_l, out_k = factorization(out_features, -1)
+        second = [(out_k, in_n)] if rank >= max(out_k, in_n) / 2 else [(out_k, rank), (rank, in_n)]
+        return [(out_l, in_m), *second]
+    return [(rank, in_features), (out_features, rank)] + ([(out_features,)] if use_dora else [])
+
+
+def adapter_size(transformer, adapter) -> AdapterSize:
+    """The adapter on ``transformer``: the tensors of each targeted linear (peft's matching), by kind."""
     from torch import nn
 
     from wanexp.lora import target_regex
 
     pattern = re.compile(target_regex(adapter.targets, adapter.attention))
-    return sum(adapter.rank * (m.in_features + m.out_features) for name, m in transformer.named_modules()
-               if isinstance(m, nn.Linear) and pattern.fullmatch(name))
+    kind, dora = getattr(adapter, "kind", "lora"), bool(getattr(adapter, "use_dora", False))
+    out = AdapterSize()
+    for name, m in transformer.named_modules():
+        if isinstance(m, nn.Linear) and pattern.fullmatch(name):
+            shapes = adapter_tensor_shapes(kind, adapter.rank, dora, m.in_features, m.out_features)
+            out.parameters += sum(math.prod(s) for s in shapes)
+            out.tensors += len(shapes)
+            out.modules += 1
+            out.alphas += 0 if kind == "lokr" and len(shapes) == 2 else 1
+    return out
+
+
+def export_bytes(size: AdapterSize, kind: str) -> int:
+    """One export of one adapter: the ComfyUI file (every tensor in fp32 and the alphas; DoRA's dora_scale is its
+    magnitude's size) and, but for LoHa, the diffusers file (peft's tensors and its config), each with its header."""
+    comfy = 4 * (size.parameters + size.alphas) + HEADER_BYTES * (size.tensors + size.alphas)
+    if kind == "loha":
+        return comfy
+    return comfy + 4 * size.parameters + HEADER_BYTES * size.tensors + CONFIG_BYTES
 
 
 def estimate(spec, adapter, objective, boundary: str, callbacks: dict, max_steps: int) -> DiskNeed:
@@ -163,11 +213,10 @@ def estimate(spec, adapter, objective, boundary: str, callbacks: dict, max_steps
     ckpt, export = callbacks.get("checkpoint"), callbacks.get("lora_export")
     in_checkpoint, size, exported = trained_parameters(spec, adapter, objective, boundary)
     steps = save_steps(max_steps, ckpt.get("every_n_train_steps") if ckpt else None)
-    files = 1 if objective.export_checkpoint is not None else 2  # a student folder; ComfyUI + diffusers files
     return DiskNeed(
         checkpoint_bytes=in_checkpoint * (size + 4 * MOMENTS),
         checkpoints=held_checkpoints(steps, ckpt.get("save_top_k") if ckpt else None),
-        export_bytes=exported * 4 * files if export else 0,
+        export_bytes=exported if export else 0,
         exports=held_exports(steps, int(export.get("keep_last", -1)), export.get("keep_every")) if export else 0)
 
 
