@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,29 +87,60 @@ def test_a_change_invalidates_exactly_the_entries_it_affects(shared_dir, tmp_pat
     assert missing() == 1  # that prompt's text only
 
 
-def test_an_interrupted_cache_resumes_where_it_stopped(shared_dir, tmp_path):
+def test_an_interrupted_cache_resumes_where_it_stopped(shared_dir, tmp_path, monkeypatch, capsys):
+    """A run killed mid-write leaves, at worst: shards indexed up to some entry, the next shard on disk with its
+    index line cut short, a half-written temporary shard, and nothing of what waited for the writer thread. That
+    state is made in-process (the writer's index append dies half-way through the 14th entry's line: every text,
+    encoded first, and 3 latents are in), then the cache command resumes it."""
+    import wanexp.data.cache as cache_mod
+    from wanexp.cli.cache import cache_cli
+
     cache = tmp_path / "cache"
-    _datamodule(_cfg(shared_dir, cache))  # the tiny model and clips exist before the timed part
-    cmd = [sys.executable, "-m", "wanexp.cli.cache", "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
-           f"paths.data_dir={shared_dir}/data", f"data.cache_dir={cache}", "data.cache_shard_size=1",
-           f"paths.output_dir={tmp_path}/out"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    cfg = _cfg(shared_dir, cache, "data.cache_shard_size=1", "data.num_workers=1")
+    append, calls = cache_mod._append_lines, []
+
+    def dies_on_the_14th(path, lines):
+        calls.append(lines)
+        if len(calls) < 14:
+            return append(path, lines)
+        with open(path, "a") as f:
+            f.write(lines[0][: len(lines[0]) // 2])  # the line cut short, no newline
+        raise RuntimeError("killed while appending to the index")
+
+    monkeypatch.setattr(cache_mod, "_append_lines", dies_on_the_14th)
+    with pytest.raises(RuntimeError, match="killed"):
+        build_cache(cfg)
+    monkeypatch.setattr(cache_mod, "_append_lines", append)
     index = cache / "index-r000.jsonl"
-    deadline = time.time() + 120
-    # killed once every text (10, encoded first) and a few latents are in: both kinds are then partly cached
-    while time.time() < deadline and not (index.exists() and len(index.read_text().splitlines()) >= 13):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done_before = len(CacheIndex(cache))
-    assert 13 <= done_before < 20, done_before
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert f"wrote {20 - done_before} entries" in res.stdout and f"{done_before} already cached" in res.stdout
-    keys = [json.loads(line)["key"] for line in index.read_text().splitlines()]
-    assert len(keys) == len(set(keys)) == 20  # nothing encoded twice
+    assert not index.read_text().endswith("\n") and len(CacheIndex(cache)) == 13  # 10 texts, 3 latents
+    # the failed write stopped the writer: no shard after the 14th was saved (as after a kill)
+    assert len(list(cache.glob("*.safetensors"))) == 14
+    (cache / ".latent-r000-00009.safetensors.1.tmp").write_bytes(b"half a shard")  # a save the kill cut short
+    cache_cli(cfg)
+    out = capsys.readouterr().out
+    assert "wrote 7 entries" in out and "13 already cached" in out
+    assert re.search(r"cache rank 0: [\d.]+ samples/s in \dm\d\ds; the VAE alone [\d.]+ samples/s", out)
+    lines = index.read_text().splitlines()
+    assert lines[13] == calls[13][0][: len(calls[13][0]) // 2]  # the cut line, kept on its own
+    keys = [json.loads(line)["key"] for i, line in enumerate(lines) if i != 13]  # the cut line stays apart
+    assert len(keys) == len(set(keys)) == 20 and len(CacheIndex(cache)) == 20  # nothing encoded twice
     assert not list(cache.glob(".*.tmp"))
+
+
+def test_the_overlapped_cache_writes_the_bytes_of_the_sequential_one(shared_dir, tmp_path, capsys):
+    """Loader workers decoding ahead, the writer thread saving shards (several waiting: 3 entries a shard) write
+    the files the parts run one after another write, byte for byte; rank 0 prints its rate and ETA as it goes."""
+    seq, ovl = tmp_path / "sequential", tmp_path / "overlapped"
+    build_cache(_cfg(shared_dir, seq, "data.cache_shard_size=3"), overlap=False)
+    capsys.readouterr()
+    stats = build_cache(_cfg(shared_dir, ovl, "data.cache_shard_size=3", "data.num_workers=1"), progress_every_s=0)
+    files = sorted(p.name for p in seq.iterdir())
+    assert files == sorted(p.name for p in ovl.iterdir()) and len(files) == 10  # 4+4 shards, index, rejects
+    assert all((seq / f).read_bytes() == (ovl / f).read_bytes() for f in files)
+    progress = re.findall(r"wanexp: cache r0: (\d+)/10 samples, ([\d.]+) samples/s, ETA (\d+)m(\d\d)s, text 10/10",
+                          capsys.readouterr().out)
+    assert [int(p[0]) for p in progress][:10] == list(range(1, 11)) and all(float(p[1]) > 0 for p in progress)
+    assert stats["samples_per_s"] > 0 and stats["vae_samples_per_s"] >= stats["samples_per_s"]
 
 
 @pytest.mark.slow

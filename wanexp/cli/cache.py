@@ -7,6 +7,11 @@ Every rank encodes every world_size-th missing entry and writes its own shards (
 and what each key covers). Entries already in the cache are skipped, so an interrupted cache resumes where it
 stopped. Samples that cannot be read are listed in <cache_dir>/rejects.jsonl. Training then reads the cache when it
 holds every sample of the run, and never loads the VAE or the text encoder.
+
+The parts overlap so that the cache runs at the VAE's speed: data.num_workers loader processes decode and resize the
+clips ahead (from before the text encoder starts), the main thread runs the text encoder and then the VAE on the GPU,
+and a writer thread saves each shard while the next is encoded. Rank 0 prints samples/s and the ETA as it goes; the
+final line gives the VAE's own rate and what the main thread waited for (decoding, writes).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
-from wanexp.data.cache import CacheIndex, CacheWriter
+from wanexp.data.cache import CacheIndex, CacheWriter, ShardQueue
 from wanexp.data.media import load_clip
 from wanexp.errors import ConfigError, MediaError, UserError
 from wanexp.models.encode import encode_image_condition, encode_text, encode_video, tokenize
@@ -41,6 +46,113 @@ class _Clips(Dataset):
             return key, sample, str(e).strip().splitlines()[-1]
 
 
+PROGRESS_EVERY_S = 30.0  # seconds between rank 0's progress lines
+TEXT_BATCH = 32  # prompts per text-encoder call
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
+
+
+class Progress:
+    """Rank 0's progress lines: samples (clips and images: decoded, VAE-encoded, handed to the writer) per second since
+    the first one was asked for, and the ETA of the rest; and where the main thread's time went (waiting for a
+    decoded clip, in the VAE, in the text encoder) for the final line."""
+
+    def __init__(self, samples: int, texts: int, rank: int, every_s: float, clock=time.perf_counter):
+        self.samples, self.texts, self.rank, self.every_s, self.clock = samples, texts, rank, every_s, clock
+        self.done = self.texts_done = 0
+        self.start = self.last = clock()
+        self.samples_start: float | None = None
+        self.wait_decode_s = self.vae_s = self.text_s = self.wait_write_s = 0.0
+
+    def rate(self) -> float | None:
+        if not self.done or self.samples_start is None:
+            return None
+        return self.done / max(self.clock() - self.samples_start, 1e-9)
+
+    def line(self) -> str:
+        parts = [f"wanexp: cache r{self.rank}: {self.done}/{self.samples} samples"]
+        rate = self.rate()
+        if rate:
+            parts.append(f"{rate:.2f} samples/s, ETA {_duration((self.samples - self.done) / rate)}")
+        if self.texts:
+            parts.append(f"text {self.texts_done}/{self.texts}")
+        return ", ".join(parts)
+
+    def tick(self, force: bool = False) -> None:
+        now = self.clock()
+        if self.rank == 0 and (force or now - self.last >= self.every_s):
+            self.last = now
+            print(self.line(), flush=True)
+
+    def finish(self) -> None:
+        self.tick(force=True)
+
+    def summary(self) -> dict:
+        wall = self.clock() - self.samples_start if self.samples_start is not None and self.done else None
+        return {"seconds": self.clock() - self.start, "samples_per_s": self.done / wall if wall else None,
+                "vae_samples_per_s": self.done / self.vae_s if self.vae_s and self.done else None,
+                "vae_s": self.vae_s, "text_s": self.text_s, "wait_decode_s": self.wait_decode_s,
+                "wait_write_s": self.wait_write_s}
+
+
+def _encode_texts(encoders, todo: list, writer: CacheWriter, progress: Progress) -> None:
+    for i in range(0, len(todo), TEXT_BATCH):
+        t0 = progress.clock()
+        chunk = todo[i:i + TEXT_BATCH]
+        prompts = [p for _, p in chunk]
+        emb = encode_text(encoders.tokenizer, encoders.text_encoder, prompts, encoders.text_len)
+        lengths = tokenize(encoders.tokenizer, prompts, encoders.text_len).attention_mask.sum(1).tolist()
+        for (key, _), e, n in zip(chunk, emb, lengths):
+            writer.add(key, {"text": e[:n]})
+        progress.text_s += progress.clock() - t0
+        progress.texts_done += len(chunk)
+        progress.tick()
+
+
+def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, device, progress: Progress) -> list:
+    """VAE-encodes the decoded clips in loader order; returns the clips that could not be decoded (path, reason)."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cache_dtype]
+    rejects = []
+    progress.samples_start = progress.clock()
+    while True:
+        t0 = progress.clock()
+        item = next(clips, None)
+        t1 = progress.clock()
+        progress.wait_decode_s += t1 - t0
+        if item is None:
+            return rejects
+        key, sample, pixels = item
+        if isinstance(pixels, str):
+            rejects.append((sample.path, pixels))
+        else:
+            pixels = pixels[None].to(device, non_blocking=True)
+            tensors = {"latents": encode_video(encoders.vae, pixels)[0]}
+            if encoders.image_latent:
+                tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
+            tensors = {k: v.to(dtype).cpu() for k, v in tensors.items()}  # waits for the VAE: its time is the VAE's
+            progress.vae_s += progress.clock() - t1
+            writer.add(key, tensors)
+        progress.done += 1
+        progress.tick()
+
+
+def _keep_what_is_done(writer: ShardQueue | None, *writers: CacheWriter) -> None:
+    """After a failure or Ctrl-C (not a kill) the entries encoded so far are complete: they are saved, best effort (a
+    write that failed leaves them to the rerun), and the writer thread stops."""
+    if writer is None or writer.error is None:
+        for w in writers:
+            try:
+                w.flush()
+            except Exception:
+                break
+    if writer is not None:
+        writer.close(raise_error=False)
+
+
 def _rank() -> tuple[int, int, int]:
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
@@ -61,8 +173,12 @@ def extra_prompts(cfg: DictConfig) -> list[str]:
     return list(dict.fromkeys(str(p) for p in found))
 
 
-def build_cache(cfg: DictConfig) -> dict:
-    """Fill ``data.cache_dir`` for this config. Returns counts (written, skipped, rejected, bytes)."""
+def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float = PROGRESS_EVERY_S) -> dict:
+    """Fill ``data.cache_dir`` for this config. Returns counts (written, skipped, rejected, bytes) and times.
+
+    ``overlap``: the loader's workers decode and resize clips ahead (from before the text encoder starts), the VAE
+    encodes on the main thread and a writer thread saves the shards (ShardQueue); False runs each part in turn (the
+    same files, byte for byte). Rank 0 prints its rate and ETA every ``progress_every_s`` seconds."""
     from omegaconf import open_dict
 
     from wanexp.config import check_config
@@ -114,37 +230,27 @@ def build_cache(cfg: DictConfig) -> dict:
     if total == 0:
         return stats
     encoders = spec.load_encoders().to(device)
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc=f"cache r{rank}", unit="entry", disable=rank != 0, dynamic_ncols=True)
-    rejects = []
-    t0 = time.perf_counter()
+    progress = Progress(len(todo_latents), len(todo_texts), rank, progress_every_s)
     shard = int(cfg.data.cache_shard_size)
-    text_writer = CacheWriter(dm.cache_dir, "text", rank, shard)
-    for i in range(0, len(todo_texts), 32):
-        chunk = todo_texts[i:i + 32]
-        prompts = [p for _, p in chunk]
-        emb = encode_text(encoders.tokenizer, encoders.text_encoder, prompts, encoders.text_len)
-        lengths = tokenize(encoders.tokenizer, prompts, encoders.text_len).attention_mask.sum(1).tolist()
-        for (key, _), e, n in zip(chunk, emb, lengths):
-            text_writer.add(key, {"text": e[:n]})
-        bar.update(len(chunk))
-    text_writer.close()
-    latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dm.cache_dtype]
-    loader = DataLoader(_Clips(todo_latents), batch_size=None, num_workers=dm.num_workers)
-    for key, sample, pixels in loader:
-        if isinstance(pixels, str):
-            rejects.append((sample.path, pixels))
-        else:
-            pixels = pixels[None].to(device)
-            tensors = {"latents": encode_video(encoders.vae, pixels)[0]}
-            if encoders.image_latent:
-                tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
-            latent_writer.add(key, {k: v.to(dtype) for k, v in tensors.items()})
-        bar.update(1)
-    latent_writer.close()
-    bar.close()
+    writer = ShardQueue() if overlap else None
+    text_writer = CacheWriter(dm.cache_dir, "text", rank, shard, writer)
+    latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard, writer)
+    pin = overlap and device.type == "cuda"  # pinned pixels: their copy to the GPU does not stall the encoder
+    loader = DataLoader(_Clips(todo_latents), batch_size=None, num_workers=dm.num_workers, pin_memory=pin)
+    try:
+        # the loader's workers start decoding clips now, while the text encoder runs
+        clips = iter(loader) if overlap else None
+        _encode_texts(encoders, todo_texts, text_writer, progress)
+        text_writer.close()
+        rejects = _encode_latents(encoders, clips or iter(loader), latent_writer, dm.cache_dtype, device, progress)
+        latent_writer.close()
+        if writer is not None:
+            writer.close()
+    except BaseException:
+        _keep_what_is_done(writer, text_writer, latent_writer)
+        raise
+    progress.wait_write_s = writer.wait_s if writer is not None else 0.0
+    progress.finish()
     if rejects:
         import json
 
@@ -154,7 +260,7 @@ def build_cache(cfg: DictConfig) -> dict:
     stats.update(written=text_writer.written + latent_writer.written, rejected=len(rejects),
                  bytes=text_writer.written_bytes + latent_writer.written_bytes,
                  latent_bytes=latent_writer.written_bytes, latents=latent_writer.written, texts=text_writer.written,
-                 seconds=time.perf_counter() - t0,
+                 **progress.summary(),
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)
     return stats
 
@@ -174,6 +280,18 @@ def cache_cli(cfg: DictConfig) -> None:
     print(f"wanexp: cache rank {s['rank']}/{s['world']}: wrote {s['written']} entries "
           f"({s['bytes'] / 2**20:.1f} MiB{per}), {s['skipped']} already cached, {s['rejected']} rejected{peak} "
           f"-> {cfg.data.cache_dir}", flush=True)
+    if s.get("samples_per_s"):
+        print(f"wanexp: cache rank {s['rank']}: {rate_line(s)}", flush=True)
+
+
+def rate_line(s: dict) -> str:
+    """The final rate: samples/s against the VAE's own (its encode time alone), and what the main thread waited
+    for: a decode wait means more data.num_workers; a write wait, a disk slower than the VAE."""
+    vae = s.get("vae_samples_per_s")
+    share = f" ({100 * s['samples_per_s'] / vae:.0f} % of it)" if vae else ""
+    return (f"{s['samples_per_s']:.2f} samples/s in {_duration(s['seconds'])}; the VAE alone "
+            f"{vae or float('nan'):.2f} samples/s{share}; waited {s['wait_decode_s']:.1f} s for decoded clips, "
+            f"{s['wait_write_s']:.1f} s for shard writes; text encoder {s['text_s']:.1f} s")
 
 
 def main() -> None:

@@ -9,8 +9,9 @@ Format (readable without wanexp: safetensors + JSON lines)::
 
 Each rank writes its own shards and index, so ranks (and nodes, on shared storage) never write the same file, and a
 reader takes the union of the index files. A shard is written under a temporary name and renamed, then its entries
-are appended to the index: an interrupted cache loses at most the shard in progress, and a rerun encodes exactly the
-entries no index lists.
+are appended to the index: an interrupted cache loses at most the shards not yet indexed (the one in progress and
+those waiting for the writer thread, ShardQueue), and a rerun encodes exactly the entries no index lists. An index
+line cut short by a kill is skipped when read, and the next append starts on a new line.
 
 Keys: a latent entry is keyed by the VAE (its config, weight files and dtype), the media file (path, size, mtime),
 the bucket shape (frames, height, width), the frame stride and the window start; a text entry by the text encoder,
@@ -24,8 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import stat
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -61,6 +66,67 @@ def folder_identity(folder: str | os.PathLike, extra: object = None) -> str:
     return _digest(parts)
 
 
+def _entry(line: str) -> dict | None:
+    """An index line's entry; None for a blank line or one a killed run cut short (its entry is encoded again)."""
+    if not line.strip():
+        return None
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return entry if isinstance(entry, dict) and {"key", "shard"} <= entry.keys() else None
+
+
+def _append_lines(path: Path, lines: list[str]) -> None:
+    """Appends whole lines and syncs them; a file a killed run left without its last newline gets one first, so that
+    the cut line stays apart from these."""
+    with open(path, "a+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        torn = False
+        if size:
+            f.seek(size - 1)
+            torn = f.read(1) != b"\n"
+        f.write((("\n" if torn else "") + "\n".join(lines) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ShardQueue:
+    """One background thread that writes the shards handed to it, in order, at most ``depth`` waiting: the encoder
+    goes on while a shard is saved, and waits (``wait_s``) only when the disk is slower than it. A failed write is
+    raised in the caller at its next ``submit`` or at ``close``; nothing handed over after it is written."""
+
+    def __init__(self, depth: int = 2):
+        self._jobs: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.wait_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="wanexp-cache-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    job()
+                except BaseException as e:  # raised in the caller's thread
+                    self.error = e
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise self.error
+        t0 = time.perf_counter()
+        self._jobs.put(job)
+        self.wait_s += time.perf_counter() - t0
+
+    def close(self, raise_error: bool = True) -> None:
+        """Writes what was handed over, then stops the thread (``raise_error=False``: while another error unwinds)."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        if self.error is not None and raise_error:
+            raise self.error
+
+
 class CacheIndex:
     """The entries of a cache folder (union of every rank's index) and lazy, per-process access to their tensors."""
 
@@ -69,10 +135,9 @@ class CacheIndex:
         self.entries: dict[str, dict] = {}
         for index in sorted(self.root.glob(INDEX_GLOB)):
             for line in index.read_text().splitlines():
-                if line.strip():
-                    entry = json.loads(line)
-                    if (self.root / entry["shard"]).is_file():
-                        self.entries[entry["key"]] = entry
+                entry = _entry(line)
+                if entry is not None and (self.root / entry["shard"]).is_file():
+                    self.entries[entry["key"]] = entry
         self._open: dict[str, object] = {}
 
     def __contains__(self, key: str) -> bool:
@@ -94,10 +159,13 @@ class CacheIndex:
 
 
 class CacheWriter:
-    """Appends entries of one kind for one rank; every ``shard_entries`` entries become one shard (atomic)."""
+    """Appends entries of one kind for one rank; every ``shard_entries`` entries become one shard (atomic). With
+    ``writer`` (a ShardQueue) the shards are saved on its thread, in the same order and bytes as without."""
 
-    def __init__(self, root: str | os.PathLike, kind: str, rank: int = 0, shard_entries: int = 64):
+    def __init__(self, root: str | os.PathLike, kind: str, rank: int = 0, shard_entries: int = 64,
+                 writer: ShardQueue | None = None):
         self.root, self.kind, self.rank, self.shard_entries = Path(root), kind, rank, shard_entries
+        self.writer = writer
         self.root.mkdir(parents=True, exist_ok=True)
         self.pending: list[tuple[str, dict[str, torch.Tensor], dict]] = []
         self.written_bytes = 0
@@ -116,24 +184,30 @@ class CacheWriter:
         if not self.pending:
             return
         name = f"{self.kind}-r{self.rank:03d}-{self.next_shard:05d}.safetensors"
-        self.next_shard += 1
-        tensors = {f"{key}.{n}": t for key, ts, _ in self.pending for n, t in ts.items()}
+        self.next_shard += 1  # numbered here, in the caller's order, whichever thread saves it
+        entries, self.pending = self.pending, []
+        if self.writer is None:
+            self._save(name, entries)
+        else:
+            self.writer.submit(lambda: self._save(name, entries))
+
+    def _save(self, name: str, entries: list) -> None:
+        tensors = {f"{key}.{n}": t for key, ts, _ in entries for n, t in ts.items()}
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt", "wanexp_cache": self.kind})
+        # one metadata key: safetensors writes several in a varying order, and a shard's bytes would then differ from
+        # run to run (the kind is in the shard's name and in the index)
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
         # safetensors creates its file 0600; a shard is as readable as the cache folder the umask made (shared caches)
         os.chmod(tmp, stat.S_IMODE(self.root.stat().st_mode) & 0o666)
         os.replace(tmp, self.root / name)
-        lines = [json.dumps({"key": key, "kind": self.kind, "shard": name, "tensors": sorted(ts), **meta})
-                 for key, ts, meta in self.pending]
-        with open(self.root / f"index-r{self.rank:03d}.jsonl", "a") as f:
-            f.write("\n".join(lines) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append_lines(self.root / f"index-r{self.rank:03d}.jsonl",
+                      [json.dumps({"key": key, "kind": self.kind, "shard": name, "tensors": sorted(ts), **meta})
+                       for key, ts, meta in entries])
         self.written_bytes += (self.root / name).stat().st_size
-        self.written += len(self.pending)
-        self.pending = []
+        self.written += len(entries)
 
     def close(self) -> None:
+        """Hands the last, partial shard over (the writer's close() waits for it)."""
         self.flush()
 
 

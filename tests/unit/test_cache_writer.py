@@ -1,0 +1,89 @@
+"""The cache's writer thread, its index appends after a kill, and the cache command's progress line."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from wanexp.cli.cache import Progress, rate_line
+from wanexp.data.cache import CacheIndex, CacheWriter, ShardQueue, _append_lines
+
+
+def _jobs(done: list, release: threading.Event, failing: int | None = None):
+    def job(i):
+        def run():
+            release.wait(5)
+            if i == failing:
+                raise OSError("No space left on device")
+            done.append(i)
+        return run
+    return job
+
+
+def test_the_writer_thread_saves_in_order_with_at_most_depth_waiting():
+    q, done, release = ShardQueue(depth=1), [], threading.Event()
+    job = _jobs(done, release)
+    threading.Timer(0.3, release.set).start()
+    for i in range(4):  # job 0 runs and job 1 waits until the timer: the later submits wait for the thread
+        q.submit(job(i))
+    assert q.wait_s >= 0.2
+    q.close()
+    assert done == [0, 1, 2, 3]
+
+
+def test_a_failed_write_is_raised_and_nothing_handed_over_after_it_is_written():
+    q, done, release = ShardQueue(depth=4), [], threading.Event()
+    job = _jobs(done, release, failing=1)
+    for i in range(4):  # all handed over while job 0 runs
+        q.submit(job(i))
+    release.set()
+    with pytest.raises(OSError, match="No space"):
+        q.close()
+    assert done == [0]  # 2 and 3 came after the failed 1: skipped, as a kill would have lost them
+    with pytest.raises(OSError, match="No space"):
+        q.submit(job(4))
+
+
+def test_a_line_a_kill_cut_short_is_skipped_and_the_next_append_starts_a_new_line(tmp_path):
+    w = CacheWriter(tmp_path, "text", shard_entries=1)
+    w.add("a", {"text": torch.ones(2)})
+    index = tmp_path / "index-r000.jsonl"
+    with open(index, "a") as f:
+        f.write('{"key": "b", "kind": "text", "sha')  # killed mid-append
+    assert set(CacheIndex(tmp_path).entries) == {"a"}
+    w.add("c", {"text": torch.zeros(2)})
+    assert set(CacheIndex(tmp_path).entries) == {"a", "c"}
+    assert index.read_text().splitlines()[1] == '{"key": "b", "kind": "text", "sha'
+    _append_lines(index, ["{}"])  # an append to a file that ends in a newline adds no blank line
+    assert index.read_text().endswith('"]}\n{}\n')
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_prints_rate_and_eta_every_interval_on_rank_0(capsys):
+    clock = Clock()
+    p = Progress(samples=100, texts=8, rank=0, every_s=30, clock=clock)
+    p.texts_done = 8
+    p.samples_start = clock.t
+    clock.t += 20
+    p.done = 40
+    p.tick()  # 20 s since the last line: nothing yet
+    assert capsys.readouterr().out == ""
+    clock.t += 10
+    p.done = 60
+    p.tick()
+    assert capsys.readouterr().out == "wanexp: cache r0: 60/100 samples, 2.00 samples/s, ETA 0m20s, text 8/8\n"
+    q = Progress(samples=100, texts=0, rank=1, every_s=0, clock=clock)
+    q.tick(force=True)
+    assert capsys.readouterr().out == ""  # one rank prints
+    p.vae_s, p.wait_decode_s = 27.0, 1.5
+    s = p.summary()
+    assert s["samples_per_s"] == pytest.approx(2.0) and s["vae_samples_per_s"] == pytest.approx(60 / 27)
+    assert rate_line(s).startswith("2.00 samples/s in 0m30s; the VAE alone 2.22 samples/s (90 % of it); waited 1.5 s")
