@@ -1100,6 +1100,7 @@ CASES[LEARN] = Case(
 VS_COMPILED = "perf_vs_compiled"
 VS_PATHS = "plain,plain_compiled,plain_tokens,plain_tokens_compiled,wanexp"
 VS_RUNS = ("bench", "bench_ckpt")
+VS_PROFILE = ("--profile", "plain_tokens_compiled,wanexp")  # GPU time by kernel kind: the strongest loop, wanexp
 
 
 def strongest_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
@@ -1125,13 +1126,13 @@ PERF_VS_COMPILED_JOB = Case(
     about="wanexp.cli.bench on the real-size TI2V-5B DiT at 704x1280x17 (4,400 tokens), every path in one process: "
           "the plain loops (scalar and per-token timesteps, eager and with each block compiled) and wanexp's step, "
           "without (bench) and with checkpointing (bench_ckpt); each path's speed-up against the strongest (fastest) "
-          "plain loop. One call: --phase build_dit,bench,bench_ckpt (build_dit keeps a DiT perf_5b already built); "
-          "where that does not fit, build_dit,bench then bench_ckpt on the same machine",
+          "plain loop. One call once the DiT is built (build_dit keeps one perf_5b built): --phase "
+          "build_dit,bench,bench_ckpt (~9 min); on a fresh machine build_dit,bench then bench_ckpt on the same one",
     phases=(BUILD_DIT,
             bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--warmup", "3", "--steps", "6",
-                  minutes=4),
+                  *VS_PROFILE, minutes=4.5),
             bench("bench_ckpt", VS_COMPILED, "--frames", "17", "--ckpt", "--paths", VS_PATHS, "--warmup", "3",
-                  "--steps", "6", minutes=4)),
+                  "--steps", "6", *VS_PROFILE, minutes=4.5)),
     checks=(
         *(Check(f"metrics.{p}.numerics_ok", "==", True, p, f"{p}: wanexp and the compiled per-token plain loop "
                 "compute the plain loop's function") for p in VS_RUNS),

@@ -493,6 +493,8 @@ def main(argv=None) -> list[dict]:
                     help="GPU time by kernel kind for these paths (default: wanexp)")
     ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
     args = ap.parse_args(argv)
+    if args.json:  # made now: the JSON is written after minutes of benchmarking
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if _dense(args.model):
         args.boundary = "full"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
