@@ -1150,3 +1150,48 @@ PERF_VS_COMPILED_JOB = Case(
 )
 
 CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB
+
+
+# ---- the cache at the VAE's speed: the real-size TI2V-5B VAE and UMT5-XXL on 48 generated clips (one H100) --------
+CACHE_SPEED = "cache_speed_5b"
+RATE = r"cache rank 0: ([\d.]+) samples/s in"
+VAE_RATE = r"the VAE alone ([\d.]+) samples/s"
+SHARE = r"samples/s \((\d+) % of it\)"
+
+
+def cache_speed_dir(ctx: Ctx, dtype: str) -> Path:
+    return ctx.work / "cache_speed" / dtype
+
+
+def cache_speed(dtype: str) -> Phase:
+    """The cache command with model.vae_dtype=``dtype`` into an empty cache (the user's data settings, 4 workers)."""
+    def argv(ctx: Ctx) -> list[str]:
+        data = [a for a in user_data(ctx) if not a.startswith("paths.cache_dir=")]
+        return [ctx.python, "-m", "wanexp.cli.cache", *data, f"paths.cache_dir={cache_speed_dir(ctx, dtype)}",
+                f"model.vae_dtype={dtype}", f"paths.output_dir={ctx.run_dir(f'cache_{dtype}')}"]
+    return Phase(f"cache_{dtype}", argv, minutes=3, env={"CUDA_VISIBLE_DEVICES": "0"},
+                 fresh=lambda ctx: [cache_speed_dir(ctx, dtype)])
+
+
+def cache_speed_metrics(ctx: Ctx, phases: dict) -> dict:
+    """Each phase's final rate line: samples/s, the VAE's own samples/s and the first as a share of the second (%)."""
+    return {p: {"samples_per_s": log_value(ctx, CACHE_SPEED, p, RATE),
+                "vae_samples_per_s": log_value(ctx, CACHE_SPEED, p, VAE_RATE),
+                "share_pct": log_value(ctx, CACHE_SPEED, p, SHARE)} for p in ("cache_fp32", "cache_bf16")}
+
+
+CASES[CACHE_SPEED] = Case(
+    name=CACHE_SPEED, gpus=1, model="ti2v5b",
+    about=f"python -m wanexp.cli.cache on the real-size TI2V-5B (VAE and UMT5-XXL, random weights), {CLIPS} generated "
+          "clips at 704x1280x17, 4 loader workers, with model.vae_dtype=fp32 (TF32 convolutions) and bf16: the "
+          "cache's samples/s against its VAE's own (decode, resize, writes overlapped with the VAE)",
+    phases=(BUILD, cache_speed("fp32"), cache_speed("bf16")),
+    checks=(*(Check(f"phases.cache_{d}.rc", "==", 0, f"cache_{d}", "exits 0") for d in ("fp32", "bf16")),
+            *(Check(f"metrics.cache_{d}.share_pct", ">=", 90, f"cache_{d}",
+                    "the cache's samples/s within 10 % of the VAE encode alone") for d in ("fp32", "bf16")),
+            Check("metrics.cache_bf16.vae_samples_per_s", "present", None, "cache_bf16", "bf16 VAE rate (0.27 s/clip "
+                  "measured alone, 2026-11-26)")),
+    collect=cache_speed_metrics,
+    record=tuple(f"cache_{d}.{k}" for d in ("fp32", "bf16") for k in ("samples_per_s", "vae_samples_per_s",
+                                                                      "share_pct")),
+)

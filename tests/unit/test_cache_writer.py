@@ -70,6 +70,8 @@ class Clock:
 def test_progress_prints_rate_and_eta_every_interval_on_rank_0(capsys):
     clock = Clock()
     p = Progress(samples=100, texts=8, rank=0, every_s=30, clock=clock)
+    p.texts_done, p.text_s = 4, 0.1
+    assert p.line() == "wanexp: cache r0: 0/100 samples, text 4/8 (40 prompts/s)"  # the text encoder runs first
     p.texts_done = 8
     p.samples_start = clock.t
     clock.t += 20
@@ -87,3 +89,24 @@ def test_progress_prints_rate_and_eta_every_interval_on_rank_0(capsys):
     s = p.summary()
     assert s["samples_per_s"] == pytest.approx(2.0) and s["vae_samples_per_s"] == pytest.approx(60 / 27)
     assert rate_line(s).startswith("2.00 samples/s in 0m30s; the VAE alone 2.22 samples/s (90 % of it); waited 1.5 s")
+
+
+def test_the_gpu_case_reads_the_cache_s_rate_line(tmp_path):
+    """cache_speed_5b judges the final line the cache command prints (rate_line): samples/s within 10 % of the VAE's."""
+    from tests.gpu import registry, run
+
+    case = registry.CASES[registry.CACHE_SPEED]
+    ctx = registry.Ctx(tmp_path / "w", tmp_path / "o")
+    logs = ctx.work / "logs" / case.name
+    logs.mkdir(parents=True)
+    for phase, (rate, vae) in {"cache_fp32": (1.85, 1.92), "cache_bf16": (3.0, 3.7)}.items():
+        s = {"samples_per_s": rate, "vae_samples_per_s": vae, "seconds": 26.0, "wait_decode_s": 0.4,
+             "wait_write_s": 0.0, "text_s": 2.0}
+        (logs / f"{phase}.log").write_text(f"wanexp: cache rank 0/1: wrote 96 entries\nwanexp: cache rank 0: "
+                                           f"{rate_line(s)}\n")
+    result = run.judge(case, ctx, {p.name: {"ok": True, "rc": 0} for p in case.phases}, ["NVIDIA H100 80GB HBM3"])
+    m = result["metrics"]
+    assert m["cache_fp32"] == {"samples_per_s": 1.85, "vae_samples_per_s": 1.92, "share_pct": 96}
+    assert m["cache_bf16"]["share_pct"] == 81
+    assert result["verdict"] == "FAIL" and [c["key"] for c in result["checks"] if c["status"] == "fail"] == [
+        "metrics.cache_bf16.share_pct"]

@@ -79,7 +79,9 @@ class Progress:
         if rate:
             parts.append(f"{rate:.2f} samples/s, ETA {_duration((self.samples - self.done) / rate)}")
         if self.texts:
-            parts.append(f"text {self.texts_done}/{self.texts}")
+            text_rate = self.texts_done / self.text_s if self.texts_done < self.texts and self.text_s else None
+            rate_part = f" ({text_rate:.0f} prompts/s)" if text_rate else ""
+            parts.append(f"text {self.texts_done}/{self.texts}{rate_part}")
         return ", ".join(parts)
 
     def tick(self, force: bool = False) -> None:
