@@ -2,8 +2,8 @@
 
 The total is the run's optimizer steps: ``trainer.max_steps``, or (when it is -1 or the epochs end first) the steps of
 one epoch (batches per rank / accumulation, rounded up: Lightning steps at the end of each epoch too) x ``max_epochs``.
-The batches per rank already divide the samples (x ``data.dataset_repeat``) by world size x batch, so the total is
-right for any world size, batch and accumulation. A resumed run's bar starts at the resumed step, and its ETA counts
+The batches per rank already divide the samples (x each dataset's repeat and weight) by world size x batch, so the
+total is right for any world size, batch and accumulation. A resumed run's bar starts at the resumed step, and its ETA counts
 only the steps of this session.
 """
 from __future__ import annotations

@@ -479,7 +479,7 @@ class WanDataModule(L.LightningDataModule):
         self.dataset_part: list[int] = []  # each training sample's dataset (repeats included), set by setup()
         self.epoch_pools: list[tuple[list[int], int]] = []  # fractional weights: part of each pool trains per epoch
         self.sampler: BucketBatchSampler | None = None  # the last train loader's (the progress bar reads it)
-        self._seen: tuple[int, list[list[int]]] | None = None  # samples_seen's counts of one epoch
+        self._seen: tuple | None = None  # samples_seen's (epoch, cumulative counts per batch and dataset)
 
     def _parts(self, datasets) -> list[Part]:
         from omegaconf import OmegaConf
@@ -742,16 +742,15 @@ class WanDataModule(L.LightningDataModule):
             return {}
         epoch, k = divmod(steps - 1, math.ceil(len(s) / s.accumulate))
         if self._seen is None or self._seen[0] != epoch:  # cumulative counts after each batch of the epoch
-            rows = [[0] * len(self.parts)]
-            for step in s._global_batches(epoch):
-                row = rows[-1][:]
-                for i in step:
-                    row[self.dataset_part[i]] += 1
-                rows.append(row)
-            self._seen = (epoch, rows)
+            import numpy as np
+
+            rows = np.zeros((len(s) + 1, len(self.parts)), dtype=np.int64)
+            for b, step in enumerate(s._global_batches(epoch)):
+                np.add.at(rows[b + 1], [self.dataset_part[i] for i in step], 1)
+            self._seen = (epoch, rows.cumsum(axis=0))
         rows = self._seen[1]
         done = rows[min((k + 1) * s.accumulate, len(rows) - 1)]
-        return {p.name: (done[j], rows[-1][j]) for j, p in enumerate(self.parts) if rows[-1][j]}
+        return {p.name: (int(done[j]), int(rows[-1][j])) for j, p in enumerate(self.parts) if rows[-1][j]}
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the data position is the optimizer steps done (see the module docstring)."""
