@@ -955,7 +955,8 @@ LOWVRAM_A14B_JOB = Case(
     about=f"one real-size A14B expert (T2V-A14B's DiT; the I2V high-noise expert differs only in its patch "
           f"embedding's 36 input channels), LoRA r32, 480x832x81, checkpointing, the process capped at {CAP_GIB} GiB: "
           f"model.blocks_to_swap={SWAP_A14B_N} (call --phase base,swap), and with model.fp8_storage=true and "
-          f"blocks_to_swap={SWAP_A14B_FP8_N} (call --phase base2,swap_fp8), each against the uncapped default step "
+          f"blocks_to_swap={SWAP_A14B_FP8_N} (call --phase base2,swap_fp8); FP8 storage with offloaded activations and "
+          "compiled blocks, no swap (--phase build_dit,base,fp8_fit); each against the uncapped default step "
           "(compiled, no swap) in the same call",
     phases=(Phase("build_dit", lambda ctx: [ctx.python, "tests/gpu/build_transformer.py", "--model", "t2v14b",
                                             "--path", str(_a14b_dir(ctx))], minutes=5,
@@ -966,16 +967,23 @@ LOWVRAM_A14B_JOB = Case(
             lowvram_bench("base2", SWAP_A14B, *A14B_SHAPE, model=_a14b_dir),
             lowvram_bench("swap_fp8", SWAP_A14B, *A14B_SHAPE, "--set", f"model.blocks_to_swap={SWAP_A14B_FP8_N}",
                           "model.fp8_storage=true", "model.compile=false", "model.offload_activations=true",
-                          model=_a14b_dir, cap=CAP_GIB)),
+                          model=_a14b_dir, cap=CAP_GIB),
+            lowvram_bench("fp8_fit", SWAP_A14B, *A14B_SHAPE, "--set", "model.fp8_storage=true",
+                          "model.offload_activations=true", model=_a14b_dir, cap=CAP_GIB)),
     checks=(Check("phases.swap.rc", "==", 0, "swap", f"block swap: no out-of-memory under the {CAP_GIB} GiB cap"),
             Check("metrics.swap_peak_gib", "<=", CAP_GIB, "swap", "the capped step's peak"),
             Check("metrics.swap_ratio", "<=", 1.5, "swap", "capped with block swap / uncapped default step"),
             Check("phases.swap_fp8.rc", "==", 0, "swap_fp8", f"FP8 storage + swap: no out-of-memory at {CAP_GIB} GiB"),
             Check("metrics.swap_fp8_peak_gib", "<=", CAP_GIB, "swap_fp8", "the capped step's peak"),
-            Check("metrics.swap_fp8_ratio", "<=", 1.25, "swap_fp8", "capped with FP8 storage and swap / uncapped")),
-    collect=step_ratio(SWAP_A14B, {"swap": ("swap", "base"), "swap_fp8": ("swap_fp8", "base2")}),
+            Check("metrics.swap_fp8_ratio", "<=", 1.5, "swap_fp8", "capped with FP8 storage and swap / uncapped"),
+            Check("phases.fp8_fit.rc", "==", 0, "fp8_fit", f"FP8 storage, offloaded activations: fits {CAP_GIB} GiB"),
+            Check("metrics.fp8_fit_peak_gib", "<=", CAP_GIB, "fp8_fit", "the capped step's peak"),
+            Check("metrics.fp8_fit_ratio", "<=", 1.25, "fp8_fit", "capped with FP8 storage (compiled) / uncapped")),
+    collect=step_ratio(SWAP_A14B, {"swap": ("swap", "base"), "swap_fp8": ("swap_fp8", "base2"),
+                                   "fp8_fit": ("fp8_fit", "base")}),
     record=("base.wanexp.median_s", "swap.wanexp.median_s", "swap_ratio", "swap_peak_gib",
-            "base2.wanexp.median_s", "swap_fp8.wanexp.median_s", "swap_fp8_ratio", "swap_fp8_peak_gib"),
+            "base2.wanexp.median_s", "swap_fp8.wanexp.median_s", "swap_fp8_ratio", "swap_fp8_peak_gib",
+            "fp8_fit.wanexp.median_s", "fp8_fit_ratio", "fp8_fit_peak_gib"),
 )
 
 LOWVRAM_5B, LOWVRAM_5B_CAP = "lowvram_5b_16g", 16

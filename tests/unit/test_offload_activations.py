@@ -55,3 +55,20 @@ def test_offloaded_inputs_give_the_same_loss_and_lora_gradients_bitwise(swap, mo
     tokens = hidden.shape[2] * hidden.shape[3] * hidden.shape[4] // 4
     hidden_saves = [s for s in CountingSaveOnCpu.packed if s == (2, tokens, 32)]
     assert len(hidden_saves) == 2 * len(t.blocks), CountingSaveOnCpu.packed
+
+
+def test_offloaded_inputs_with_compiled_blocks():
+    """Compiled blocks (model.compile) under the offloaded checkpoint: the result of the compiled checkpoint without
+    offload (the "eager" backend: dynamo's graphs run as traced, so the comparison is of the wiring)."""
+    ref = checkpointed(False)
+    t = copy.deepcopy(ref)
+    t._wanexp_offload_activations = True
+    for m in (ref, t):
+        fast.compile_blocks(m, checkpoint=True, backend="eager")
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    out_ref, grads_ref = output_and_grads(ref, hidden, timestep, text)
+    out, grads = output_and_grads(t, hidden, timestep, text)
+    assert torch.allclose(out, out_ref, rtol=0, atol=1e-6)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 40
+    for k in grads:
+        assert grads_ref[k].abs().max() > 0 and torch.allclose(grads[k], grads_ref[k], rtol=1e-5, atol=1e-7), k
