@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.conftest import tiny_run
 from wanexp.data.datamodule import parse_datasets
@@ -41,6 +42,14 @@ def test_two_datasets_of_different_shapes_and_repeats_train_in_one_run(shared_di
     assert batches[:6] != batches[6:]  # a new order each epoch
     bar = next(c for c in r["trainer"].callbacks if type(c).__name__ == "StepProgressBar")
     assert bar.train_progress_bar.postfix.endswith("a=6/6, b=6/6")  # the last step: the whole epoch seen
+    # resumed from step 8 (mid-epoch 1): the same last 4 batches, the same LoRA bit for bit
+    ckpt = Path(r["output_dir"]) / "checkpoints" / "step_000008.ckpt"
+    resumed = tiny_run(shared_dir, tmp_path / "resumed", ["model=tiny", datasets, "data.use_cache=false",
+                                                          "trainer.max_steps=12", f"resume={ckpt}",
+                                                          "+callbacks.recorder._target_=tests.helpers.BatchRecorder"])
+    assert next(c for c in resumed["trainer"].callbacks if type(c).__name__ == "BatchRecorder").batches == batches[8:]
+    trained = {n: p for n, p in r["module"].named_parameters() if p.requires_grad}
+    assert all(torch.equal(p, trained[n]) for n, p in resumed["module"].named_parameters() if p.requires_grad)
     shapes = {names[p]: dm.dataset.shapes[i] for i, p in enumerate(dm.dataset_part)}
     assert shapes == {"a": (9, 64, 64), "b": (5, 64, 96)}
     b_prompts = [s.prompt for s, p in zip(dm.dataset.samples, dm.dataset_part) if names[p] == "b"]
