@@ -67,3 +67,13 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     row = run.record_row(case, result, tmp_path / "bench").read_text()
     assert "bench.strongest_plain plain_tokens_compiled" in row and f"bench_ckpt.wanexp.vs_strongest " \
         f"{433.9 / 344.8:.4g}" in row
+
+
+def test_an_unknown_path_is_refused_before_any_model_is_read(tmp_path, capsys):
+    from wanexp.cli import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model-path", str(tmp_path / "absent"), "--paths", "plain,plain_tokens_compild"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown path 'plain_tokens_compild' (one of plain, plain_compiled, plain_tokens, " in err

@@ -493,6 +493,9 @@ def main(argv=None) -> list[dict]:
                     help="GPU time by kernel kind for these paths (default: wanexp)")
     ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
     args = ap.parse_args(argv)
+    unknown = [p for p in (args.paths or "").split(",") if p and p not in PATHS]
+    if unknown:  # before any model is read
+        ap.error(f"--paths: unknown path {unknown[0]!r} (one of {', '.join(PATHS)})")
     if args.json:  # made now: the JSON is written after minutes of benchmarking
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if _dense(args.model):
@@ -511,9 +514,6 @@ def main(argv=None) -> list[dict]:
     text = torch.randn(args.batch, args.text_len, cfg["text_dim"], device=device, generator=g).to(torch.bfloat16)
     data = (x0, text)
     paths = args.paths.split(",") if args.paths else default_paths(per_token)
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown:
-        raise SystemExit(f"--paths: unknown path {unknown[0]!r} ({', '.join(PATHS)})")
     # the compiled plain loop of the function the numerics check measures is checked too
     plain_ref = "plain_tokens" if per_token else "plain"
     checked = [p for p in ("wanexp", plain_ref + "_compiled") if p in paths] if not args.no_check else []

@@ -244,7 +244,8 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
         clips = iter(loader) if overlap else None
         _encode_texts(encoders, todo_texts, text_writer, progress)
         text_writer.close()
-        rejects = _encode_latents(encoders, clips or iter(loader), latent_writer, dm.cache_dtype, device, progress)
+        clips = clips if clips is not None else iter(loader)
+        rejects = _encode_latents(encoders, clips, latent_writer, dm.cache_dtype, device, progress)
         latent_writer.close()
         if writer is not None:
             writer.close()
