@@ -88,7 +88,6 @@ def test_step_benchmark_runs_both_paths_on_the_tiny_model(shared_dir, tmp_path):
     ensure_tiny_model(build(cfg.model))
     results = bench.main(["--model-path", cfg.model.path, "--height", "64", "--width", "64", "--frames", "9",
                           "--text-len", "16", "--rank", "4", "--warmup", "0", "--steps", "1",
-                          "--paths", "plain,plain_tokens,wanexp",  # the compiled plain loops: test_bench_compiled.py
                           "--set", "model.compile=false", "--variants", "model.fp8=true", "--fp32-floor", "short",
                           "--json", str(tmp_path / "bench.json")])
     assert [r["path"] for r in results] == ["plain", "plain_tokens", "wanexp", "wanexp [model.fp8=true]"]

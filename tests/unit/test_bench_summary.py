@@ -37,9 +37,14 @@ def test_without_a_plain_loop_there_is_no_ratio():
     assert table(results, None)[2].split()[-1] == "-"
 
 
-def test_default_paths_include_the_compiled_plain_loops():
-    assert default_paths(True) == ["plain", "plain_compiled", "plain_tokens", "plain_tokens_compiled", "wanexp"]
-    assert default_paths(False) == ["plain", "plain_compiled", "wanexp"]  # A14B: no per-token timesteps
+def test_paths_all_adds_the_compiled_plain_loops_to_the_default():
+    assert default_paths(True) == ["plain", "plain_tokens", "wanexp"]
+    assert default_paths(True, compiled=True) == ["plain", "plain_compiled", "plain_tokens", "plain_tokens_compiled",
+                                                  "wanexp"]
+    assert default_paths(False, compiled=True) == ["plain", "plain_compiled", "wanexp"]  # A14B: no per-token t
+    eager_only = [_row("plain", 392.9), _row("wanexp", 255.8)]
+    assert table(eager_only, speedups(eager_only))[0].endswith("plain (no compiled plain loop measured: --paths all "
+                                                                "adds them)")
 
 
 def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_path):
@@ -49,11 +54,11 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     assert [p.name for p in bench_phases] == ["bench", "bench_ckpt"]
     for p in bench_phases:
         argv = p.argv(ctx)
-        assert argv[argv.index("--paths") + 1].split(",") == default_paths(True)
+        assert argv[argv.index("--paths") + 1].split(",") == default_paths(True, compiled=True)
         assert ("--ckpt" in argv) == (p.name == "bench_ckpt") and argv[argv.index("--frames") + 1] == "17"
     times = {"bench": (392.9, 255.0, 420.0, 249.8, 255.8), "bench_ckpt": (568.0, 440.0, 683.8, 433.9, 344.8)}
     for name, ms in times.items():
-        results = [_row(p, t) for p, t in zip(default_paths(True), ms)]
+        results = [_row(p, t) for p, t in zip(default_paths(True, compiled=True), ms)]
         strongest = speedups(results)
         path = registry.bench_json(ctx, registry.VS_COMPILED, name)
         path.parent.mkdir(parents=True, exist_ok=True)

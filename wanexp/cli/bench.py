@@ -6,7 +6,7 @@
                   (PyTorch's default implementation: foreach, not fused), eager, one timestep per sample.
     plain_tokens  TI2V-5B only: the same loop with the pipeline's per-token timesteps (shape (B, tokens)), the first
                   latent frame clean at t=0 (what a correct TI2V step computes).
-    plain_compiled, plain_tokens_compiled
+    plain_compiled, plain_tokens_compiled   (--paths all, or named)
                   the same loops with each transformer block compiled (``block.compile()`` for each block of
                   ``transformer.blocks``, the one line a skilled user adds; --compile-backend, default inductor),
                   checkpointed with --ckpt as the eager loops are (diffusers' enable_gradient_checkpointing: each
@@ -120,9 +120,11 @@ def plain_kind(name: str) -> tuple[bool, bool]:
     return name.startswith("plain_tokens"), name.endswith("_compiled")
 
 
-def default_paths(per_token: bool) -> list[str]:
-    """Every plain loop that applies (per-token ones for TI2V only), then wanexp."""
-    return [p for p in PLAIN_PATHS if per_token or not plain_kind(p)[0]] + ["wanexp"]
+def default_paths(per_token: bool, compiled: bool = False) -> list[str]:
+    """The plain loops that apply (per-token ones for TI2V only; the compiled ones with ``compiled``: --paths all),
+    then wanexp."""
+    return [p for p in PLAIN_PATHS if (per_token or not plain_kind(p)[0]) and (compiled or not plain_kind(p)[1])] \
+        + ["wanexp"]
 
 
 def plain_model(args, device, dtype=torch.bfloat16, compiled: bool = False):
@@ -474,7 +476,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ckpt", action="store_true", help="activation (gradient) checkpointing")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--paths", default=None, help=f"comma list of {','.join(PATHS)} (default: all that apply)")
+    ap.add_argument("--paths", default=None, help=f"comma list of {','.join(PATHS)}, or all (default: the eager plain "
+                    "loops that apply and wanexp; all adds the compiled plain loops)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the compiled plain loops (block.compile(backend=...))")
     ap.add_argument("--variants", default="", help="extra wanexp runs, ';'-separated lists of space-separated "
@@ -493,7 +496,7 @@ def main(argv=None) -> list[dict]:
                     help="GPU time by kernel kind for these paths (default: wanexp)")
     ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
     args = ap.parse_args(argv)
-    unknown = [p for p in (args.paths or "").split(",") if p and p not in PATHS]
+    unknown = [p for p in args.paths.split(",") if p not in PATHS] if args.paths not in (None, "all") else []
     if unknown:  # before any model is read
         ap.error(f"--paths: unknown path {unknown[0]!r} (one of {', '.join(PATHS)})")
     if args.json:  # made now: the JSON is written after minutes of benchmarking
@@ -513,7 +516,7 @@ def main(argv=None) -> list[dict]:
     x0 = torch.randn(latent_shape, device=device, generator=g)
     text = torch.randn(args.batch, args.text_len, cfg["text_dim"], device=device, generator=g).to(torch.bfloat16)
     data = (x0, text)
-    paths = args.paths.split(",") if args.paths else default_paths(per_token)
+    paths = default_paths(per_token, args.paths == "all") if args.paths in (None, "all") else args.paths.split(",")
     # the compiled plain loop of the function the numerics check measures is checked too
     plain_ref = "plain_tokens" if per_token else "plain"
     checked = [p for p in ("wanexp", plain_ref + "_compiled") if p in paths] if not args.no_check else []
@@ -640,7 +643,9 @@ def speedups(results: list[dict]) -> str | None:
 def table(results: list[dict], strongest: str | None) -> list[str]:
     """The summary: one row per path, its speed-up against the strongest plain loop (speedups())."""
     head = f"{'path':58} {'ms/step':>8} {'TFLOP/s':>8} {'% 790':>6} {'peak GiB':>9} {'vs strongest':>12}"
-    lines = [f"strongest plain loop (fastest measured): {strongest or 'none measured'}", head]
+    compiled = any(plain_kind(r["path"])[1] for r in results if r["path"] in PLAIN_PATHS)
+    note = "" if compiled or not strongest else " (no compiled plain loop measured: --paths all adds them)"
+    lines = [f"strongest plain loop (fastest measured): {strongest or 'none measured'}{note}", head]
     for r in results:
         ratio = f"{r['speedup_vs_strongest']:>11.2f}x" if strongest else f"{'-':>12}"
         mark = " <- strongest" if r["path"] == strongest else ""
