@@ -1162,7 +1162,7 @@ CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB
 
 # ---- the cache at the VAE's speed: the real-size TI2V-5B VAE and UMT5-XXL on 48 generated clips (one H100) --------
 CACHE_SPEED = "cache_speed_5b"
-RATE = r"cache rank 0: ([\d.]+) samples/s in"
+RATE = r"cache rank 0: ([\d.]+) samples/s, "
 VAE_RATE = r"the VAE alone ([\d.]+) samples/s"
 SHARE = r"samples/s \((\d+) % of it\)"
 

@@ -119,7 +119,7 @@ def test_an_interrupted_cache_resumes_where_it_stopped(shared_dir, tmp_path, mon
     cache_cli(cfg)
     out = capsys.readouterr().out
     assert "wrote 7 entries" in out and "13 already cached" in out
-    assert re.search(r"cache rank 0: [\d.]+ samples/s in \dm\d\ds; the VAE alone [\d.]+ samples/s", out)
+    assert re.search(r"cache rank 0: [\d.]+ samples/s, \dm\d\ds in all; the VAE alone [\d.]+ samples/s", out)
     lines = index.read_text().splitlines()
     assert lines[13] == calls[13][0][: len(calls[13][0]) // 2]  # the cut line, kept on its own
     keys = [json.loads(line)["key"] for i, line in enumerate(lines) if i != 13]  # the cut line stays apart

@@ -72,7 +72,10 @@ def test_progress_prints_rate_and_eta_every_interval_on_rank_0(capsys):
     p = Progress(samples=100, texts=8, rank=0, every_s=30, clock=clock)
     p.texts_done, p.text_s = 4, 0.1
     assert p.line() == "wanexp: cache r0: 0/100 samples, text 4/8 (40 prompts/s)"  # the text encoder runs first
+    clock.t += 50  # the text encoder's time: not in the samples' rate
     p.texts_done = 8
+    p.tick()
+    assert capsys.readouterr().out == "wanexp: cache r0: 0/100 samples, text 8/8\n"
     p.samples_start = clock.t
     clock.t += 20
     p.done = 40
@@ -88,7 +91,8 @@ def test_progress_prints_rate_and_eta_every_interval_on_rank_0(capsys):
     p.vae_s, p.wait_decode_s = 27.0, 1.5
     s = p.summary()
     assert s["samples_per_s"] == pytest.approx(2.0) and s["vae_samples_per_s"] == pytest.approx(60 / 27)
-    assert rate_line(s).startswith("2.00 samples/s in 0m30s; the VAE alone 2.22 samples/s (90 % of it); waited 1.5 s")
+    assert rate_line(s).startswith("2.00 samples/s, 1m20s in all; the VAE alone 2.22 samples/s (90 % of it); "
+                                   "waited 1.5 s")
 
 
 def test_the_gpu_case_reads_the_cache_s_rate_line(tmp_path):

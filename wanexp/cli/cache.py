@@ -292,7 +292,7 @@ def rate_line(s: dict) -> str:
     for: a decode wait means more data.num_workers; a write wait, a disk slower than the VAE."""
     vae = s.get("vae_samples_per_s")
     share = f" ({100 * s['samples_per_s'] / vae:.0f} % of it)" if vae else ""
-    return (f"{s['samples_per_s']:.2f} samples/s in {_duration(s['seconds'])}; the VAE alone "
+    return (f"{s['samples_per_s']:.2f} samples/s, {_duration(s['seconds'])} in all; the VAE alone "
             f"{vae or float('nan'):.2f} samples/s{share}; waited {s['wait_decode_s']:.1f} s for decoded clips, "
             f"{s['wait_write_s']:.1f} s for shard writes; text encoder {s['text_s']:.1f} s")
 
