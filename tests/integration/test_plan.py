@@ -63,6 +63,47 @@ def test_planned_steps_and_eta_match_the_run(shared_dir, tmp_path, cached, monke
     assert 0.5 * wall <= planned <= 1.5 * wall, (planned, wall, p["eta"]["parts"])
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file()}
+
+
+def test_a_resumed_run_is_planned_from_its_checkpoint(shared_dir, tmp_path, cached, monkeypatch):
+    """resume=last: the plan takes the checkpoint the run resumes from and counts the steps and batches after it (the
+    resumed run then trains exactly those), its ETA and checkpoints cover only those, its disk counts what the run
+    folder already holds, and its calibration leaves that folder as it was."""
+    out = tmp_path / "run"
+    # validation off (its calls after a resume: tests/unit/test_plan.py): seconds less
+    first = [*cached, "callbacks.checkpoint.every_n_train_steps=3", "callbacks.validation.every_n_steps=0"]
+    tiny_run(shared_dir, out, [*first, "trainer.max_steps=3"])  # stops mid-epoch: 6 of 10 batches
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    more = [*first, "resume=last", "allow_resume_changes=true", "trainer.max_steps=-1", "trainer.max_epochs=2"]
+    before = _files(out)
+    p = plan.make_plan(compose_cfg(_overrides(shared_dir, out, more)),
+                       {**plan.split_options([])[0], "calibrate": True, "steps_per_bucket": 1})
+    assert _files(out) == before and not any((tmp_path / "scratch").iterdir())
+    d, r, e = p["data"], p["data"]["resume"], p["eta"]
+    assert d["total_steps"] == 10 and (r["steps_done"], r["data_epoch"], r["batches_done_in_epoch"]) == (3, 0, 6)
+    assert (r["remaining_steps"], r["remaining_batches"], e["batches"]) == (7, 14, 14)
+    assert e["checkpoints"] == 3  # saves at 6, 9 and 10
+    fs = next(iter(p["disk"]["filesystems"].values()))
+    assert fs["present_bytes"] == p["disk"]["present_bytes"] > 0
+    assert fs["need_bytes"] == fs["retention_bytes"] - fs["present_bytes"]
+    text = plan.report(p)
+    assert "at step 3 (epoch 0, 6 batches of it done): 7 steps (14 batches) to go" in text, text
+    assert "ETA of the steps after 3" in text and "of it already there" in text, text
+
+    t0 = time.perf_counter()
+    result = tiny_run(shared_dir, out, more)
+    wall = time.perf_counter() - t0
+    assert result["global_step"] - r["steps_done"] == r["remaining_steps"]
+    trained = result["trainer"].fit_loop.epoch_loop.batch_progress.total.completed
+    assert trained == plan.batches_run(d)  # the restored batches and the ones after them
+    planned = e["total_s"] - e["parts"]["imports_s"]
+    assert 0.5 * wall <= planned <= 1.5 * wall, (planned, wall, e["parts"])
+
+
 def test_world_size_two_counts_what_each_rank_loads(shared_dir, tmp_path, cached):
     """For 2 processes, without starting them: each rank's loader (the run's, for that rank) yields the planned
     batches, disjoint samples of one bucket each."""

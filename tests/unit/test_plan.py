@@ -135,6 +135,24 @@ def test_eta_adds_training_validation_checkpoints_and_start_up():
     assert e["total_s"] == pytest.approx(sum(e["parts"].values()))
     e = plan.eta(data, calib, _cfg(every_val=0, at_start=False), {"imports_s": 0, "data_s": 0})
     assert e["validation_calls"] == 0 and e["parts"]["validation_s"] == 0
+    # resumed at step 250: the batches after it, calls at 300, 400 and 500 (no base-model call), the save at 500
+    e = plan.eta(data, calib, _cfg(), {"imports_s": 8.0, "data_s": 2.0}, done=250)
+    assert e["batches"] == 250 and e["parts"]["train_s"] == pytest.approx(250 * mean + 9.6 + 1.9)
+    assert e["validation_calls"] == 3 and e["parts"]["validation_s"] == pytest.approx(40.0 + 2 * 30.0)
+    assert e["checkpoints"] == 1 and e["from_step"] == 250
+    e = plan.eta(data, calib, _cfg(), {"imports_s": 0, "data_s": 0}, done=500)  # nothing left to train
+    assert (e["batches"], e["parts"]["train_s"], e["validation_calls"], e["checkpoints"]) == (0, 0.0, 0, 0)
+
+
+def test_a_resume_trains_the_steps_and_batches_after_its_checkpoint():
+    # 5 batches per epoch, accumulation 2: steps of 2, 2 and 1 batches; 7 steps = 2 epochs and 1 step
+    data = {"batches_per_epoch": 5, "steps_per_epoch": 3, "accumulate_grad_batches": 2, "total_steps": 7}
+    r = plan.resumed_part(data, {"steps_done": 4, "checkpoint": "c"})
+    assert (r["data_epoch"], r["batches_done_in_epoch"]) == (1, 2)  # epoch 1, its first step's two batches done
+    assert (r["remaining_steps"], r["remaining_batches"]) == (3, 12 - 7)
+    r = plan.resumed_part(data, {"steps_done": 3, "checkpoint": "c"})  # an epoch's last step: the next one begins
+    assert (r["data_epoch"], r["batches_done_in_epoch"], r["remaining_batches"]) == (1, 0, 7)
+    assert plan.resumed_part(data, {"steps_done": 9, "checkpoint": "c"})["remaining_steps"] == 0
 
 
 def test_a_bucket_above_the_budget_is_named_with_the_options():

@@ -168,11 +168,42 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
             "epochs": total / optimizer_steps_per_epoch(trainer) if total else None}
 
 
-def batches_run(data: dict) -> int:
-    """Batches each rank trains over the run: whole epochs, then the steps of the last one (x accumulation)."""
+def batches_run(data: dict, steps: int | None = None) -> int:
+    """Batches each rank trains in the run's first ``steps`` optimizer steps (default: all): whole epochs, then the
+    steps of the last one (x accumulation)."""
     per_epoch, steps_epoch = data["batches_per_epoch"], data["steps_per_epoch"]
-    full, rest = divmod(data["total_steps"], steps_epoch)
+    full, rest = divmod(data["total_steps"] if steps is None else steps, steps_epoch)
     return full * per_epoch + min(rest * data["accumulate_grad_batches"], per_epoch)
+
+
+# ---- a resumed run -------------------------------------------------------------------------------------------------
+def resume_point(cfg: DictConfig) -> dict | None:
+    """Where a ``resume=`` run continues: the checkpoint the run takes (``resume_path``, as wanexp.train.run finds it)
+    and the optimizer steps it had done, read as the run reads it. None: a fresh start (no resume, or resume=auto
+    before the first checkpoint). The data position follows from the steps (wanexp/data/datamodule.py). A DeepSpeed
+    checkpoint's step is not read (``steps_done`` None: the whole run is counted, and the report says so)."""
+    from wanexp.train import checkpoint_kind, read_resume_checkpoint, resume_path
+
+    ckpt = resume_path(cfg.resume, Path(cfg.paths.output_dir).resolve())
+    if ckpt is None:
+        return None
+    kind = checkpoint_kind(ckpt, cfg.parallel.name)
+    saved = read_resume_checkpoint(ckpt, cfg.parallel.name) or {}
+    step = saved.get("global_step")
+    return {"checkpoint": str(Path(ckpt).resolve()), "kind": kind, "steps_done": None if step is None else int(step),
+            "epoch": saved.get("epoch")}
+
+
+def resumed_part(data: dict, point: dict) -> dict:
+    """The part of the run a resume trains: from the checkpoint's optimizer steps to the run's total, and the batches
+    of it (an epoch's order is fixed by (seed, epoch); the resumed loader skips the batches the steps consumed)."""
+    done = point["steps_done"]
+    epoch, in_epoch = divmod(done, data["steps_per_epoch"])
+    total = data["total_steps"]
+    return {**point, "data_epoch": epoch,
+            "batches_done_in_epoch": min(in_epoch * data["accumulate_grad_batches"], data["batches_per_epoch"]),
+            "remaining_steps": max(0, total - done) if total else None,
+            "remaining_batches": max(0, batches_run(data) - batches_run(data, done)) if total else None}
 
 
 # ---- 3. the cache --------------------------------------------------------------------------------------------------
@@ -201,14 +232,17 @@ def cache_plan(cfg: DictConfig, dm) -> dict:
 
 
 # ---- 4. disk -------------------------------------------------------------------------------------------------------
-def disk_plan(cfg: DictConfig, spec, adapter, objective, total_steps: int, cache: dict) -> dict:
+def disk_plan(cfg: DictConfig, spec, adapter, objective, total_steps: int, cache: dict,
+              resuming: bool = False) -> dict:
     """What the run keeps at its retention (wanexp.disk.estimate at the planned steps) and the cache still to write,
-    each against the free space of its filesystem."""
+    each against the free space of its filesystem. A resumed run's checkpoints and exports already in its folder are
+    part of that retention: its filesystem needs only the rest."""
     from wanexp.disk import estimate, free_bytes, mount_point, written_bytes
 
     out = Path(cfg.paths.output_dir).resolve()
     callbacks = OmegaConf.to_container(cfg.callbacks, resolve=True)
     need = estimate(spec, adapter, objective, cfg.boundary.name, callbacks, total_steps or -1)
+    present = written_bytes(out) if resuming else 0
     run_bytes = max(0, need.total - written_bytes(out)) if need.known else None
     parts = [{"what": "checkpoints", "path": str(out / "checkpoints"), "count": need.checkpoints,
               "each_bytes": need.checkpoint_bytes, "bytes": need.checkpoint_bytes * (need.checkpoints or 0)},
@@ -220,11 +254,17 @@ def disk_plan(cfg: DictConfig, spec, adapter, objective, total_steps: int, cache
     filesystems: dict = {}
     for p in parts:
         mount = str(mount_point(p["path"]))
-        fs = filesystems.setdefault(mount, {"need_bytes": 0, "free_bytes": free_bytes(p["path"]), "parts": []})
-        fs["need_bytes"] += p["bytes"]
+        fs = filesystems.setdefault(mount, {"need_bytes": 0, "free_bytes": free_bytes(p["path"]), "parts": [],
+                                            "retention_bytes": 0, "present_bytes": 0})
+        fs["retention_bytes"] += p["bytes"]
         fs["parts"].append(p["what"])
         p["filesystem"] = mount
-    return {"parts": parts, "filesystems": filesystems, "run_bytes": run_bytes, "retention_known": need.known}
+    if present:
+        filesystems[parts[0]["filesystem"]]["present_bytes"] = present  # the run folder's checkpoints/ and lora/
+    for fs in filesystems.values():
+        fs["need_bytes"] = max(0, fs["retention_bytes"] - fs["present_bytes"])
+    return {"parts": parts, "filesystems": filesystems, "run_bytes": run_bytes, "present_bytes": present,
+            "retention_known": need.known}
 
 
 # ---- 5. the GPUs ---------------------------------------------------------------------------------------------------
@@ -353,28 +393,32 @@ def calibration_child(cfg: DictConfig) -> None:
 
 
 # ---- the ETA and the fit -------------------------------------------------------------------------------------------
-def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict) -> dict:
-    """Seconds of the run: start-up (imports, data, weights), training (each bucket's batches at its steady time, plus
-    each bucket's first batch once), validation calls at their cadence and checkpoints (with their LoRA exports) at
-    theirs, and the end (final export)."""
+def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict, done: int = 0) -> dict:
+    """Seconds of the run from optimizer step ``done`` (a resume's checkpoint; 0: a fresh run) to its end: start-up
+    (imports, data, weights), training (each bucket's batches at its steady time, plus each bucket's first batch
+    once), validation calls at their cadence and checkpoints (with their LoRA exports) at theirs after ``done``, and
+    the end (final export)."""
     from wanexp.cli.plan_calibrate import bucket_times
     from wanexp.disk import save_steps
 
     times = bucket_times(calib.get("rows", []))
-    total, n_batches = data["total_steps"], batches_run(data)
+    total = data["total_steps"]
+    n_batches = max(0, batches_run(data) - batches_run(data, done))
     weights = {k: b.get("batches_per_epoch", 0) for k, b in data["buckets"].items()}
     timed = {k: w for k, w in weights.items() if k in times and w}
     if not timed:
         return {"buckets": times, "total_s": None}
     mean = sum(times[k]["steady_s"] * w for k, w in timed.items()) / sum(timed.values())
-    warm = sum(max(0.0, times[k]["first_s"] - times[k]["steady_s"]) for k in timed)
+    warm = sum(max(0.0, times[k]["first_s"] - times[k]["steady_s"]) for k in timed) if n_batches else 0.0
     train_s = n_batches * mean + warm
     v = cfg.callbacks.get("validation") if OmegaConf.is_dict(cfg.callbacks) else None
     every = int(v.get("every_n_steps") or 0) if OmegaConf.is_dict(v) else 0
-    calls = (int(bool(v.get("at_start", True))) + math.ceil(total / every)) if every and total else 0
+    # at_start on a fresh run only; then every N steps after ``done`` and one at the last step
+    calls = (int(bool(v.get("at_start", True)) and done == 0) + math.ceil(total / every) - done // every) \
+        if every and total > done else 0
     ck = cfg.callbacks.get("checkpoint") if OmegaConf.is_dict(cfg.callbacks) else None
-    saves = len(save_steps(total, ck.get("every_n_train_steps") if OmegaConf.is_dict(ck) else None) or []) \
-        if total else 0
+    saves = len([s for s in save_steps(total, ck.get("every_n_train_steps") if OmegaConf.is_dict(ck) else None) or []
+                 if s > done]) if total else 0
     val_s = calib.get("validation_s") or 0.0
     first_s = calib.get("validation_first_s") or val_s
     ckpt_s = max(0.0, (calib.get("end_s") or 0.0) - val_s)
@@ -382,7 +426,7 @@ def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict) -> dict:
              "train_s": train_s, "validation_s": first_s + (calls - 1) * val_s if calls else 0.0,
              "checkpoint_s": saves * ckpt_s,
              "end_s": calib.get("teardown_s") or 0.0}
-    return {"buckets": times, "mean_batch_s": mean, "batches": n_batches, "validation_calls": calls,
+    return {"buckets": times, "mean_batch_s": mean, "from_step": done, "batches": n_batches, "validation_calls": calls,
             "validation_call_s": val_s, "validation_first_s": first_s, "checkpoints": saves, "checkpoint_s": ckpt_s,
             "parts": parts,
             "total_s": sum(parts.values())}
@@ -436,6 +480,14 @@ def report(plan: dict) -> str:
               f"          {d['batches_per_epoch']} batches per rank per epoch = {d['steps_per_epoch']} optimizer "
               f"steps per epoch; total {d['total_steps']} steps"
               + (f" ({d['epochs']:.2f} epochs)" if d.get("epochs") else "")]
+    rs = d.get("resume")
+    if rs and rs.get("steps_done") is None:
+        lines.append(f"resume    from {rs['checkpoint']}: its step is not read (a DeepSpeed checkpoint): the whole "
+                     "run is counted")
+    elif rs:
+        lines.append(f"resume    from {rs['checkpoint']} at step {rs['steps_done']} (epoch {rs['data_epoch']}, "
+                     f"{rs['batches_done_in_epoch']} batches of it done): {rs['remaining_steps']} steps "
+                     f"({rs['remaining_batches']} batches) to go")
     for key, b in d["buckets"].items():
         lines.append(f"  bucket {key:<14} {b['clips']} clips, {b['images']} images, batch {b.get('batch_per_rank')} "
                      f"per rank, {b.get('batches_per_epoch', 0)} batches per epoch")
@@ -459,7 +511,8 @@ def report(plan: dict) -> str:
         if e.get("total_s") is not None:
             p = e["parts"]
             startup = p["imports_s"] + p["data_s"] + p["weights_s"]
-            lines.append(f"time      ETA {_hms(e['total_s'])}: start-up {_hms(startup)}, training "
+            rest = f" of the steps after {e['from_step']}" if e.get("from_step") else ""
+            lines.append(f"time      ETA{rest} {_hms(e['total_s'])}: start-up {_hms(startup)}, training "
                          f"{_hms(p['train_s'])}, validation {e['validation_calls']} calls "
                          f"(first {e['validation_first_s']:.1f} s, "
                          f"then {e['validation_call_s']:.1f} s each), "
@@ -470,7 +523,9 @@ def report(plan: dict) -> str:
                          f"{m.get('end_peak_gib') or 0:.2f} GiB); card {m.get('card_gib') or '-'} GiB"
                          + (f", budget {m['budget_gib']} GiB" if m.get("budget_gib") else ""))
     for mount, fs in plan["disk"]["filesystems"].items():
-        lines.append(f"disk      {mount}: needs {_gib(fs['need_bytes'])} ({', '.join(fs['parts'])}), "
+        held = f"; {_gib(fs['retention_bytes'])} at retention, {_gib(fs['present_bytes'])} of it already there" \
+            if fs.get("present_bytes") else ""
+        lines.append(f"disk      {mount}: needs {_gib(fs['need_bytes'])} ({', '.join(fs['parts'])}{held}), "
                      f"{_gib(fs['free_bytes'])} free")
     comm = plan.get("comm")
     if comm and comm.get("sizes"):
@@ -516,6 +571,7 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
         raise ConfigError(f"--world-size={opts['world_size']} differs from this launch's processes: calibration "
                           "times this launch; add --no-calibrate to count for another world size")
     imports_s = _process_age()
+    point = resume_point(cfg)  # a resume the run would refuse (no checkpoint, not a checkpoint) is refused here
     tmp = Path(tempfile.mkdtemp(prefix="wanexp-plan-"))
     try:
         with open_dict(cfg):
@@ -526,6 +582,9 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
         dm.setup("fit")
         data_s = time.perf_counter() - t0
         data = data_plan(cfg, dm, world)
+        if point is not None:
+            data["resume"] = resumed_part(data, point) if point["steps_done"] is not None else point
+        done = (point or {}).get("steps_done") or 0
         cache = cache_plan(cfg, dm)
         if calibrate and cache.get("missing_latents"):
             cache.update(measure_cache(cfg, dm, tmp / "cache"))
@@ -534,14 +593,14 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
 
         n_params, _, _ = trained_parameters(spec, adapter, objective, cfg.boundary.name)
         grad_bytes = n_params * 4  # fp32 LoRA gradients (lora.add_lora)
-        disk = disk_plan(cfg, spec, adapter, objective, data["total_steps"], cache)
+        disk = disk_plan(cfg, spec, adapter, objective, data["total_steps"], cache, resuming=point is not None)
         comm = comm_plan(cfg, world, grad_bytes) if calibrate else None
         calib, eta_ = None, {}
         if calibrate:
             settings = calibration_overrides(cfg, dm, data, opts["steps_per_bucket"], tmp)
             calib = run_calibration(cfg, settings)
             calib["steps"], calib["files"] = settings["steps"], settings["files"]
-            eta_ = eta(data, calib, cfg, {"imports_s": imports_s, "data_s": data_s})
+            eta_ = eta(data, calib, cfg, {"imports_s": imports_s, "data_s": data_s}, done)
         if rank() != 0:
             return {}
         card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
