@@ -314,9 +314,6 @@ def _check_low_vram(m, p) -> None:
     if p.name in ("fsdp", "deepspeed"):
         raise ConfigError(f"{knob} with parallel={p.name}: sharded weights are gathered by the strategy, not swapped; "
                           "use parallel=ddp (or one GPU) with block swap, or model.blocks_to_swap=0 to shard")
-    if m.compile:
-        raise ConfigError(f"{knob} with model.compile=true: a swapped block fetches its weights from host memory "
-                          "inside its forward, which a compiled block cannot do; set model.compile=false")
     if m.fp8:
         raise ConfigError(f"{knob} with model.fp8=true: the FP8 GEMM layers are not swapped; use "
                           "model.fp8_storage=true with block swap (the FP8 bytes move), or model.fp8=false")

@@ -9,19 +9,26 @@ parameters and the other blocks, and leaves them on the host. LoRA parameters an
 the GPU.
 
 Each use fetches the block's weights from the host copy: the forward, the forward that activation checkpointing
-repeats in the backward, and the backward itself (the input's gradient needs the weight; :class:`_SwappedLinearFn`
-keeps only a handle between forward and backward, never the weight). At most ``keep`` (2) swapped blocks are on the
-device at once: the one computing and the next one, copied ahead on a side CUDA stream (a block's forward pre-hook
-starts the copy of the next swapped block in the pass's direction: forward, or backward while autograd runs),
-ordered by events: the copy waits for the compute stream's work so far (the memory it writes may have been a dropped
-block's), the compute stream waits for the copy before the block's first use. The swapped blocks are spread evenly
-over the list, so each copy overlaps the compute of the resident blocks before it.
+repeats in the backward, and the backward itself (the input's gradient needs the weight; the operator
+:func:`swapped_linear` keeps only a handle between forward and backward, never the weight). At most ``keep`` (2)
+swapped blocks are on the device at once: the one computing and the next one, copied ahead on a side CUDA stream (a
+block's forward pre-hook starts the copy of the next swapped block in the pass's direction: forward, or backward
+while autograd runs), ordered by events: the copy waits for the compute stream's work so far (the memory it writes
+may have been a dropped block's), the compute stream waits for the copy before the block's first use. The swapped
+blocks are spread evenly over the list, so each copy overlaps the compute of the resident blocks before it.
 
 On the CPU the same code runs with plain copies (no stream, no pinning): tests compare against no swap bitwise and
-count the copies. ``torch.compile`` of the blocks is refused with block swap (the fetch is Python inside the block).
+count the copies.
+
+Compiled blocks (``model.compile``) swap too: :func:`swapped_linear` and its backward are custom operators, opaque to
+torch.compile, that fetch when they run; the compiled graph holds no weight and no Python of the swap, a layer is
+named by a host tensor (an input, not a constant), so every block shares one graph and nothing recompiles per block
+or per step. The pre-hooks do not run inside a compiled block: there a block's first fetch starts the next copy.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import OrderedDict
 from contextlib import nullcontext
 
@@ -133,23 +140,6 @@ class BlockSwap:
         return max(ahead) if backward else min(ahead)
 
 
-class _SwappedLinearFn(torch.autograd.Function):
-    """``F.linear`` whose weight is fetched through a :class:`SwappedLinear` in the forward and fetched again in the
-    backward; only the handle is kept in between."""
-
-    @staticmethod
-    def forward(ctx, x, bias, layer):
-        out = F.linear(x, layer.fetch(x.device), bias)  # autocast applies as to nn.Linear
-        ctx.layer, ctx.x_dtype = layer, x.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return linear_input_grad(grad_out, ctx.layer.fetch(grad_out.device), ctx.x_dtype), None, None
-
-
 class SwappedLinear(nn.Module):
     """A frozen linear whose stored weight lives in a :class:`BlockSwap` (host memory) and is fetched at each use.
     Its bias (small) stays a buffer that moves with the module."""
@@ -166,6 +156,9 @@ class SwappedLinear(nn.Module):
         bias = layer.bias.detach().clone() if layer.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("_where", torch.empty(0, dtype=torch.int8), persistent=False)  # the module's device
+        handle = next(_HANDLES)
+        _LAYERS[handle] = weakref.ref(self, lambda _: _LAYERS.pop(handle, None))
+        self._handle = torch.tensor([handle])  # a host tensor, not a buffer: module.to() leaves it on the host
 
     def fetch(self, device: torch.device) -> torch.Tensor:
         return self._weight_from(self._swap.acquire(self._block, device)[self._key])
@@ -176,10 +169,84 @@ class SwappedLinear(nn.Module):
         return self.fetch(self._where.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SwappedLinearFn.apply(x, self.bias, self)
+        return swapped_linear(x, self.bias, self._handle, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block {self._block} swapped"
+
+
+# ---- the swapped linear as two custom ops ---------------------------------------------------------------------
+# The fetch (host copy, stream waits, eviction) runs inside two operators that torch.compile treats as opaque calls:
+# a compiled block keeps its weights out of its graph (a graph input would be saved for the backward, keeping every
+# swapped block's weights on the device), and dynamo traces no Python of BlockSwap. A layer is named by a small
+# host tensor (a graph input, not a constant), so every block shares one compiled graph.
+_LAYERS: dict[int, weakref.ref] = {}  # handle -> SwappedLinear
+_HANDLES = itertools.count()
+
+
+def _layer(handle: torch.Tensor) -> SwappedLinear:
+    return _LAYERS[int(handle[0])]()
+
+
+@torch.library.custom_op("wanexp::swapped_linear", mutates_args=())
+def swapped_linear(x: torch.Tensor, bias: torch.Tensor | None, handle: torch.Tensor,
+                   out_features: int) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with W fetched for this call; under autocast x and bias arrive cast (the autocast
+    kernel below), W is cast to their dtype: autocast's ``F.linear``, bit for bit."""
+    return F.linear(x, _layer(handle).fetch(x.device).to(x.dtype), bias)
+
+
+@swapped_linear.register_fake
+def _(x, bias, handle, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("wanexp::swapped_linear_input_grad", mutates_args=())
+def swapped_linear_input_grad(grad: torch.Tensor, handle: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The input's gradient, W fetched again (only the handle is kept between the forward and the backward)."""
+    return linear_input_grad(grad, _layer(handle).fetch(grad.device), grad.dtype)
+
+
+@swapped_linear_input_grad.register_fake
+def _(grad, handle, in_features):
+    return grad.new_empty(*grad.shape[:-1], in_features)
+
+
+def _save_handle(ctx, inputs, output):
+    x, _, handle, _ = inputs
+    ctx.save_for_backward(handle)
+    ctx.in_features = x.shape[-1]
+
+
+def _input_grad(ctx, grad):
+    (handle,) = ctx.saved_tensors
+    return swapped_linear_input_grad(grad, handle, ctx.in_features), None, None, None
+
+
+swapped_linear.register_autograd(_input_grad, setup_context=_save_handle)
+
+
+def _register_autocast(device_type: str) -> None:
+    """Autocast of the op as of ``F.linear`` (lower-precision floating inputs), at the autocast dtype of the call
+    (torch.library.register_autocast fixes one dtype; bf16-mixed and 16-mixed need both)."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def cast(t, dtype):
+        eligible = t is not None and t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
+
+    def kernel(_, x, bias, handle, out_features):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return swapped_linear(cast(x, dtype), cast(bias, dtype), handle, out_features)
+
+    _AUTOCAST.impl("swapped_linear", kernel, key, with_keyset=True)
+
+
+_AUTOCAST = torch.library.Library("wanexp", "FRAGMENT")
+for _device_type in ("cpu", "cuda"):
+    _register_autocast(_device_type)
 
 
 def _frozen_linear(module: nn.Module) -> bool:
@@ -208,6 +275,8 @@ def enable(blocks: nn.ModuleList, n: int, keep: int = 2) -> BlockSwap:
 def _prefetch_hook(swap: BlockSwap, position: int):
     """Before block ``position`` runs: start copying the next swapped block of this pass (itself if swapped)."""
     def hook(module, args):
+        if torch.compiler.is_compiling():  # a compiled block: its first fetch prefetches (BlockSwap.acquire)
+            return
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         if device is None:
             return
@@ -288,6 +357,7 @@ class FitEstimate:
             shards = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
         self.shards, self.tokens = shards, _tokens(cfg.data, spec, self.sp)
         self.checkpointing = bool(m.get("gradient_checkpointing"))
+        self.offloading = self.checkpointing and bool(m.get("offload_activations"))
         self._dtype_bytes = spec.dtype.itemsize
         self._weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else self._dtype_bytes
         self._configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
@@ -297,7 +367,8 @@ class FitEstimate:
             per_block = block_activation_gib(SimpleNamespace(**c), self.tokens)
             if self.checkpointing:  # every block keeps its bf16 input; one block's backward recomputes it (fast.py)
                 d = c["num_attention_heads"] * c["attention_head_dim"]
-                act = c["num_layers"] * self.tokens * d * 2 / 2**30 + 1.5 * per_block
+                kept = 1 if self.offloading else c["num_layers"]  # offloaded: one input on its way to the host
+                act = kept * self.tokens * d * 2 / 2**30 + 1.5 * per_block
             else:  # every block keeps its activations for the backward
                 act = c["num_layers"] * per_block
             self.activations = max(self.activations, act)
@@ -322,6 +393,8 @@ class FitEstimate:
         options = [f"model.blocks_to_swap={fits} (frozen weights in host memory)"] if fits is not None else []
         if not self.checkpointing:
             options.append("model.gradient_checkpointing=true")
+        elif not self.offloading:
+            options.append("model.offload_activations=true (the checkpointed blocks' inputs in host memory)")
         options += [f"parallel.sp_size={2 * self.sp} (sequence parallel: each GPU holds a share of the tokens)",
                     "parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
         base, ckpt = self.weights(n), "every block" if self.checkpointing else "no block"
