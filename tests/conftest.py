@@ -44,8 +44,12 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
 
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory) -> Path:
-    """Tiny models and generated clips, built once per test session (never in the repo)."""
-    return tmp_path_factory.mktemp("wanexp_shared")
+    """Tiny models and generated clips, built once per test session (never in the repo) for every xdist worker: the
+    first run that needs one builds it; both builders build aside and rename into place, so a worker that races
+    another uses the winner's (wanexp/models/tiny.py, wanexp/data/synthetic.py)."""
+    folder = session_dir(tmp_path_factory) / "wanexp_shared"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture
@@ -68,3 +72,59 @@ def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> s
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+# One fresh process for many refused commands: each is ``python train.py ARGS``'s entry (wanexp.train.main) with its
+# own argv, environment, stdout and stderr, and warnings shown anew; then the Lightning modules imported so far.
+_BATCH = r"""
+import contextlib, io, json, os, sys, time, warnings
+from hydra.core.global_hydra import GlobalHydra
+from wanexp.train import main
+commands, record = sys.argv[1:3]
+results, environ = [], dict(os.environ)
+for args in json.load(open(commands)):
+    os.environ.clear()
+    os.environ.update(environ)  # main sets HYDRA_FULL_ERROR, a run its parallel.env: each command starts without
+    out, err, code, t0 = io.StringIO(), io.StringIO(), 0, time.perf_counter()
+    sys.argv = ["train.py", *args]
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = "raised"
+    GlobalHydra.instance().clear()
+    results.append({"args": args, "returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                    "seconds": time.perf_counter() - t0,
+                    "lightning": sorted(m for m in sys.modules if m.split(".")[0] == "lightning")})
+json.dump(results, open(record, "w"))
+"""
+
+
+def run_cli_batch(commands: list[list[str]], folder: Path, timeout: float = 300, env: dict | None = None) -> list[dict]:
+    """Run each ``python train.py ARGS`` of ``commands`` in one new process, in order (a process's imports cost ~8 s
+    here, a refused command well under one): per command its ``returncode`` (SystemExit's code), ``stdout``,
+    ``stderr`` and ``lightning`` (the Lightning modules imported by then). Whatever the process writes outside the
+    commands (at import) is in the result's ``outside``."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "commands.json").write_text(json.dumps(commands))
+    res = subprocess.run([sys.executable, "-c", _BATCH, str(folder / "commands.json"), str(folder / "results.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((folder / "results.json").read_text())
+    for r in results:
+        r["outside"] = res.stdout + res.stderr
+    (folder / "results.json").write_text(json.dumps(results))
+    return results
+
+
+def session_dir(tmp_path_factory) -> Path:
+    """A folder of this test session that every pytest-xdist worker sees (a worker's own base folder otherwise)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -3,11 +3,12 @@ line that names the key, the value and what is allowed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF, compose_cfg, run_cli
+from tests.conftest import CONF, compose_cfg, run_cli, run_cli_batch, session_dir
 from wanexp.config import check_config, check_paths, compose
 from wanexp.config.schema import SCHEMAS, check_schema
 from wanexp.errors import ConfigError
@@ -230,24 +231,50 @@ CLI_BAD = [
 ]
 
 
-@pytest.fixture(scope="module")
-def no_lightning(tmp_path_factory):
+def no_lightning(folder: Path) -> str:
     """A PYTHONPATH where importing Lightning fails: a bad run must be refused before Lightning is imported."""
-    fake = tmp_path_factory.mktemp("fake") / "lightning"
-    fake.mkdir()
+    fake = folder / "lightning"
+    fake.mkdir(parents=True, exist_ok=True)
     (fake / "__init__.py").write_text("raise ImportError('lightning was imported before the checks finished')\n")
-    return str(fake.parent)
+    return str(folder)
+
+
+def _cli_bad_args(args: list[str], out: Path, shared: Path) -> list[str]:
+    return [*args, f"paths.output_dir={out}", f"paths.tiny_model_dir={shared}/models", f"paths.data_dir={shared}/data"]
+
+
+@pytest.fixture(scope="session")
+def cli_bad_results(tmp_path_factory, shared_dir):
+    """Every CLI_BAD command, refused in one fresh process (tests.conftest.run_cli_batch) where Lightning cannot be
+    imported, once per session (the first xdist worker to ask runs it; the other reads its results)."""
+    from filelock import FileLock
+
+    folder = session_dir(tmp_path_factory) / "cli_bad"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "results.json").is_file():
+            commands = [_cli_bad_args(args, folder / f"{i}" / "run", shared_dir) for i, (args, _) in enumerate(CLI_BAD)]
+            run_cli_batch(commands, folder, timeout=300, env={"PYTHONPATH": no_lightning(folder / "fake")})
+        results = json.loads((folder / "results.json").read_text())
+    return {tuple(args): (r, folder / f"{i}" / "run") for i, ((args, _), r) in enumerate(zip(CLI_BAD, results))}
 
 
 @pytest.mark.parametrize("args,needle", CLI_BAD, ids=[" ".join(a) for a, _ in CLI_BAD])
-def test_cli_bad_input_exits_2_with_one_line_before_lightning(args, needle, tmp_path, no_lightning, shared_dir):
-    res = run_cli([*args, f"paths.output_dir={tmp_path}/run", f"paths.tiny_model_dir={shared_dir}/models",
-                   f"paths.data_dir={shared_dir}/data"], timeout=120, env={"PYTHONPATH": no_lightning})
-    assert res.returncode == 2, res.stderr[-2000:]
-    errors = [line for line in res.stderr.splitlines() if line.startswith("wanexp: error:")]
-    assert len(errors) == 1 and needle in errors[0], res.stderr[-2000:]
-    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+def test_cli_bad_input_exits_2_with_one_line_before_lightning(args, needle, cli_bad_results):
+    res, out = cli_bad_results[tuple(args)]
+    assert res["returncode"] == 2, res["stderr"][-2000:]
+    errors = [line for line in res["stderr"].splitlines() if line.startswith("wanexp: error:")]
+    assert len(errors) == 1 and needle in errors[0], res["stderr"][-2000:]
+    assert "Traceback" not in res["stderr"] and len(res["stderr"].strip().splitlines()) == 1, res["stderr"][-2000:]
+    assert res["lightning"] == [] and not (out / "checkpoints").exists()
+    assert res["outside"] == ""  # the process wrote nothing else (its imports)
+
+
+def test_a_bad_command_line_is_refused_by_train_py_itself(tmp_path, shared_dir):
+    """The CLI wiring of the refusals above: python train.py, a process of its own, Lightning not importable."""
+    args = _cli_bad_args(["optim.lr=abc"], tmp_path / "run", shared_dir)
+    res = run_cli(args, timeout=120, env={"PYTHONPATH": no_lightning(tmp_path / "fake")})
+    assert res.returncode == 2 and res.stderr.strip() == "wanexp: error: optim.lr=abc: must be a number", res.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def _schema_fields(schema_name: str) -> dict:
