@@ -120,6 +120,25 @@ def test_swap_with_compiled_blocks_passes_the_config_check():
     check_config(compose_cfg(["experiment=demo", "model.blocks_to_swap=1", "model.compile=true"]))
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_compiled_path_operator_equals_nn_linear(autocast):
+    """The operator a compiled block calls (wanexp::swapped_linear, run here outside compile) gives nn.Linear's output
+    and input gradient bit for bit, under autocast too (its autocast kernel casts x and bias, the weight follows)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8).requires_grad_(False)
+    layer = blockswap.SwappedLinear(lin, blockswap.BlockSwap(), 0, "l")
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    results = []
+    for f in (lin, lambda v: blockswap.swapped_linear(v, layer.bias, layer._handle, 8)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = f(x)
+        (grad,) = torch.autograd.grad((out.float() ** 2).sum(), x)
+        results.append((out, grad))
+    (out_ref, grad_ref), (out, grad) = results
+    assert out.dtype == (torch.bfloat16 if autocast else torch.float32) and grad.dtype == torch.float32
+    assert torch.equal(out, out_ref) and torch.equal(grad, grad_ref)
+
+
 def compiled_swap_case(backend: str, n: int):
     """The four-block model with the checkpoint inside the compiled graph (model.compile's default), no swap and
     compiled with ``n`` blocks swapped."""
