@@ -333,6 +333,21 @@ def test_auto_that_cannot_fit_is_the_one_line_refusal_and_no_budget_on_the_cpu_s
     assert "0 of 40 blocks swapped (no model.memory_budget_gib to size it from, and no GPU)" in capsys.readouterr().out
 
 
+def test_auto_without_a_budget_sizes_from_the_gpus_free_memory(monkeypatch, capsys):
+    """No model.memory_budget_gib on a GPU (its free memory stood in for): 90 % of it is the budget, the same N a
+    budget of that size gives; a GPU too small for every block swapped is the one-line refusal naming it."""
+    spec = a14b_spec()
+    monkeypatch.setattr(blockswap, "usable_gib", lambda cfg: 30.0)
+    shape = ("data.height=480", "data.width=832", "model.blocks_to_swap=auto")
+    n = blockswap.resolve_blocks_to_swap(fit_cfg(*shape, "model.memory_budget_gib=null"), spec)
+    assert "fit 90% of this GPU's 30.0 GiB free (27.0 GiB)" in capsys.readouterr().out
+    assert n == blockswap.resolve_blocks_to_swap(fit_cfg(*shape, "model.memory_budget_gib=27"), spec, verbose=False)
+    monkeypatch.setattr(blockswap, "usable_gib", lambda cfg: 16.0)
+    with pytest.raises(ConfigError, match=r"^model.blocks_to_swap=auto on a GPU with 16.0 GiB free: this run needs at "
+                                          r"least .*; set .*parallel.sp_size=2"):
+        blockswap.check_fit(fit_cfg(*shape, "model.memory_budget_gib=null"), spec)
+
+
 @pytest.mark.parametrize("value,message", [
     ("-1", "model.blocks_to_swap=-1: must be >= 0"),
     ("foo", "model.blocks_to_swap=foo: must be a block count (an integer >= 0), auto"),
