@@ -154,7 +154,8 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_dir, tmp_path, monkeypa
               f"paths.output_dir={tmp_path}/run", f"paths.root_dir={tmp_path}", "--json", f"{tmp_path}/p.json"]
     for args, needle in ((["trainer.devices=abc"], "trainer.devices=abc: must be auto, a device count"),
                          (["--budget-gib", "lots"], "--budget-gib='lots': must be a number"),
-                         (["model=nope"], "model")):
+                         (["model=nope"], "model"),
+                         (["resume=last"], f"resume=last: {tmp_path}/run holds no checkpoint yet")):
         code, _, err = _main(monkeypatch, capsys, [*common, *args])
         assert code == 2 and len(err) == 1 and err[0].startswith("wanexp: error: ") and needle in err[0], err
         assert sorted(p.name for p in tmp_path.iterdir()) == [], args
