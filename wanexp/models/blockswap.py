@@ -362,6 +362,36 @@ def base_gib(config: dict, weight_bytes: float, other_bytes: float, resident_blo
     return (resident_blocks * per_block * weight_bytes + other * other_bytes) / 2**30
 
 
+# The working memory of one checkpointed block's recompute and backward, in bf16 elements per token per unit of the
+# model width and of the FFN width, and the eager blocks' factor over compiled ones. Fitted to peaks measured on one
+# H100 (2026-11-27, LoRA r32, bf16-mixed, every block checkpointed), less the weights, the kept block inputs and the
+# LoRA state: TI2V-5B at 27,280 tokens compiled (21.4 GiB), the A14B expert at 32,760 tokens compiled (53.2 GiB; with
+# FP8 storage and offloaded inputs 26.9 GiB) and eager with every block swapped and offloaded inputs (18.2 GiB;
+# benchmarks/a14b_h100_2026-11-27.md).
+RECOMPUTE_PER_DIM, RECOMPUTE_PER_FFN, RECOMPUTE_EAGER = 35.0, 1.02, 1.2
+TRAINABLE_BYTES = 16  # an fp32 adapter parameter, its gradient and AdamW's two moments
+
+
+def recompute_gib(config: dict, tokens: int, compiled: bool) -> float:
+    """GiB one checkpointed block needs while it recomputes and runs its backward (see the constants above)."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    per_token = RECOMPUTE_PER_DIM * d + RECOMPUTE_PER_FFN * config["ffn_dim"]
+    return tokens * per_token * 2 / 2**30 * (1.0 if compiled else RECOMPUTE_EAGER)
+
+
+def trainable_gib(cfg, spec) -> float:
+    """GiB of the adapter's parameters, gradients and optimizer moments on one device (counted on the meta device
+    from the transformers' config.json, as the disk estimate counts them)."""
+    from wanexp.disk import adapter_size
+
+    if cfg.get("adapter") is None:
+        return 0.0
+    with torch.device("meta"):
+        transformers = [spec.transformer_type().from_config(spec.transformer_config(e))
+                        for e in spec.trained_experts(cfg.boundary.name)]
+    return sum(adapter_size(t, cfg.adapter).parameters for t in transformers) * TRAINABLE_BYTES / 2**30
+
+
 class FitEstimate:
     """A run's least memory on one device in GiB, from the transformers' config.json (nothing loads): the weights
     with ``n`` blocks swapped (2 of them on the device at once) plus the least activation memory (with activation
@@ -370,7 +400,7 @@ class FitEstimate:
     def __init__(self, cfg, spec):
         from types import SimpleNamespace
 
-        from wanexp.models.wan22.fast import block_activation_gib
+        from wanexp.models.wan22.fast import block_activation_gib, compile_supported
 
         m = cfg.model
         self.sp = int(cfg.parallel.get("sp_size", 1) or 1)
@@ -384,16 +414,17 @@ class FitEstimate:
         self._weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else self._dtype_bytes
         self._configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
         self.layers = max(int(c["num_layers"]) for c in self._configs)
+        compiled = bool(m.get("compile")) and compile_supported()[0]
+        self.trainable = trainable_gib(cfg, spec)
         self.activations = 0.0
         for c in self._configs:
-            per_block = block_activation_gib(SimpleNamespace(**c), self.tokens)
             if self.checkpointing:  # every block keeps its bf16 input; one block's backward recomputes it (fast.py)
                 d = c["num_attention_heads"] * c["attention_head_dim"]
                 kept = 1 if self.offloading else c["num_layers"]  # offloaded: one input on its way to the host
-                act = kept * self.tokens * d * 2 / 2**30 + 1.5 * per_block
+                act = kept * self.tokens * d * 2 / 2**30 + recompute_gib(c, self.tokens, compiled)
             else:  # every block keeps its activations for the backward
-                act = c["num_layers"] * per_block
-            self.activations = max(self.activations, act)
+                act = c["num_layers"] * block_activation_gib(SimpleNamespace(**c), self.tokens)
+            self.activations = max(self.activations, act + self.trainable)
 
     def weights(self, n: int) -> float:
         """GiB of weights per device with n blocks swapped (at most 2 of them on the device at once)."""
