@@ -94,14 +94,11 @@ def test_a_resumed_run_is_planned_from_its_checkpoint(shared_dir, tmp_path, cach
     assert "at step 3 (epoch 0, 6 batches of it done): 7 steps (14 batches) to go" in text, text
     assert "ETA of the steps after 3" in text and "of it already there" in text, text
 
-    t0 = time.perf_counter()
+    # (the ETA's seconds against a run's: the test above; a remainder of 7 tiny steps is too short to compare)
     result = tiny_run(shared_dir, out, more)
-    wall = time.perf_counter() - t0
     assert result["global_step"] - r["steps_done"] == r["remaining_steps"]
     trained = result["trainer"].fit_loop.epoch_loop.batch_progress.total.completed
     assert trained == plan.batches_run(d)  # the restored batches and the ones after them
-    planned = e["total_s"] - e["parts"]["imports_s"]
-    assert 0.5 * wall <= planned <= 1.5 * wall, (planned, wall, e["parts"])
 
 
 def test_world_size_two_counts_what_each_rank_loads(shared_dir, tmp_path):

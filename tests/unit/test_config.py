@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF, compose_cfg, run_cli, run_cli_batch, session_dir
+from tests.conftest import CONF, compose_cfg, run_cli, run_cli_batch
 from wanexp.config import check_config, check_paths, compose
 from wanexp.config.schema import SCHEMAS, check_schema
 from wanexp.errors import ConfigError
@@ -243,30 +243,24 @@ def _cli_bad_args(args: list[str], out: Path, shared: Path) -> list[str]:
     return [*args, f"paths.output_dir={out}", f"paths.tiny_model_dir={shared}/models", f"paths.data_dir={shared}/data"]
 
 
-@pytest.fixture(scope="session")
-def cli_bad_results(tmp_path_factory, shared_dir):
-    """Every CLI_BAD command, refused in one fresh process (tests.conftest.run_cli_batch) where Lightning cannot be
-    imported, once per session (the first xdist worker to ask runs it; the other reads its results)."""
-    from filelock import FileLock
-
-    folder = session_dir(tmp_path_factory) / "cli_bad"
-    with FileLock(str(folder) + ".lock"):
-        if not (folder / "results.json").is_file():
-            commands = [_cli_bad_args(args, folder / f"{i}" / "run", shared_dir) for i, (args, _) in enumerate(CLI_BAD)]
-            run_cli_batch(commands, folder, timeout=300, env={"PYTHONPATH": no_lightning(folder / "fake")})
-        results = json.loads((folder / "results.json").read_text())
-    return {tuple(args): (r, folder / f"{i}" / "run") for i, ((args, _), r) in enumerate(zip(CLI_BAD, results))}
-
-
-@pytest.mark.parametrize("args,needle", CLI_BAD, ids=[" ".join(a) for a, _ in CLI_BAD])
-def test_cli_bad_input_exits_2_with_one_line_before_lightning(args, needle, cli_bad_results):
-    res, out = cli_bad_results[tuple(args)]
-    assert res["returncode"] == 2, res["stderr"][-2000:]
-    errors = [line for line in res["stderr"].splitlines() if line.startswith("wanexp: error:")]
-    assert len(errors) == 1 and needle in errors[0], res["stderr"][-2000:]
-    assert "Traceback" not in res["stderr"] and len(res["stderr"].strip().splitlines()) == 1, res["stderr"][-2000:]
-    assert res["lightning"] == [] and not (out / "checkpoints").exists()
-    assert res["outside"] == ""  # the process wrote nothing else (its imports)
+@pytest.mark.slow  # one process for all: 10-40 s, started early so that no worker ends on it
+def test_cli_bad_input_exits_2_with_one_line_before_lightning(tmp_path, shared_dir):
+    """Each CLI_BAD command, refused in one fresh process where Lightning cannot be imported (tests.conftest.
+    run_cli_batch: python train.py's entry per command; one process, not one per command: ~8 s of imports each):
+    exit code 2, one stderr line naming the problem, no traceback, Lightning not imported, nothing written."""
+    outs = [tmp_path / f"{i}" / "run" for i in range(len(CLI_BAD))]
+    results = run_cli_batch([_cli_bad_args(args, out, shared_dir) for (args, _), out in zip(CLI_BAD, outs)],
+                            tmp_path / "batch", timeout=300, env={"PYTHONPATH": no_lightning(tmp_path / "fake")})
+    assert results[0]["outside"] == ""  # the process wrote nothing else (its imports)
+    wrong = []
+    for (args, needle), out, res in zip(CLI_BAD, outs, results):
+        errors = [line for line in res["stderr"].splitlines() if line.startswith("wanexp: error:")]
+        if not (res["returncode"] == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in
+                res["stderr"] and len(res["stderr"].strip().splitlines()) == 1 and res["lightning"] == [] and
+                not (out / "checkpoints").exists()):
+            wrong.append(f"{' '.join(args)}: exit {res['returncode']}, lightning {res['lightning'][:3]}, stderr "
+                         f"{res['stderr'][-1500:]}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_a_bad_command_line_is_refused_by_train_py_itself(tmp_path, shared_dir):
