@@ -168,3 +168,28 @@ def test_a_plan_that_does_not_fit_exits_2_with_one_line_per_problem(shared_dir, 
     assert f"plan written to {out}" in stdout and "total 30 steps" in stdout
     p = json.loads(out.read_text())
     assert p["calibration"] is None and p["data"]["total_steps"] == 30 and len(p["problems"]) == 1
+
+
+def test_several_datasets_count_each_item_once(shared_dir, tmp_path):
+    """data.datasets with a repeat and a fractional weight: the plan's samples and clips per bucket count each item
+    once (its copies are the repeat and the weight), and the calibration's subset holds each bucket's items."""
+    from wanexp.data.synthetic import make_demo_dataset
+    from wanexp.train import build, prepare_model_folder
+
+    a = make_demo_dataset(tmp_path / "a", num_videos=4, num_images=2, num_frames=9, height=64, width=64)
+    b = make_demo_dataset(tmp_path / "b", num_videos=3, num_images=0, num_frames=9, height=64, width=96)
+    datasets = (f"data.datasets={{a:{{metadata:'{a}',weight:1.5}},b:{{metadata:'{b}',repeat:2,num_frames:5,"
+                "height:64,width:96}}")
+    cfg = compose_cfg(_overrides(shared_dir, tmp_path / "run", [datasets, "data.use_cache=false",
+                                                                f"paths.cache_dir={tmp_path}/no_cache"]))
+    with open_dict(cfg):
+        cfg.data.rejects = str(tmp_path / "rejects.jsonl")
+    spec = build(cfg.model)
+    prepare_model_folder(spec, cfg.boundary.name)
+    dm = plan.datamodule(cfg, spec)
+    dm.prepare()
+    dm.setup("fit")
+    d = plan.data_plan(cfg, dm, 1)
+    assert d["samples"] == 4 + 2 + 3
+    clips = {k: (v["clips"], v["images"]) for k, v in d["buckets"].items()}
+    assert sorted(clips.values()) == [(0, 2), (3, 0), (4, 0)], clips

@@ -144,11 +144,16 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
     sampler = getattr(loader.batch_sampler, "batches", loader.batch_sampler)
     trainer.num_training_batches = len(loader)
     repeat = int(cfg.data.dataset_repeat)
-    unique = len(dm.dataset) // max(1, repeat)
     buckets: dict = {}
-    for i, shape in enumerate(dm.dataset.shapes[:unique]):
-        b = buckets.setdefault(bucket_key(shape), {"clips": 0, "images": 0})
-        b["images" if dm.dataset.samples[i].kind == "image" else "clips"] += 1
+    seen: set = set()  # each dataset's items, once (its repeat and weight copy them)
+    items = getattr(dm, "train_items", None) or range(len(dm.dataset))
+    for pos, item in enumerate(items):
+        if item in seen:
+            continue
+        seen.add(item)
+        b = buckets.setdefault(bucket_key(dm.dataset.shapes[pos]), {"clips": 0, "images": 0})
+        b["images" if dm.dataset.samples[pos].kind == "image" else "clips"] += 1
+    unique = len(seen)
     for key, idx in sampler._groups().items():
         per_rank = sampler.batch_sizes.get(key, sampler.batch_size)
         b = buckets[bucket_key(key)]
@@ -312,11 +317,16 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
 
     accumulate, world = data["accumulate_grad_batches"], data["data_parallel_size"]
     ds = dm.dataset
-    unique = len(ds) // max(1, data["dataset_repeat"])
-    shapes = [tuple(s) for s in ds.shapes[:unique]]
+    first, seen = [], set()  # each item's first sample (a dataset's repeat and weight copy its items)
+    for pos, item in enumerate(getattr(dm, "train_items", None) or range(len(ds))):
+        if item not in seen:
+            seen.add(item)
+            first.append(pos)
+    shapes = [tuple(ds.shapes[pos]) for pos in first]
     sizes = dm.bucket_batch_sizes() or {}
     per_batch = {s: sizes.get(s, dm.batch_size) * world for s in set(shapes)}
-    chosen, _ = choose_subset(shapes, ds.samples[:unique], per_batch, steps_per_bucket * accumulate)
+    chosen, _ = choose_subset(shapes, [ds.samples[pos] for pos in first], per_batch, steps_per_bucket * accumulate)
+    chosen = [first[i] for i in chosen]  # positions in the dataset
     files = list(dict.fromkeys(ds.samples[i] for i in chosen))
     held = getattr(dm, "val_dataset", None)
     v = cfg.callbacks.get("validation") if OmegaConf.is_dict(cfg.callbacks) else None
@@ -326,7 +336,7 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
     subset = tmp / "subset.jsonl"
     subset.write_text("".join(json.dumps({"file_path": s.path, "text": s.prompt, "type": s.kind}) + "\n"
                               for s in files))
-    sub_shapes = [shapes[i] for i in chosen]
+    sub_shapes = [tuple(ds.shapes[i]) for i in chosen]
     batches = len(BucketBatchSampler(sub_shapes, dm.batch_size, 0, world, batch_sizes=sizes or None))
     steps = steps_for_batches(batches, accumulate)
     root = cfg.data.root or str(Path(cfg.data.metadata).resolve().parent)

@@ -646,6 +646,7 @@ class WanDataModule(L.LightningDataModule):
         val = [i for i in range(len(samples)) if held[i]]
         # each dataset's samples, repeat x weight times over (one dataset: the samples, repeated)
         train, self.epoch_pools, counts = epoch_items(self.item_part, shapes, held, self.parts)
+        self.train_items = train  # each training sample's item (repeats and weights share items; wanexp-plan counts)
         strides = self.item_stride
         val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available, strides)]
         samples, shapes, starts, available, strides = ([lst[i] for i in train]
