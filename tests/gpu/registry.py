@@ -1100,7 +1100,7 @@ CASES[LEARN] = Case(
             Check("metrics.psnr_gain", ">", 0.5, "learn", "DMD: the 4-step student closer to the teacher (dB)"),
             Check("metrics.strip", "present", None, "learn", "the sample strip PNG")),
     collect=lambda ctx, phases: _json(learn_dir(ctx) / "learnability.json"),
-    record=("hue_base", "hue_lora", "psnr_untrained", "psnr_student", "psnr_gain", "seconds"),
+    record=("hue_base", "hue_lora", "psnr_untrained", "psnr_student", "psnr_gain", "psnr_teacher_reseeded", "seconds"),
 )
 
 
