@@ -12,7 +12,6 @@ import contextlib
 import copy
 import errno
 import io
-import math
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wanexp.errors import ConfigError
+from wanexp.lora import AdapterSize, adapter_size, adapter_tensor_shapes  # noqa: F401 (sizes per adapter kind)
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # Writers that do not raise OSError say it in their message: safetensors' Rust writer ("No space left on device (os
@@ -150,53 +150,6 @@ def trained_parameters(spec, adapter, objective, boundary: str) -> tuple[int, in
     if objective.export_checkpoint is not None:  # a student folder, counted in fp32
         return in_checkpoint, size, n_student * 4
     return in_checkpoint, size, sum(export_bytes(s, getattr(adapter, "kind", "lora")) for s in sizes)
-
-
-@dataclass
-class AdapterSize:
-    """One adapter on one transformer: its parameters, tensors, adapted linears and the alphas its ComfyUI file
-    holds (one per linear, but none for a LoKr of two full factors, whose scale is folded into a factor)."""
-
-    parameters: int = 0
-    tensors: int = 0
-    modules: int = 0
-    alphas: int = 0
-
-
-def adapter_tensor_shapes(kind: str, rank: int, use_dora: bool, in_features: int, out_features: int) -> list[tuple]:
-    """The tensors peft gives one adapted linear (its layers' ``update_layer``, default configs as wanexp.lora sets
-    them): LoRA A (rank, in) and B (out, rank), DoRA also a magnitude (out,); LoHa two such pairs; LoKr a full factor
-    of the smaller halves of peft's factorizations of out and in, and a second one of the larger halves, split at
-    the rank unless the rank reaches half its larger side."""
-    if kind == "loha":
-        return [(out_features, rank), (rank, in_features)] * 2
-    if kind == "lokr":
-        from peft.tuners.lokr.layer import factorization
-
-        in_m, in_n = factorization(in_features, -1)
-        out_l, out_k = factorization(out_features, -1)
-        second = [(out_k, in_n)] if rank >= max(out_k, in_n) / 2 else [(out_k, rank), (rank, in_n)]
-        return [(out_l, in_m), *second]
-    return [(rank, in_features), (out_features, rank)] + ([(out_features,)] if use_dora else [])
-
-
-def adapter_size(transformer, adapter) -> AdapterSize:
-    """The adapter on ``transformer``: the tensors of each targeted linear (peft's matching), by kind."""
-    from torch import nn
-
-    from wanexp.lora import target_regex
-
-    pattern = re.compile(target_regex(adapter.targets, adapter.attention))
-    kind, dora = getattr(adapter, "kind", "lora"), bool(getattr(adapter, "use_dora", False))
-    out = AdapterSize()
-    for name, m in transformer.named_modules():
-        if isinstance(m, nn.Linear) and pattern.fullmatch(name):
-            shapes = adapter_tensor_shapes(kind, adapter.rank, dora, m.in_features, m.out_features)
-            out.parameters += sum(math.prod(s) for s in shapes)
-            out.tensors += len(shapes)
-            out.modules += 1
-            out.alphas += 0 if kind == "lokr" and len(shapes) == 2 else 1
-    return out
 
 
 def export_bytes(size: AdapterSize, kind: str) -> int:

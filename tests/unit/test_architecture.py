@@ -27,7 +27,7 @@ ALLOWED = {
     "lora": {"errors"},
     "disk": {"errors", "lora"},
     "optim": {"config"},
-    "models": {"errors", "config", "perf", "text"},
+    "models": {"errors", "config", "perf", "text", "lora"},  # lora: the adapter's size in block swap's fit estimate
     "objectives": {"config", "errors", "lora"},
     "data": {"errors", "config", "text", "context"},
     "parallel": {"config", "errors"},
