@@ -145,15 +145,11 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
     trainer.num_training_batches = len(loader)
     repeat = int(cfg.data.dataset_repeat)
     buckets: dict = {}
-    seen: set = set()  # each dataset's items, once (its repeat and weight copy them)
-    items = getattr(dm, "train_items", None) or range(len(dm.dataset))
-    for pos, item in enumerate(items):
-        if item in seen:
-            continue
-        seen.add(item)
+    first = first_samples(dm)
+    for pos in first:
         b = buckets.setdefault(bucket_key(dm.dataset.shapes[pos]), {"clips": 0, "images": 0})
         b["images" if dm.dataset.samples[pos].kind == "image" else "clips"] += 1
-    unique = len(seen)
+    unique = len(first)
     for key, idx in sampler._groups().items():
         per_rank = sampler.batch_sizes.get(key, sampler.batch_size)
         b = buckets[bucket_key(key)]
@@ -171,6 +167,18 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
             "steps_per_epoch": optimizer_steps_per_epoch(trainer), "max_steps": max_steps,
             "max_epochs": trainer.max_epochs, "total_steps": total,
             "epochs": total / optimizer_steps_per_epoch(trainer) if total else None}
+
+
+def first_samples(dm) -> list[int]:
+    """The position in the training dataset of each item's first sample: a dataset's repeat and weight copy its
+    items (the datamodule's ``train_items``), and the plan counts and calibrates on each item once."""
+    seen: set = set()
+    first = []
+    for pos, item in enumerate(getattr(dm, "train_items", None) or range(len(dm.dataset))):
+        if item not in seen:
+            seen.add(item)
+            first.append(pos)
+    return first
 
 
 def batches_run(data: dict, steps: int | None = None) -> int:
@@ -317,11 +325,7 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
 
     accumulate, world = data["accumulate_grad_batches"], data["data_parallel_size"]
     ds = dm.dataset
-    first, seen = [], set()  # each item's first sample (a dataset's repeat and weight copy its items)
-    for pos, item in enumerate(getattr(dm, "train_items", None) or range(len(ds))):
-        if item not in seen:
-            seen.add(item)
-            first.append(pos)
+    first = first_samples(dm)
     shapes = [tuple(ds.shapes[pos]) for pos in first]
     sizes = dm.bucket_batch_sizes() or {}
     per_batch = {s: sizes.get(s, dm.batch_size) * world for s in set(shapes)}
