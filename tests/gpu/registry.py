@@ -1077,6 +1077,57 @@ PLAN_JOB = Case(
 CASES[PLAN] = PLAN_JOB
 
 
+# ---- wanexp-plan on two GPUs of one node: the all-reduce part measured, then the planned DDP run (light encoders) ----
+PLAN2, PLAN2_STEPS = "plan_5b_2gpu", 100
+
+
+def plan2_args(ctx: Ctx) -> list[str]:
+    return [*light_data(ctx), "trainer.devices=2", f"trainer.max_steps={PLAN2_STEPS}", "callbacks.progress=null",
+            "callbacks.validation.every_n_steps=0", f"run_name={PLAN2}", f"paths.output_dir={ctx.run_dir(PLAN2)}"]
+
+
+def plan2_metrics(ctx: Ctx, phases: dict) -> dict:
+    """plan_metrics' comparison for the 2-GPU run, plus the plan's all-reduce part (bandwidth, peer access, share)."""
+    planned = _json(ctx.work / PLAN2 / "plan.json")
+    run = run_metrics(ctx.run_dir(PLAN2))
+    eta = (planned.get("eta") or {}).get("total_s")
+    peak = (planned.get("memory") or {}).get("peak_gib")
+    wall = (phases.get("train") or {}).get("seconds")
+    comm = planned.get("comm") or {}
+    return {**run, "planned_steps": (planned.get("data") or {}).get("total_steps"), "planned_eta_s": eta,
+            "train_wall_s": wall, "eta_error": abs(eta - wall) / wall if eta and wall else None,
+            "planned_peak_gib": peak, "peak_error": abs(peak - run["peak_mem_gib"]) / run["peak_mem_gib"]
+            if peak and run.get("peak_mem_gib") else None,
+            "comm": comm, "grad_busbw_gbs": (comm.get("grad_busbw") or 0) / 1e9 or None,
+            "grad_allreduce_ms": (comm.get("grad_allreduce_s") or 0) * 1e3 or None,
+            "allreduce_share": comm.get("share")}
+
+
+CASES[PLAN2] = Case(
+    name=PLAN2, gpus=2, model="ti2v5b",
+    about=f"wanexp-plan with trainer.devices=2 (one process, two GPUs: the all-reduce measured between them, peer "
+          f"access, the gradient all-reduce's share of the step), then that {PLAN2_STEPS}-step DDP run of the "
+          "real-size TI2V-5B DiT (light encoders) from the cache of 48 generated clips, validation off",
+    phases=(BUILD_LIGHT, CACHE_LIGHT,
+            Phase("plan", lambda ctx: [ctx.python, "-m", "wanexp.cli.plan", *plan2_args(ctx), "--budget-gib",
+                                       str(CAP_GIB), "--json", str(ctx.work / PLAN2 / "plan.json")], minutes=4,
+                  env={"CUDA_VISIBLE_DEVICES": "0,1"}),
+            Phase("train", lambda ctx: [ctx.python, "train.py", *plan2_args(ctx), "overwrite=true"], minutes=4,
+                  env={"CUDA_VISIBLE_DEVICES": "0,1"}, fresh=lambda ctx: [ctx.run_dir(PLAN2)])),
+    checks=(Check("phases.plan.rc", "==", 0, "plan", "the plan fits"),
+            Check("metrics.comm.sizes", "present", None, "plan", "all-reduce bus bandwidth measured at several sizes"),
+            Check("metrics.grad_allreduce_ms", "present", None, "plan", "the gradient all-reduce's time predicted"),
+            Check("phases.train.rc", "==", 0, "train", "the planned run exits 0"),
+            Check("metrics.planned_steps", "==", PLAN2_STEPS, "plan", "the plan's total steps"),
+            Check("metrics.final_step", "==", PLAN2_STEPS, "train", "the run's steps"),
+            Check("metrics.eta_error", "<=", 0.15, "train", "|planned ETA - wall time| / wall time (short run)"),
+            Check("metrics.peak_error", "<=", 0.05, "train", "|planned peak - measured peak| / measured peak")),
+    collect=plan2_metrics,
+    record=("planned_eta_s", "train_wall_s", "eta_error", "planned_peak_gib", "peak_mem_gib", "peak_error",
+            "grad_busbw_gbs", "grad_allreduce_ms", "allreduce_share", "comm.p2p", "median_step_s"),
+)
+
+
 # ---- learnability: training learns (tests/learn_toy.py, the CPU test's code, larger) -----------------------------
 LEARN = "learnability"
 

@@ -105,9 +105,26 @@ def test_bucket_times_first_steady_and_peak():
             {"shape": [9, 64, 64], "start": 3.5, "next": 4.5, "end": 4.4, "peak_gib": 5.5},
             {"shape": [9, 64, 64], "start": 4.5, "next": None, "end": 5.7, "peak_gib": 5.2}]
     t = plan_calibrate.bucket_times(rows)
-    assert t["9x64x64"]["first_s"] == 3.0 and t["9x64x64"]["steady_s"] == pytest.approx(1.1)  # median of 1.0, 1.2
+    assert t["9x64x64"]["first_s"] == 3.0 and t["9x64x64"]["steady_s"] == pytest.approx(1.0)  # fastest of 1.0, 1.2
+    assert t["9x64x64"]["once_s"] == pytest.approx(3.0 + 1.0 + 1.2 - 3 * 1.0)
     assert t["9x64x64"]["peak_gib"] == 5.5 and t["9x64x64"]["batches"] == 3
-    assert t["1x64x64"] == {"batches": 1, "first_s": 0.5, "steady_s": 0.5, "peak_gib": 2.0}
+    assert t["1x64x64"] == {"batches": 1, "first_s": 0.5, "steady_s": 0.5, "once_s": 0.0, "peak_gib": 2.0}
+
+
+def test_a_recompiling_batch_is_paid_once_not_taken_as_the_pace():
+    """Measured on an H100: a bucket's batches took 38.1 s (compile), 40.7 s (a recompile: the first batch with the
+    first frame as condition) and 0.35 s. The run pays the two compilations once, then 0.35 s a batch."""
+    rows, t0 = [], 0.0
+    for seconds in (38.1, 40.7, 0.35, 0.36):
+        rows.append({"shape": [5, 44, 80], "start": t0, "next": t0 + seconds, "end": t0 + seconds, "peak_gib": 12.8})
+        t0 += seconds
+    b = plan_calibrate.bucket_times(rows)["5x44x80"]
+    assert b["steady_s"] == pytest.approx(0.35)
+    assert b["once_s"] == pytest.approx(38.1 + 40.7 - 2 * 0.35 + 0.01)
+    data = {"total_steps": 500, "batches_per_epoch": 50, "steps_per_epoch": 50, "accumulate_grad_batches": 1,
+            "buckets": {"5x44x80": {"batches_per_epoch": 50}}}
+    e = plan.eta(data, {"rows": rows}, _cfg(every_val=0, every_ckpt=0), {"imports_s": 0.0, "data_s": 0.0})
+    assert e["parts"]["train_s"] == pytest.approx(500 * 0.35 + b["once_s"])
 
 
 def _cfg(every_val=100, at_start=True, every_ckpt=250):

@@ -31,7 +31,7 @@ OPTIONS = """wanexp-plan options (before or among the overrides):
   --no-calibrate       counts, cache and disk only (CPU, seconds); the default calibrates where a GPU is present
   --calibrate          calibrate also when no GPU is present (a CPU run calibrates on the CPU anyway)
   --budget-gib N       also check the peak against N GiB (e.g. 28 on a 32 GB card)
-  --steps-per-bucket N optimizer steps the calibration times per bucket (default 3)
+  --steps-per-bucket N optimizer steps the calibration times per bucket (default 4)
   --world-size N       count the data for N processes instead of this launch's
   --json PATH          where the JSON goes (default outputs/plan/<run_name>.json)
 """
@@ -45,7 +45,7 @@ _t_start = time.perf_counter()
 # ---- options -------------------------------------------------------------------------------------------------------
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
     """The plan's own options and the rest (Hydra's overrides). A bad option value is a ConfigError."""
-    opts = {"calibrate": None, "budget_gib": None, "json": None, "steps_per_bucket": 3, "world_size": None}
+    opts = {"calibrate": None, "budget_gib": None, "json": None, "steps_per_bucket": 4, "world_size": None}
     rest, i = [], 0
     flags = {"--budget-gib": ("budget_gib", float), "--json": ("json", str),
              "--steps-per-bucket": ("steps_per_bucket", int), "--world-size": ("world_size", int)}
@@ -409,8 +409,8 @@ def calibration_child(cfg: DictConfig) -> None:
 # ---- the ETA and the fit -------------------------------------------------------------------------------------------
 def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict, done: int = 0) -> dict:
     """Seconds of the run from optimizer step ``done`` (a resume's checkpoint; 0: a fresh run) to its end: start-up
-    (imports, data, weights), training (each bucket's batches at its steady time, plus each bucket's first batch
-    once), validation calls at their cadence and checkpoints (with their LoRA exports) at theirs after ``done``, and
+    (imports, data, weights), training (each bucket's batches at its steady time, plus each bucket's one-off seconds
+    once: compilation), validation calls at their cadence and checkpoints (with their LoRA exports) at theirs after ``done``, and
     the end (final export)."""
     from wanexp.cli.plan_calibrate import bucket_times
     from wanexp.disk import save_steps
@@ -423,7 +423,7 @@ def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict, done: int = 0) ->
     if not timed:
         return {"buckets": times, "total_s": None}
     mean = sum(times[k]["steady_s"] * w for k, w in timed.items()) / sum(timed.values())
-    warm = sum(max(0.0, times[k]["first_s"] - times[k]["steady_s"]) for k in timed) if n_batches else 0.0
+    warm = sum(times[k]["once_s"] for k in timed) if n_batches else 0.0  # compilation, once per bucket and kind
     train_s = n_batches * mean + warm
     v = cfg.callbacks.get("validation") if OmegaConf.is_dict(cfg.callbacks) else None
     every = int(v.get("every_n_steps") or 0) if OmegaConf.is_dict(v) else 0
@@ -520,7 +520,8 @@ def report(plan: dict) -> str:
     else:
         e = plan["eta"]
         for key, b in e.get("buckets", {}).items():
-            lines.append(f"  bucket {key:<14} {b['steady_s']:.3f} s per batch (first {b['first_s']:.2f} s), peak "
+            lines.append(f"  bucket {key:<14} {b['steady_s']:.3f} s per batch (once {b.get('once_s', 0.0):.1f} s: "
+                         f"compilation), peak "
                          + ("-" if b["peak_gib"] is None else f"{b['peak_gib']:.2f} GiB"))
         if e.get("total_s") is not None:
             p = e["parts"]

@@ -106,9 +106,16 @@ class PlanTimer(Callback):
 
 
 def bucket_times(rows: list[dict]) -> dict:
-    """Per bucket ("FxHxW"): batches timed, the first batch's seconds (compilation for a new shape), the steady
-    seconds (median of the others; the first when it is the only one) and the peak GiB. A batch's seconds run from
-    its start to the next batch's start (loader, step, callbacks); the last batch's to its own end."""
+    """Per bucket ("FxHxW"): batches timed, the first batch's seconds, the steady seconds (the fastest batch after the
+    first; the first when it is the only one), ``once_s`` (what the bucket's batches took beyond ``batches`` x steady:
+    compilation, paid once per run) and the peak GiB. A batch's seconds run from its start to the next batch's start
+    (loader, step, callbacks); the last batch's to its own end.
+
+    Compiled blocks compile again, once, for each new kind of call: a bucket's first batch, its first batch with the
+    first frame as condition (a per-frame time embedding), the first step after a validation call (eval mode). Such a
+    batch takes tens of seconds where the others take a fraction of one, and it may be any batch of a few; so the
+    steady time is the fastest batch after the first (a median of three would take a recompile as the run's pace),
+    and every second above it is counted once."""
     out: dict = {}
     for r in rows:
         if r.get("shape") is None:
@@ -121,9 +128,9 @@ def bucket_times(rows: list[dict]) -> dict:
     result = {}
     for key, b in out.items():
         t = b["times"]
-        rest = sorted(t[1:]) or t[:1]
-        steady = rest[len(rest) // 2] if len(rest) % 2 else (rest[len(rest) // 2 - 1] + rest[len(rest) // 2]) / 2
+        steady = min(t[1:] or t[:1])
         result[key] = {"batches": len(t), "first_s": t[0], "steady_s": steady,
+                       "once_s": max(0.0, sum(t) - len(t) * steady),
                        "peak_gib": max(b["peaks"]) if b["peaks"] else None}
     return result
 
