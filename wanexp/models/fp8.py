@@ -3,12 +3,18 @@
 Each frozen ``nn.Linear`` of a block (the base layer under a LoRA, or a linear no adapter targets) becomes a
 :class:`FrozenFP8Linear`: its weight is quantized once, at load, to ``float8_e4m3fn`` with one fp32 scale per output
 row (half the memory of bf16); the forward quantizes its input per row the same way and runs one scaled FP8 GEMM
-(``torch._scaled_mm``, bf16 out); the backward returns only the input's gradient (the weight is frozen), from the
-dequantized weight in bf16, and saves no activation for it. LoRA A/B, the embeddings, the norms and ``proj_out`` are
-untouched. The LoRA files and checkpoints do not change (the FP8 tensors are non-persistent buffers).
+(``torch._scaled_mm``, bf16 out); the backward returns only the input's gradient (the weight is frozen) and saves no
+activation for it, only the weight's float8 rows and scales. That gradient is one FP8 GEMM too
+(:func:`fp8_input_grad`): ``grad @ diag(s_w) Wq = (grad * s_w^T) @ Wq``, the left factor quantized to e4m3 per row
+with its own fp32 scale, ``Wq`` transposed to the column-major layout ``_scaled_mm`` needs at each backward (a transient
+1-byte copy; none is kept). Linears whose dims are not multiples of 16 (which CUDA's ``_scaled_mm`` refuses;
+:func:`convert_blocks` leaves them alone) multiply the dequantized weight instead. LoRA A/B, the embeddings, the norms
+and ``proj_out`` are untouched. The LoRA files and checkpoints do not change (the FP8 tensors are non-persistent
+buffers).
 
-Off by default: FP8 (3 mantissa bits) changes what is computed. On random weights a single GEMM's relative error is
-~3.5e-2 against fp32, where bf16's is ~4e-3; the whole model's is measured by the GPU case ``fp8_5b`` (``python -m tests.gpu.run fp8_5b``).
+Off by default: FP8 (3 mantissa bits) changes what is computed. On random data a single GEMM's relative error is
+~3.5e-2 against fp32 (forward and input gradient alike), where bf16's is ~3e-3; the whole model's is measured by the
+GPU case ``fp8_5b`` (``python -m tests.gpu.run fp8_5b``).
 Needs a GPU of compute capability >= 8.9 (Ada, Hopper) for the FP8 GEMM; the CPU runs it too (tests).
 
 **FP8 storage** (``model.fp8_storage=true``, any GPU and the CPU): the same per-row quantization, but the weight is
@@ -32,13 +38,40 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
+def fp8_gemm_fits(weight_fp8: torch.Tensor) -> bool:
+    """Whether both FP8 GEMMs of this (out, in) weight pass CUDA ``torch._scaled_mm``'s shape rule: the reduced dim
+    and the second operand's two dims multiples of 16 (the forward reduces over ``in``, the input gradient over
+    ``out``). The first operand's rows (the tokens) may be any number: no padding needed."""
+    return weight_fp8.shape[0] % 16 == 0 and weight_fp8.shape[1] % 16 == 0
+
+
+def fp8_input_grad(grad: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``grad (M, out) @ W`` for ``W = diag(weight_scale) weight_fp8`` as one FP8 GEMM, in ``grad``'s dtype:
+    ``(grad * weight_scale^T) @ weight_fp8``, the left factor quantized per row with its own fp32 scale.
+
+    The gradient is quantized to float8_e4m3fn, not e5m2 (which CUDA also accepts as the first operand): with a scale
+    per row, taken from the row's own amax, e5m2's wider range buys nothing and its 2 mantissa bits double the error
+    (tests/unit/test_fp8.py, random data: 3.6e-2 relative error against fp32 with e4m3, 5.7e-2 with e5m2)."""
+    grad_fp8, grad_scale = quantize_rows(grad.float() * weight_scale.t())
+    # _scaled_mm's second operand must be column-major (the reduced dim contiguous: Hopper's FP8 tensor cores take
+    # only K-major operands), and the stored weight is (out, in) with `in` contiguous: a transient transposed copy
+    # of the float8 bytes, not kept (a second copy would double the FP8 weight memory).
+    weight_t = weight_fp8.t().contiguous().t()
+    ones = torch.ones(1, weight_fp8.shape[1], dtype=torch.float32, device=weight_fp8.device)
+    return torch._scaled_mm(grad_fp8, weight_t, scale_a=grad_scale, scale_b=ones, out_dtype=grad.dtype)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_fp8, weight_scale, bias, out_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x_fp8, x_scale = quantize_rows(x2)
-        out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=out_dtype)
+        if fp8_gemm_fits(weight_fp8):
+            x_fp8, x_scale = quantize_rows(x2)
+            out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale.t(),
+                                   out_dtype=out_dtype)
+        else:  # CUDA's _scaled_mm refuses these dims (convert_blocks does not convert them): the dequantized weight
+            out = x2.to(out_dtype) @ dequantize(weight_fp8, weight_scale, out_dtype).t()
         if bias is not None:
             out = out + bias.to(out_dtype)
         ctx.save_for_backward(weight_fp8, weight_scale)
@@ -50,9 +83,12 @@ class _FP8Linear(torch.autograd.Function):
         weight_fp8, weight_scale = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        weight = (weight_fp8.float() * weight_scale).to(grad_out.dtype)  # dequantized (out, in)
-        grad_x = (grad_out.reshape(-1, grad_out.shape[-1]) @ weight).reshape(*grad_out.shape[:-1], weight.shape[1])
-        return grad_x.to(ctx.in_dtype), None, None, None, None
+        grad2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if fp8_gemm_fits(weight_fp8):
+            grad_x = fp8_input_grad(grad2, weight_fp8, weight_scale)
+        else:  # as in the forward: dims CUDA's _scaled_mm refuses get the dequantized weight
+            grad_x = grad2 @ dequantize(weight_fp8, weight_scale, grad_out.dtype)
+        return grad_x.reshape(*grad_out.shape[:-1], weight_fp8.shape[1]).to(ctx.in_dtype), None, None, None, None
 
 
 def _store_rows(module: nn.Module, linear: nn.Linear) -> None:
