@@ -125,6 +125,9 @@ def test_an_interrupted_cache_resumes_where_it_stopped(shared_dir, tmp_path, mon
     keys = [json.loads(line)["key"] for i, line in enumerate(lines) if i != 13]  # the cut line stays apart
     assert len(keys) == len(set(keys)) == 20 and len(CacheIndex(cache)) == 20  # nothing encoded twice
     assert not list(cache.glob(".*.tmp"))
+    # each latent line names its clip (the keys are hashes): the file and the window's first frame
+    latent = [e for e in CacheIndex(cache).entries.values() if e["kind"] == "latent"]
+    assert latent and all(Path(e["media"]).is_file() and isinstance(e["start"], int) for e in latent)
 
 
 def test_the_overlapped_cache_writes_the_bytes_of_the_sequential_one(shared_dir, tmp_path, capsys):

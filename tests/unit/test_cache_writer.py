@@ -103,14 +103,18 @@ def test_the_gpu_case_reads_the_cache_s_rate_line(tmp_path):
     ctx = registry.Ctx(tmp_path / "w", tmp_path / "o")
     logs = ctx.work / "logs" / case.name
     logs.mkdir(parents=True)
-    for phase, (rate, vae) in {"cache_fp32": (1.85, 1.92), "cache_bf16": (3.0, 3.7)}.items():
+    for phase, (rate, vae) in {"cache_fp32": (1.85, 1.92), "cache_bf16": (3.0, 3.7), "cache_fp16": (3.1, 3.2)}.items():
         s = {"samples_per_s": rate, "vae_samples_per_s": vae, "seconds": 26.0, "wait_decode_s": 0.4,
              "wait_write_s": 0.0, "text_s": 2.0}
         (logs / f"{phase}.log").write_text(f"wanexp: cache rank 0/1: wrote 96 entries\nwanexp: cache rank 0: "
                                            f"{rate_line(s)}\n")
+    (logs / "compare.log").write_text("compare_caches: bf16 rel_err 1.400e-02 worst_clip 2.000e-02 not_finite 0 "
+                                      "clips 48\ncompare_caches: fp16 rel_err 9.000e-04 worst_clip 1.000e-03 "
+                                      "not_finite 0 clips 48\n")
     result = run.judge(case, ctx, {p.name: {"ok": True, "rc": 0} for p in case.phases}, ["NVIDIA H100 80GB HBM3"])
     m = result["metrics"]
     assert m["cache_fp32"] == {"samples_per_s": 1.85, "vae_samples_per_s": 1.92, "share_pct": 96}
-    assert m["cache_bf16"]["share_pct"] == 81
+    assert m["cache_bf16"]["share_pct"] == 81 and m["cache_bf16"]["rel_err"] == 1.4e-2
+    assert m["cache_fp16"]["rel_err"] == 9e-4 and m["cache_fp16"]["not_finite"] == 0
     assert result["verdict"] == "FAIL" and [c["key"] for c in result["checks"] if c["status"] == "fail"] == [
         "metrics.cache_bf16.share_pct"]

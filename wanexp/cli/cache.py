@@ -41,9 +41,9 @@ class _Clips(Dataset):
     def __getitem__(self, i):
         key, sample, (frames, height, width), start, stride = self.todo[i]
         try:
-            return key, sample, load_clip(sample, frames, height, width, stride, start=start)
+            return key, sample, start, load_clip(sample, frames, height, width, stride, start=start)
         except (MediaError, OSError, ValueError) as e:
-            return key, sample, str(e).strip().splitlines()[-1]
+            return key, sample, start, str(e).strip().splitlines()[-1]
 
 
 PROGRESS_EVERY_S = 30.0  # seconds between rank 0's progress lines
@@ -127,7 +127,7 @@ def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, devi
         progress.wait_decode_s += t1 - t0
         if item is None:
             return rejects
-        key, sample, pixels = item
+        key, sample, start, pixels = item
         if isinstance(pixels, str):
             rejects.append((sample.path, pixels))
         else:
@@ -137,7 +137,7 @@ def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, devi
                 tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
             tensors = {k: v.to(dtype).cpu() for k, v in tensors.items()}  # waits for the VAE: its time is the VAE's
             progress.vae_s += progress.clock() - t1
-            writer.add(key, tensors)
+            writer.add(key, tensors, media=sample.path, start=start)  # the index says which clip (keys are hashes)
         progress.done += 1
         progress.tick()
 
