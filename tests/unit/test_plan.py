@@ -127,6 +127,15 @@ def test_a_recompiling_batch_is_paid_once_not_taken_as_the_pace():
     assert e["parts"]["train_s"] == pytest.approx(500 * 0.35 + b["once_s"])
 
 
+def test_the_calibration_validates_in_the_run_s_order():
+    """A run that samples at its start is calibrated the same way (then mid-way and at its last step), so the
+    compiled blocks' variants compile in the run's order; one that does not, mid-way and at the last step."""
+    assert plan.validation_overrides(OmegaConf.create({"every_n_steps": 250}), 8) == {
+        "callbacks.validation.every_n_steps": 4, "callbacks.validation.at_start": True}
+    assert plan.validation_overrides(OmegaConf.create({"every_n_steps": 250, "at_start": False}), 8) == {
+        "callbacks.validation.every_n_steps": 4, "callbacks.validation.at_start": False}
+
+
 def _cfg(every_val=100, at_start=True, every_ckpt=250):
     return OmegaConf.create({"callbacks": {"validation": {"every_n_steps": every_val, "at_start": at_start},
                                            "checkpoint": {"every_n_train_steps": every_ckpt}}})
@@ -140,13 +149,16 @@ def test_eta_adds_training_validation_checkpoints_and_start_up():
             {"shape": [1, 704, 1280], "start": 10.4, "next": 12.4},
             {"shape": [1, 704, 1280], "start": 12.4, "next": 12.5}]
     calib = {"rows": rows, "setup_s": 20.0, "end_s": 35.0, "validation_first_s": 40.0, "validation_s": 30.0,
-             "teardown_s": 1.0}
+             "validation_second_s": 33.0, "teardown_s": 1.0}
     e = plan.eta(data, calib, _cfg(), {"imports_s": 8.0, "data_s": 2.0})
     mean = (0.4 * 200 + 0.1 * 100) / 300
     assert e["mean_batch_s"] == pytest.approx(mean)
     assert e["parts"]["train_s"] == pytest.approx(500 * mean + 9.6 + 1.9)  # + each bucket's first batch once
-    # the first call at the calibration's first call, the others at its later one
-    assert e["validation_calls"] == 1 + 5 and e["parts"]["validation_s"] == pytest.approx(40.0 + 5 * 30.0)
+    # the first call at the calibration's first call, the next (the first after training) at its second, the
+    # others at its last
+    assert e["validation_calls"] == 1 + 5 and e["parts"]["validation_s"] == pytest.approx(40.0 + 33.0 + 4 * 30.0)
+    no_second = plan.eta(data, {**calib, "validation_second_s": None}, _cfg(), {"imports_s": 8.0, "data_s": 2.0})
+    assert no_second["parts"]["validation_s"] == pytest.approx(40.0 + 5 * 30.0)
     assert e["checkpoints"] == 2 and e["parts"]["checkpoint_s"] == pytest.approx(2 * 5.0)  # steps 250, 500
     assert (e["parts"]["imports_s"], e["parts"]["data_s"], e["parts"]["weights_s"]) == (8.0, 2.0, 20.0)
     assert e["total_s"] == pytest.approx(sum(e["parts"].values()))
@@ -155,7 +167,7 @@ def test_eta_adds_training_validation_checkpoints_and_start_up():
     # resumed at step 250: the batches after it, calls at 300, 400 and 500 (no base-model call), the save at 500
     e = plan.eta(data, calib, _cfg(), {"imports_s": 8.0, "data_s": 2.0}, done=250)
     assert e["batches"] == 250 and e["parts"]["train_s"] == pytest.approx(250 * mean + 9.6 + 1.9)
-    assert e["validation_calls"] == 3 and e["parts"]["validation_s"] == pytest.approx(40.0 + 2 * 30.0)
+    assert e["validation_calls"] == 3 and e["parts"]["validation_s"] == pytest.approx(40.0 + 33.0 + 30.0)
     assert e["checkpoints"] == 1 and e["from_step"] == 250
     e = plan.eta(data, calib, _cfg(), {"imports_s": 0, "data_s": 0}, done=500)  # nothing left to train
     assert (e["batches"], e["parts"]["train_s"], e["validation_calls"], e["checkpoints"]) == (0, 0.0, 0, 0)

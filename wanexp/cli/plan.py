@@ -353,8 +353,7 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
         o["callbacks.checkpoint.every_n_train_steps"] = steps
         o["callbacks.checkpoint.dirpath"] = str(tmp / "run" / "checkpoints")
     if validating:
-        # two calls (mid-way and at the last step): the first loads what later calls reuse
-        o.update({"callbacks.validation.every_n_steps": max(1, steps // 2), "callbacks.validation.at_start": False})
+        o.update(validation_overrides(v, steps))
     for name in ("profile",):
         if OmegaConf.is_dict(cb.get(name)):
             o[f"callbacks.{name}.steps"] = 0
@@ -363,6 +362,17 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
             o[f"callbacks.{name}.output_dir"] = str(tmp / "run")
     return {"overrides": o, "steps": steps, "record": str(tmp / "timer.json"), "validating": validating,
             "files": len(files)}
+
+
+def validation_overrides(validation: DictConfig, steps: int) -> dict:
+    """The calibration's validation calls, in the run's order: at the start (the base model, before any training
+    step) when the run validates at its start, then mid-way and at the last step; else mid-way and at the last step.
+    The first call loads what later calls reuse (the VAE, the prompts' embeddings). With compiled blocks each kind of
+    call compiles once, in the order the run meets them: sampling first, then training, then sampling again (a
+    sampling call after training steps compiles once more), so the first call after training is timed on its own and
+    the last call is the steady one."""
+    at_start = bool(validation.get("at_start", True))
+    return {"callbacks.validation.every_n_steps": max(1, steps // 2), "callbacks.validation.at_start": at_start}
 
 
 def apply_overrides(cfg: DictConfig, calib: dict) -> DictConfig:
@@ -435,13 +445,16 @@ def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict, done: int = 0) ->
                  if s > done]) if total else 0
     val_s = calib.get("validation_s") or 0.0
     first_s = calib.get("validation_first_s") or val_s
+    second_s = calib.get("validation_second_s") or val_s  # the first call after training steps: compiles once more
     ckpt_s = max(0.0, (calib.get("end_s") or 0.0) - val_s)
     parts = {"imports_s": setup["imports_s"], "data_s": setup["data_s"], "weights_s": calib.get("setup_s") or 0.0,
-             "train_s": train_s, "validation_s": first_s + (calls - 1) * val_s if calls else 0.0,
+             "train_s": train_s, "validation_s": first_s + min(1, calls - 1) * second_s + max(0, calls - 2) * val_s
+             if calls else 0.0,
              "checkpoint_s": saves * ckpt_s,
              "end_s": calib.get("teardown_s") or 0.0}
     return {"buckets": times, "mean_batch_s": mean, "from_step": done, "batches": n_batches, "validation_calls": calls,
-            "validation_call_s": val_s, "validation_first_s": first_s, "checkpoints": saves, "checkpoint_s": ckpt_s,
+            "validation_call_s": val_s, "validation_first_s": first_s, "validation_second_s": second_s,
+            "checkpoints": saves, "checkpoint_s": ckpt_s,
             "parts": parts,
             "total_s": sum(parts.values())}
 
@@ -529,7 +542,7 @@ def report(plan: dict) -> str:
             rest = f" of the steps after {e['from_step']}" if e.get("from_step") else ""
             lines.append(f"time      ETA{rest} {_hms(e['total_s'])}: start-up {_hms(startup)}, training "
                          f"{_hms(p['train_s'])}, validation {e['validation_calls']} calls "
-                         f"(first {e['validation_first_s']:.1f} s, "
+                         f"(first {e['validation_first_s']:.1f} s, next {e['validation_second_s']:.1f} s, "
                          f"then {e['validation_call_s']:.1f} s each), "
                          f"checkpoints {e['checkpoints']} x {e['checkpoint_s']:.1f} s")
         m = plan["memory"]

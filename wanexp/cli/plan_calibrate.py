@@ -83,6 +83,8 @@ class PlanTimer(Callback):
         calls = self._validations(trainer)
         # the first call also loads what later calls reuse (the VAE, the prompts' embeddings)
         self.times["validation_first_s"] = calls[0].get("seconds") if calls else 0.0
+        # with a call at the start, the second is the first after training steps (compiled blocks compile once more)
+        self.times["validation_second_s"] = calls[1].get("seconds") if len(calls) > 2 else None
         self.times["validation_s"] = calls[-1].get("seconds") if calls else 0.0  # the call at the last step
         self._write(trainer, failed=None)
 
