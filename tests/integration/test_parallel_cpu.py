@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import compose_cfg, run_cli, run_cli_batch
+from wanexp.train import run
 
 FAULTS = str(Path(__file__).resolve().parents[1] / "faults")
 pytestmark = pytest.mark.slow  # every test here starts train.py processes
@@ -60,8 +61,7 @@ def test_fsdp_with_checkpointing_and_bf16_trains_and_resumes(shared_dir, tmp_pat
 def test_sequence_parallel_trains_the_one_process_lora(shared_dir, tmp_path):
     common = ["model.gradient_checkpointing=true", "optim.lr=1e-2", "trainer.max_steps=3"]
     one, two = tmp_path / "one", tmp_path / "sp2"
-    res = run_cli(_base(shared_dir, one) + common, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    run(compose_cfg(_base(shared_dir, one) + common))  # the one-process reference, in this process
     # with load turns (free host memory reported as 1 byte): the sequence groups are made by every rank, outside
     # the turns (a rank making them inside its turn waited for the others, who waited for its turn to end)
     res = run_cli(_base(shared_dir, two) + common + [
@@ -113,19 +113,23 @@ def test_fsdp_runs_the_same_expert_on_every_rank_each_step(shared_dir, tmp_path)
     assert len(list((out / "lora" / "final").glob("*.safetensors"))) == 4
 
 
-@pytest.mark.parametrize("sp,extra,message", [
+SP_REFUSED = [
     (2, ["data.height=96", "data.width=96"], "do not split into 2 equal parts"),  # a 3x3-token frame
     (3, [], "2 attention heads do not divide by 3"),
-])
-def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path, sp, extra,
-                                                                                    message):
-    res = run_cli(_base(shared_dir, tmp_path / "run", steps=2) + [
-        "parallel=ddp", f"parallel.sp_size={sp}", "trainer.accelerator=cpu", f"trainer.devices={sp}", *extra],
-        timeout=120)  # both checks run in the launching process, before Lightning starts the others
-    assert res.returncode == 2
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and message in lines[0], res.stderr[-2000:]
-    assert "Loading" not in res.stdout + res.stderr and "Traceback" not in res.stderr
+]
+
+
+def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path):
+    """Each row as python train.py's entry in one fresh process (tests.conftest.run_cli_batch): both checks run in
+    the launching process, before Lightning starts the others."""
+    results = run_cli_batch([_base(shared_dir, tmp_path / f"run{sp}", steps=2) + [
+        "parallel=ddp", f"parallel.sp_size={sp}", "trainer.accelerator=cpu", f"trainer.devices={sp}", *extra]
+        for sp, extra, _ in SP_REFUSED], tmp_path / "batch", timeout=120)
+    for (sp, _, message), res in zip(SP_REFUSED, results):
+        assert res["returncode"] == 2, (sp, res["stderr"][-2000:])
+        lines = [ln for ln in res["stderr"].splitlines() if ln.strip()]
+        assert len(lines) == 1 and message in lines[0], res["stderr"][-2000:]
+        assert "Loading" not in res["stdout"] + res["stderr"] and "Traceback" not in res["stderr"]
 
 
 def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tmp_path):
