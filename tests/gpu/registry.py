@@ -1033,45 +1033,61 @@ def plan_data(ctx: Ctx) -> list[str]:
             f"paths.output_dir={ctx.run_dir(PLAN)}", f"trainer.max_steps={PLAN_STEPS}", "trainer.devices=1"]
 
 
-def plan_json(ctx: Ctx) -> Path:
-    return ctx.work / PLAN / "plan.json"  # kept with the work (a later device call runs the train phase)
+def plan_json(ctx: Ctx, case: str = PLAN) -> Path:
+    return ctx.work / case / "plan.json"  # kept with the work (a later device call runs the train phase)
 
 
-def plan_metrics(ctx: Ctx, phases: dict) -> dict:
-    """The plan's ETA and peak against the run's wall time (the train phase's seconds) and peak (status.json)."""
-    planned = _json(plan_json(ctx))
-    run = run_metrics(ctx.run_dir(PLAN))
-    eta = (planned.get("eta") or {}).get("total_s")
-    peak = (planned.get("memory") or {}).get("peak_gib")
-    wall = (phases.get("train") or {}).get("seconds")
-    return {**run, "plan": str(plan_json(ctx)), "planned_steps": (planned.get("data") or {}).get("total_steps"),
-            "planned_eta_s": eta,
-            "planned_peak_gib": peak, "train_wall_s": wall,
-            "eta_error": abs(eta - wall) / wall if eta and wall else None,
-            "peak_error": abs(peak - run["peak_mem_gib"]) / run["peak_mem_gib"]
-            if peak and run.get("peak_mem_gib") else None,
-            "eta_parts": (planned.get("eta") or {}).get("parts")}
+def plan_metrics(case: str) -> Callable[[Ctx, dict], dict]:
+    """The plan's ETA and peak against the run's wall time (the train phase's seconds) and peak (status.json), and
+    its all-reduce part (bandwidth at the gradients' size, peer access, share of a step) where it measured one."""
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        planned = _json(plan_json(ctx, case))
+        run = run_metrics(ctx.run_dir(case))
+        eta = (planned.get("eta") or {}).get("total_s")
+        peak = (planned.get("memory") or {}).get("peak_gib")
+        wall = (phases.get("train") or {}).get("seconds")
+        comm = planned.get("comm") or {}
+        return {**run, "plan": str(plan_json(ctx, case)),
+                "planned_steps": (planned.get("data") or {}).get("total_steps"), "planned_eta_s": eta,
+                "planned_peak_gib": peak, "train_wall_s": wall,
+                "eta_error": abs(eta - wall) / wall if eta and wall else None,
+                "peak_error": abs(peak - run["peak_mem_gib"]) / run["peak_mem_gib"]
+                if peak and run.get("peak_mem_gib") else None,
+                "eta_parts": (planned.get("eta") or {}).get("parts"), "comm": comm,
+                "grad_busbw_gbs": (comm.get("grad_busbw") or 0) / 1e9 or None,
+                "grad_allreduce_ms": (comm.get("grad_allreduce_s") or 0) * 1e3 or None,
+                "allreduce_share": comm.get("share")}
+    return collect
+
+
+def plan_and_run(case: str, args: Callable[[Ctx], list[str]], gpus: str, train_minutes: float) -> tuple:
+    """The plan phase (its JSON kept with the work) and the planned run's train phase, on the GPUs ``gpus``."""
+    return (Phase("plan", lambda ctx: [ctx.python, "-m", "wanexp.cli.plan", *args(ctx), "--budget-gib",
+                                       str(CAP_GIB), "--json", str(plan_json(ctx, case))], minutes=4,
+                  env={"CUDA_VISIBLE_DEVICES": gpus}),
+            Phase("train", lambda ctx: [ctx.python, "train.py", *args(ctx), "overwrite=true"],
+                  minutes=train_minutes, env={"CUDA_VISIBLE_DEVICES": gpus}, fresh=lambda ctx: [ctx.run_dir(case)]))
+
+
+def plan_checks(steps: int, eta_tol: float) -> tuple[Check, ...]:
+    return (Check("phases.train.rc", "==", 0, "train", "the planned run exits 0"),
+            Check("metrics.planned_steps", "==", steps, "plan", "the plan's total steps"),
+            Check("metrics.final_step", "==", steps, "train", "the run's steps"),
+            Check("metrics.eta_error", "<=", eta_tol, "train", "|planned ETA - wall time| / wall time"),
+            Check("metrics.peak_error", "<=", 0.05, "train", "|planned peak - measured peak| / measured peak"))
 
 
 PLAN_JOB = Case(
     name=PLAN, gpus=1, model="ti2v5b",
-    about=f"wanexp-plan (calibrated: a few steps per bucket, one validation, one checkpoint) of a {PLAN_STEPS}-step "
+    about=f"wanexp-plan (calibrated: a few steps per bucket, validation calls in the run's order, one checkpoint) of a {PLAN_STEPS}-step "
           "python train.py run of real-size TI2V-5B (random weights) from a cache of generated clips and images (two "
           "buckets), validation on; then that run: planned ETA within 10 % of its wall time, peak within 5 %",
     phases=(BUILD,
             Phase("cache", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *plan_data(ctx)], minutes=4),
-            Phase("plan", lambda ctx: [ctx.python, "-m", "wanexp.cli.plan", *plan_data(ctx), "--budget-gib",
-                                       str(CAP_GIB), "--json", str(plan_json(ctx))], minutes=4,
-                  env={"CUDA_VISIBLE_DEVICES": "0"}),
-            Phase("train", lambda ctx: [ctx.python, "train.py", *plan_data(ctx), "overwrite=true"], minutes=7,
-                  env={"CUDA_VISIBLE_DEVICES": "0"}, fresh=lambda ctx: [ctx.run_dir(PLAN)])),
+            *plan_and_run(PLAN, plan_data, "0", train_minutes=7)),
     checks=(Check("phases.plan.rc", "==", 0, "plan", f"the plan fits (one H100, --budget-gib {CAP_GIB})"),
-            Check("phases.train.rc", "==", 0, "train", "the planned run exits 0"),
-            Check("metrics.planned_steps", "==", PLAN_STEPS, "plan", "the plan's total steps"),
-            Check("metrics.final_step", "==", PLAN_STEPS, "train", "the run's steps"),
-            Check("metrics.eta_error", "<=", 0.10, "train", "|planned ETA - wall time| / wall time"),
-            Check("metrics.peak_error", "<=", 0.05, "train", "|planned peak - measured peak| / measured peak")),
-    collect=plan_metrics,
+            *plan_checks(PLAN_STEPS, 0.10)),
+    collect=plan_metrics(PLAN),
     record=("planned_eta_s", "train_wall_s", "eta_error", "planned_peak_gib", "peak_mem_gib", "peak_error",
             "validations", "median_step_s"),
 )
@@ -1088,43 +1104,17 @@ def plan2_args(ctx: Ctx) -> list[str]:
             "callbacks.validation.every_n_steps=0", f"run_name={PLAN2}", f"paths.output_dir={ctx.run_dir(PLAN2)}"]
 
 
-def plan2_metrics(ctx: Ctx, phases: dict) -> dict:
-    """plan_metrics' comparison for the 2-GPU run, plus the plan's all-reduce part (bandwidth, peer access, share)."""
-    planned = _json(ctx.work / PLAN2 / "plan.json")
-    run = run_metrics(ctx.run_dir(PLAN2))
-    eta = (planned.get("eta") or {}).get("total_s")
-    peak = (planned.get("memory") or {}).get("peak_gib")
-    wall = (phases.get("train") or {}).get("seconds")
-    comm = planned.get("comm") or {}
-    return {**run, "planned_steps": (planned.get("data") or {}).get("total_steps"), "planned_eta_s": eta,
-            "train_wall_s": wall, "eta_error": abs(eta - wall) / wall if eta and wall else None,
-            "planned_peak_gib": peak, "peak_error": abs(peak - run["peak_mem_gib"]) / run["peak_mem_gib"]
-            if peak and run.get("peak_mem_gib") else None,
-            "comm": comm, "grad_busbw_gbs": (comm.get("grad_busbw") or 0) / 1e9 or None,
-            "grad_allreduce_ms": (comm.get("grad_allreduce_s") or 0) * 1e3 or None,
-            "allreduce_share": comm.get("share")}
-
-
 CASES[PLAN2] = Case(
     name=PLAN2, gpus=2, model="ti2v5b",
     about=f"wanexp-plan with trainer.devices=2 (one process, two GPUs: the all-reduce measured between them, peer "
           f"access, the gradient all-reduce's share of the step), then that {PLAN2_STEPS}-step DDP run of the "
           "real-size TI2V-5B DiT (light encoders) from the cache of 48 generated clips, validation off",
-    phases=(BUILD_LIGHT, CACHE_LIGHT,
-            Phase("plan", lambda ctx: [ctx.python, "-m", "wanexp.cli.plan", *plan2_args(ctx), "--budget-gib",
-                                       str(CAP_GIB), "--json", str(ctx.work / PLAN2 / "plan.json")], minutes=4,
-                  env={"CUDA_VISIBLE_DEVICES": "0,1"}),
-            Phase("train", lambda ctx: [ctx.python, "train.py", *plan2_args(ctx), "overwrite=true"], minutes=4,
-                  env={"CUDA_VISIBLE_DEVICES": "0,1"}, fresh=lambda ctx: [ctx.run_dir(PLAN2)])),
+    phases=(BUILD_LIGHT, CACHE_LIGHT, *plan_and_run(PLAN2, plan2_args, "0,1", train_minutes=4)),
     checks=(Check("phases.plan.rc", "==", 0, "plan", "the plan fits"),
             Check("metrics.comm.sizes", "present", None, "plan", "all-reduce bus bandwidth measured at several sizes"),
             Check("metrics.grad_allreduce_ms", "present", None, "plan", "the gradient all-reduce's time predicted"),
-            Check("phases.train.rc", "==", 0, "train", "the planned run exits 0"),
-            Check("metrics.planned_steps", "==", PLAN2_STEPS, "plan", "the plan's total steps"),
-            Check("metrics.final_step", "==", PLAN2_STEPS, "train", "the run's steps"),
-            Check("metrics.eta_error", "<=", 0.15, "train", "|planned ETA - wall time| / wall time (short run)"),
-            Check("metrics.peak_error", "<=", 0.05, "train", "|planned peak - measured peak| / measured peak")),
-    collect=plan2_metrics,
+            *plan_checks(PLAN2_STEPS, 0.15)),
+    collect=plan_metrics(PLAN2),
     record=("planned_eta_s", "train_wall_s", "eta_error", "planned_peak_gib", "peak_mem_gib", "peak_error",
             "grad_busbw_gbs", "grad_allreduce_ms", "allreduce_share", "comm.p2p", "median_step_s"),
 )
