@@ -1079,7 +1079,8 @@ def plan_checks(steps: int, eta_tol: float) -> tuple[Check, ...]:
 
 PLAN_JOB = Case(
     name=PLAN, gpus=1, model="ti2v5b",
-    about=f"wanexp-plan (calibrated: a few steps per bucket, validation calls in the run's order, one checkpoint) of a {PLAN_STEPS}-step "
+    about=f"wanexp-plan (calibrated: a few steps per bucket, validation calls in the run's order, one checkpoint) "
+          f"of a {PLAN_STEPS}-step "
           "python train.py run of real-size TI2V-5B (random weights) from a cache of generated clips and images (two "
           "buckets), validation on; then that run: planned ETA within 10 % of its wall time, peak within 5 %",
     phases=(BUILD,
