@@ -43,9 +43,9 @@ def _wait_for_step(out: Path, step: int, timeout: float = 120) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 138), (signal.SIGINT, 130)],
-                         ids=["SIGTERM", "SIGUSR1", "SIGINT"])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 138)], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_saves_marks_interrupted_and_resumes(shared_dir, tmp_path, sig, code):
+    """SIGINT (exit 130): the live run of test_a_live_run_folder_is_locked ends with it (one process fewer)."""
     out = tmp_path / "run"
     env = None
     if sig == signal.SIGUSR1:  # as a SLURM job step (Lightning sees SLURM too), with a scontrol that records its call
@@ -68,14 +68,8 @@ def test_a_signal_saves_marks_interrupted_and_resumes(shared_dir, tmp_path, sig,
     if env:  # requeued once, after the step-end save (not from inside the handler: no hpc_ckpt of Lightning's)
         assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"
         assert "SLURM job 4242 requeued" in out_text and not list(out.rglob("hpc_ckpt*"))
-    status = json.loads((out / "status.json").read_text())
-    assert status["state"] == "interrupted" and status["signal"] == sig.name
-    step = status["step"]
+    step = _saved_and_interrupted(out, sig, err)
     assert step == 4 or sig != signal.SIGTERM
-    assert f"interrupted by {sig.name} at step {step}" in err and "resume=last" in err
-    last = out / "checkpoints" / "last.ckpt"
-    assert last.is_file() and torch.load(last, map_location="cpu", weights_only=False)["global_step"] == step
-    assert (out / "lora" / f"step_{step:06d}" / "tiny_lora_comfyui.safetensors").is_file()
     if sig != signal.SIGTERM:
         return  # the same checkpoint path as SIGTERM's, resumed below
     # resumed in this process (a fresh process's imports cost ~8 s; the signal handling above is the subprocess's)
@@ -103,7 +97,23 @@ def test_checkpoints_are_written_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary file left
 
 
+def _saved_and_interrupted(out: Path, sig: signal.Signals, err: str) -> int:
+    """A signalled run saved a checkpoint and a LoRA export at the end of its step, marked itself interrupted and
+    said so on stderr (naming resume=last): that step."""
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["signal"] == sig.name
+    step = status["step"]
+    assert f"interrupted by {sig.name} at step {step}" in err and "resume=last" in err
+    last = out / "checkpoints" / "last.ckpt"
+    assert last.is_file() and torch.load(last, map_location="cpu", weights_only=False)["global_step"] == step
+    assert (out / "lora" / f"step_{step:06d}" / "tiny_lora_comfyui.safetensors").is_file()
+    return step
+
+
+@pytest.mark.slow
 def test_a_live_run_folder_is_locked(shared_dir, tmp_path, capsys):
+    """Also: SIGINT (Ctrl-C) ends the live run like the signals of test_a_signal_saves_marks_interrupted_and_resumes
+    (exit 130, saved, interrupted)."""
     out = tmp_path / "run"
     proc, args = _start(shared_dir, out)
     try:
@@ -118,8 +128,10 @@ def test_a_live_run_folder_is_locked(shared_dir, tmp_path, capsys):
         assert f"is in use by a live run (pid {proc.pid} on " in errors[0]
         assert set(before) <= {p.name for p in out.rglob("*")}  # overwrite=true deleted nothing of the live run
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=120)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    _saved_and_interrupted(out, signal.SIGINT, err)
     from wanexp.runfolder import RunLock
 
     lock = RunLock(out, 600)  # the lock went with its process, which released it: no stale holder to take over
