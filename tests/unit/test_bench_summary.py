@@ -50,8 +50,8 @@ def test_paths_all_adds_the_compiled_plain_loops_to_the_default():
 def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_path):
     case = CASES[registry.VS_COMPILED]
     ctx = Ctx(tmp_path / "w", tmp_path / "o")
-    bench_phases = [p for p in case.phases if p.name != "build_dit"]
-    assert [p.name for p in bench_phases] == ["bench", "bench_ckpt"]
+    bench_phases = [p for p in case.phases if p.name in registry.VS_RUNS]
+    assert [p.name for p in case.phases] == ["build_dit", "bench", "bench_ckpt", "fp8", "long"]
     for p in bench_phases:
         argv = p.argv(ctx)
         assert argv[argv.index("--paths") + 1].split(",") == default_paths(True, compiled=True)
@@ -64,8 +64,24 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([{"results": results, "numerics": [], "numerics_ok": True,
                                      "strongest_plain": strongest}]))
+    # the FP8 base against the compiled per-token loop; 27,280 tokens with checkpointing (TFLOP/s)
+    fp8, long = (p.argv(ctx) for p in case.phases[3:])
+    assert fp8[fp8.index("--variants") + 1] == "model.fp8=true" and "--ckpt" not in fp8
+    assert long[long.index("--frames") + 1] == "121" and "--ckpt" in long
+    more = {"fp8": [_row("plain_tokens_compiled", 249.8), _row("wanexp", 255.8),
+                    {**_row(registry.FP8_VARIANT_PATH, 243.8), "peak_gib": 26.7}],
+            "long": [_row("plain_tokens_compiled", 4100.0), {**_row("wanexp", 3760.0), "tflops": 486.0}]}
+    for name, results in more.items():
+        strongest = speedups(results)
+        path = registry.bench_json(ctx, registry.VS_COMPILED, name)
+        numerics = [{"path": registry.FP8_VARIANT_PATH, "out_rel_err": 2.2e-2, "grad_rel_err_all": 3.7e-2}]
+        path.write_text(json.dumps([{"results": results, "numerics": numerics if name == "fp8" else [],
+                                     "numerics_ok": True, "strongest_plain": strongest}]))
     result = run.judge(case, ctx, {p.name: {"ok": True, "rc": 0} for p in case.phases}, ["NVIDIA H100 80GB HBM3"])
     m = result["metrics"]
+    assert m["fp8"][registry.FP8_VARIANT]["median_s"] == pytest.approx(0.2438)
+    assert m["fp8"][registry.FP8_VARIANT]["out_rel_err"] == 2.2e-2 and m["long"]["wanexp"]["tflops"] == 486.0
+    assert m["long"]["wanexp"]["vs_strongest"] == pytest.approx(4100.0 / 3760.0)
     assert m["bench"]["strongest_plain"] == "plain_tokens_compiled"
     assert m["bench_ckpt"]["wanexp"]["vs_strongest"] == pytest.approx(433.9 / 344.8)
     assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
