@@ -21,13 +21,6 @@ def recorded(result) -> list[list[int]]:
     return next(c for c in result["trainer"].callbacks if type(c).__name__ == "BatchRecorder").batches
 
 
-@pytest.fixture(scope="module")
-def full_order(shared_dir, tmp_path_factory) -> list[list[int]]:
-    """The batches of 9 steps without a stop, recorded once for every stop below."""
-    return recorded(tiny_run(shared_dir, tmp_path_factory.mktemp("order") / "full",
-                             ["model=tiny", *RECORD, "trainer.max_steps=9"]))
-
-
 @pytest.mark.parametrize("stop", [3, 5, 6])  # mid-epoch 0 (5 batches per epoch), its end, mid-epoch 1
 def test_resume_mid_epoch_continues_with_exactly_the_unseen_batches(shared_dir, tmp_path, stop, full_order):
     full = full_order
@@ -54,9 +47,23 @@ def assert_same_lora(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(shared_dir, tmp_path_factory) -> dict:
-    """12 steps without a stop (5 batches per epoch), no loader workers."""
-    return lora(tiny_run(shared_dir, tmp_path_factory.mktemp("full") / "run", [*EXACT, "trainer.max_steps=12"]))
+def uninterrupted_run(shared_dir, tmp_path_factory) -> tuple[dict, list[list[int]]]:
+    """12 steps without a stop (5 batches per epoch), no loader workers: its LoRA and its batches (the order of
+    the data does not depend on the schedule, so the stops above and the resumes below share this one run)."""
+    r = tiny_run(shared_dir, tmp_path_factory.mktemp("full") / "run", [*EXACT, *RECORD, "trainer.max_steps=12"])
+    return lora(r), recorded(r)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> dict:
+    return uninterrupted_run[0]
+
+
+@pytest.fixture(scope="module")
+def full_order(uninterrupted_run) -> list[list[int]]:
+    """The batches of the first 9 steps without a stop, for every stop above."""
+    assert len(uninterrupted_run[1]) == 12
+    return uninterrupted_run[1][:9]
 
 
 def test_chained_resumes_over_epoch_ends_are_bit_identical(shared_dir, tmp_path, uninterrupted):
