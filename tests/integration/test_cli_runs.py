@@ -1,14 +1,13 @@
 """The CLI as users run it: 2-process DDP on CPU (gloo) with W&B offline, a multirun sweep, a resume, torchrun."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-
-from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +27,21 @@ def _wandb_env(tmp_path) -> dict:
     """W&B offline through the environment (the config leaves mode null); its own files under tmp_path."""
     return dict(WANDB_OFFLINE, WANDB_DATA_DIR=str(tmp_path / "wandb-data"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
                 WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+
+
+@contextlib.contextmanager
+def _wandb_offline(monkeypatch, tmp_path):
+    """W&B offline (``_wandb_env``) for runs in this process: W&B reads its environment when it first sets up in a
+    process, so it is set up anew for this test and torn down after it (nothing of it is left to a later test)."""
+    import wandb
+
+    for k, v in _wandb_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    wandb.teardown()
+    try:
+        yield
+    finally:
+        wandb.teardown()
 
 
 def _bars(text: str) -> list[tuple[str, str]]:
@@ -117,23 +131,24 @@ def test_ddp_two_processes_with_wandb_offline_progress_and_status(shared_dir, tm
     assert not running and "6 / 6 (100.0 %)" in table and "per rank" in table
 
 
-def test_rank_lr_sweep_runs_every_point_in_its_own_folder(shared_dir, tmp_path):
+def test_rank_lr_sweep_runs_every_point_in_its_own_folder(shared_dir, tmp_path, monkeypatch, capsys):
     """A 2x2 multirun: the job list first, one run folder and one W&B run per point in one group, alpha tied to rank,
-    and at the end a 4-row summary (CSV + Markdown) and the plots in the sweep folder."""
+    and at the end a 4-row summary (CSV + Markdown) and the plots in the sweep folder. Through the CLI's entry in
+    this process (Hydra's multirun runs its points in the process that starts it, as from the command line)."""
     import csv
 
     from tests.wandb_offline import summary
 
-    res = run_cli([
-        "-m", "sweep=rank_lr", *_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data",
-        f"paths.root_dir={tmp_path}", "trainer.max_steps=2", "callbacks.progress=null", "logger=wandb",
-        "adapter.rank=4,8", "optim.lr=1e-4,1e-3",  # the command line narrows the grid
-    ], timeout=600, env=_wandb_env(tmp_path))
-    assert res.returncode == 0, res.stderr[-3000:]
-    listed = re.findall(r"wanexp: sweep:\s+(\d+): (.+)", res.stdout)
+    with _wandb_offline(monkeypatch, tmp_path):
+        stdout = _main_ends(monkeypatch, capsys, [
+            "-m", "sweep=rank_lr", *_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data",
+            f"paths.root_dir={tmp_path}", "trainer.max_steps=2", "callbacks.progress=null", "logger=wandb",
+            "adapter.rank=4,8", "optim.lr=1e-4,1e-3",  # the command line narrows the grid
+        ], stream="out")
+    listed = re.findall(r"wanexp: sweep:\s+(\d+): (.+)", stdout)
     assert listed == [("0", "adapter.rank=4 optim.lr=0.0001"), ("1", "adapter.rank=4 optim.lr=0.001"),
-                      ("2", "adapter.rank=8 optim.lr=0.0001"), ("3", "adapter.rank=8 optim.lr=0.001")], res.stdout[:2000]
-    assert res.stdout.index("wanexp: sweep:   3:") < res.stdout.index("wanexp: finished")  # listed before any point
+                      ("2", "adapter.rank=8 optim.lr=0.0001"), ("3", "adapter.rank=8 optim.lr=0.001")], stdout[:2000]
+    assert stdout.index("wanexp: sweep:   3:") < stdout.index("wanexp: finished")  # listed before any point
     sweep_dir = tmp_path / "outputs" / "sweeps" / "rank_lr"
     runs = sorted(p for p in sweep_dir.iterdir() if (p / "status.json").exists())
     assert len(runs) == 4, list(sweep_dir.iterdir())
@@ -155,17 +170,17 @@ def test_rank_lr_sweep_runs_every_point_in_its_own_folder(shared_dir, tmp_path):
         assert (sweep_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_resumed_run_continues_its_bar_history_and_wandb_run(shared_dir, tmp_path):
+def test_resumed_run_continues_its_bar_history_and_wandb_run(shared_dir, tmp_path, monkeypatch, capsys):
     """After a resume the bar starts at the resumed step of the run's total, status.jsonl keeps the steps before it,
-    and W&B continues the same run (offline: the same run id)."""
+    and W&B continues the same run (offline: the same run id). Both runs through the CLI's entry in this process,
+    W&B offline through its environment as in the other tests."""
     out = tmp_path / "resumed"
     common = [*_common(shared_dir, tmp_path), f"paths.data_dir={shared_dir}/data", "logger=wandb",
               "optim.scheduler=constant", "callbacks.checkpoint.every_n_train_steps=2", f"paths.output_dir={out}"]
-    first = run_cli([*common, "trainer.max_steps=2"], timeout=300, env=_wandb_env(tmp_path))
-    assert first.returncode == 0, first.stderr[-3000:]
-    res = run_cli([*common, "trainer.max_steps=4", "resume=last"], timeout=300, env=_wandb_env(tmp_path))
-    assert res.returncode == 0, res.stderr[-3000:]
-    bars = _bars(res.stdout + res.stderr)
+    with _wandb_offline(monkeypatch, tmp_path):
+        _main_ends(monkeypatch, capsys, [*common, "trainer.max_steps=2"])
+        text = _main_ends(monkeypatch, capsys, [*common, "trainer.max_steps=4", "resume=last"])
+    bars = _bars(text)
     assert bars[0] == ("2", "4") and bars[-1] == ("4", "4") and {t for _, t in bars} == {"4"}, bars
     history = [json.loads(x)["step"] for x in (out / "status.jsonl").read_text().splitlines()]
     assert history == [1, 2, 3, 4]
@@ -208,6 +223,22 @@ def _main(monkeypatch, capsys, args: list[str]) -> tuple[int, list[str]]:
     with pytest.raises(SystemExit) as e:
         main()
     return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def _main_ends(monkeypatch, capsys, args: list[str], stream: str = "both") -> str:
+    """``python train.py ARGS`` in this process, a run that must end normally (an exit fails the test): what it
+    wrote to stdout (``stream="out"``) or to both stdout and stderr."""
+    import sys
+
+    from wanexp.train import main
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.delenv("HYDRA_FULL_ERROR")  # main sets it for Hydra; restored unset after the test
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    capsys.readouterr()
+    main()
+    out = capsys.readouterr()
+    return out.out if stream == "out" else out.out + out.err
 
 
 def _tree(root: Path) -> dict[str, bytes]:
