@@ -420,8 +420,8 @@ def calibration_child(cfg: DictConfig) -> None:
 def eta(data: dict, calib: dict, cfg: DictConfig, setup: dict, done: int = 0) -> dict:
     """Seconds of the run from optimizer step ``done`` (a resume's checkpoint; 0: a fresh run) to its end: start-up
     (imports, data, weights), training (each bucket's batches at its steady time, plus each bucket's one-off seconds
-    once: compilation), validation calls at their cadence and checkpoints (with their LoRA exports) at theirs after ``done``, and
-    the end (final export)."""
+    once: compilation), validation calls at their cadence and checkpoints (with their LoRA exports) at theirs after
+    ``done``, and the end (final export)."""
     from wanexp.cli.plan_calibrate import bucket_times
     from wanexp.disk import save_steps
 

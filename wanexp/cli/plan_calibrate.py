@@ -114,10 +114,9 @@ def bucket_times(rows: list[dict]) -> dict:
     (loader, step, callbacks); the last batch's to its own end.
 
     Compiled blocks compile again, once, for each new kind of call: a bucket's first batch, its first batch with the
-    first frame as condition (a per-frame time embedding), the first step after a validation call (eval mode). Such a
-    batch takes tens of seconds where the others take a fraction of one, and it may be any batch of a few; so the
-    steady time is the fastest batch after the first (a median of three would take a recompile as the run's pace),
-    and every second above it is counted once."""
+    first frame as condition (a per-frame time embedding). Such a batch takes tens of seconds where the others take a
+    fraction of one, and it may be any batch of a few; so the steady time is the fastest batch after the first (a
+    median of three would take a recompile as the run's pace), and every second above it is counted once."""
     out: dict = {}
     for r in rows:
         if r.get("shape") is None:
