@@ -115,7 +115,7 @@ class FrozenFP8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (bf16), for code that reads ``.weight``; the GEMMs never use it."""
-        return (self.weight_fp8.float() * self.weight_scale).to(torch.bfloat16)
+        return dequantize(self.weight_fp8, self.weight_scale, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         autocast = torch.is_autocast_enabled(x.device.type)
