@@ -1152,8 +1152,9 @@ CASES[LEARN] = Case(
 VS_COMPILED = "perf_vs_compiled"
 VS_PATHS = "plain,plain_compiled,plain_tokens,plain_tokens_compiled,wanexp"
 VS_RUNS = ("bench", "bench_ckpt")
-VS_MORE = ("fp8", "long")  # the opt-in FP8 base at 4,400 tokens; 27,280 tokens with checkpointing
-VS_PROFILE = ("--profile", "plain_tokens_compiled,wanexp")  # GPU time by kernel kind: the strongest loop, wanexp
+VS_MORE = ("long",)  # 27,280 tokens with checkpointing
+# GPU time by kernel kind: the strongest loop, wanexp and (without checkpointing) the opt-in FP8 base
+VS_PROFILE = ("--profile", "plain_tokens_compiled,wanexp")
 
 
 def strongest_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
@@ -1179,16 +1180,13 @@ PERF_VS_COMPILED_JOB = Case(
     about="wanexp.cli.bench on the real-size TI2V-5B DiT at 704x1280x17 (4,400 tokens), every path in one process: "
           "the plain loops (scalar and per-token timesteps, eager and with each block compiled) and wanexp's step, "
           "without (bench) and with checkpointing (bench_ckpt); each path's speed-up against the strongest (fastest) "
-          "plain loop; the opt-in FP8 base (fp8) and 27,280 tokens with checkpointing (long) against the compiled "
-          "per-token loop. Calls: --phase build_dit,bench,bench_ckpt (~9 min), then fp8,long on the same machine",
+          "plain loop; the opt-in FP8 base (model.fp8=true, in bench) and 27,280 tokens with checkpointing (long) "
+          "against the compiled per-token loop. One call, ~9.5 min",
     phases=(BUILD_DIT,
-            bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--warmup", "3", "--steps", "6",
-                  *VS_PROFILE, minutes=4.5),
+            bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--variants", "model.fp8=true",
+                  "--warmup", "3", "--steps", "6", "--profile", f"{VS_PROFILE[1]},{FP8_VARIANT_PATH}", minutes=4.5),
             bench("bench_ckpt", VS_COMPILED, "--frames", "17", "--ckpt", "--paths", VS_PATHS, "--warmup", "3",
                   "--steps", "6", *VS_PROFILE, minutes=4.5),
-            bench("fp8", VS_COMPILED, "--frames", "17", "--paths", "plain_tokens_compiled,wanexp", "--variants",
-                  "model.fp8=true", "--warmup", "3", "--steps", "6", "--profile", f"wanexp,{FP8_VARIANT_PATH}",
-                  minutes=4),
             bench("long", VS_COMPILED, "--frames", "121", "--ckpt", "--paths", "plain_tokens_compiled,wanexp",
                   "--warmup", "1", "--steps", "3", "--no-check", "--profile", "wanexp", minutes=5)),
     checks=(
@@ -1199,19 +1197,18 @@ PERF_VS_COMPILED_JOB = Case(
               "no slower than the strongest plain loop (0.98x measured 2026-11-26; the target is 1.3x)"),
         Check("metrics.bench_ckpt.wanexp.vs_strongest", ">=", 0.98, "bench_ckpt",
               "vs the strongest checkpointed plain loop (1.03x measured 2026-11-27; the target is 1.5x)"),
-        Check(f"metrics.fp8.{FP8_VARIANT}.median_s", "present", None, "fp8",
-              "the FP8 base's step (target 150 ms; 243.8 ms measured 2026-11-26 with a bf16 input-gradient GEMM)"),
-        Check(f"metrics.fp8.{FP8_VARIANT}.out_rel_err", "<=", 0.05, "fp8", "its output error (2.2e-2 measured)"),
+        Check(f"metrics.bench.{FP8_VARIANT}.median_s", "present", None, "bench",
+              "the FP8 base's step (target 150 ms; 248-304 ms measured 2026-11-27, host-bound)"),
+        Check(f"metrics.bench.{FP8_VARIANT}.out_rel_err", "<=", 0.05, "bench", "its output error (2.2e-2 measured)"),
         Check("metrics.long.wanexp.tflops", ">=", 460, "long",
-              "27,280 tokens with checkpointing (486 TFLOP/s measured 2026-11-26; the target is 550)"),
+              "27,280 tokens with checkpointing (484 TFLOP/s measured 2026-11-27; the target is 550)"),
         Check("metrics.bench_ckpt.wanexp.peak_gib", "<=", 14, "bench_ckpt", "12.4 GiB measured (H100)"),
     ),
     collect=strongest_metrics(VS_COMPILED, *VS_RUNS, *VS_MORE),
     record=(*(f"{p}.{k}" for p in VS_RUNS for k in (
         "strongest_plain", *(f"{path}.median_s" for path in VS_PATHS.split(",")),
         *(f"{path}.peak_gib" for path in ("plain_tokens_compiled", "wanexp")), "wanexp.vs_strongest")),
-            *(f"fp8.{k}" for k in ("wanexp.median_s", f"{FP8_VARIANT}.median_s", f"{FP8_VARIANT}.out_rel_err",
-                                   f"{FP8_VARIANT}.grad_rel_err", f"{FP8_VARIANT}.peak_gib")),
+            *(f"bench.{FP8_VARIANT}.{k}" for k in ("median_s", "out_rel_err", "grad_rel_err", "peak_gib")),
             *(f"long.{k}" for k in ("plain_tokens_compiled.median_s", "wanexp.median_s", "wanexp.tflops",
                                     "wanexp.vs_strongest"))),
 )
