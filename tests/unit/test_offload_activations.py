@@ -1,12 +1,19 @@
-"""model.offload_activations (wanexp/models/wan22/fast.py:offloaded_checkpoint): the checkpointed blocks' inputs are
-saved through the save-to-host hooks, and the loss and LoRA gradients are those of plain checkpointing, bit for bit,
-with and without block swap."""
+"""model.offload_activations (wanexp/models/wan22/fast.py:offloaded_checkpoint): each checkpointed block's input goes
+to the host once, the device input is dropped after the forward (the recompute reads the host copy), the loss and
+LoRA gradients are those of plain checkpointing, bit for bit, with and without block swap, and DDP with
+find_unused_parameters (two A14B experts, DMD) trains through it."""
 from __future__ import annotations
 
 import copy
+import gc
+import socket
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.unit.test_blockswap import assert_same_bitwise
 from tests.unit.test_perf_fast import output_and_grads, ti2v_batch, tiny_transformer
@@ -22,16 +29,17 @@ def checkpointed(offload: bool, layers: int = 2):
     return t
 
 
-class CountingSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
-    """save_on_cpu's contract (pack moves to the host, unpack brings back), counting what it packs."""
-    packed: list = []
+class HostCopies:
+    """Stands in for fast.to_host on the CPU (where the real one keeps the tensor as it is): a distinct copy, as the
+    pinned host copy is, with a weak reference to each device input it was given."""
 
-    def __init__(self, pin_memory=False, device_type="cuda"):
-        def pack(x):
-            CountingSaveOnCpu.packed.append(tuple(x.shape))
-            return x.device, x.cpu()
+    def __init__(self):
+        self.shapes, self.inputs = [], []
 
-        super().__init__(pack, lambda p: p[1].to(p[0]))
+    def __call__(self, x):
+        self.shapes.append(tuple(x.shape))
+        self.inputs.append(weakref.ref(x))
+        return x.clone()
 
 
 @pytest.mark.parametrize("swap", [0, 2], ids=["no-swap", "swap-2"])
@@ -41,14 +49,65 @@ def test_offloaded_inputs_give_the_same_loss_and_lora_gradients_bitwise(swap, mo
     t._wanexp_offload_activations = True
     if swap:
         blockswap.enable(t.blocks, swap)
-    CountingSaveOnCpu.packed = []
-    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    copies = HostCopies()
+    monkeypatch.setattr(fast, "to_host", copies)
     hidden, timestep, text = ti2v_batch(2, [True, False])
-    assert_same_bitwise(ref, t, hidden, timestep, text)  # the first block's LoRA too: its input requires grad
-    # each block's input hidden states (B, tokens, dim) went through the host hooks, on each of the two passes
+    assert_same_bitwise(ref, t, hidden, timestep, text)  # the first block's LoRA too
+    # each block's input hidden states (B, tokens, dim) went to the host once per forward (fp32 and bf16 runs)
     tokens = hidden.shape[2] * hidden.shape[3] * hidden.shape[4] // 4
-    hidden_saves = [s for s in CountingSaveOnCpu.packed if s == (2, tokens, 32)]
-    assert len(hidden_saves) == 2 * len(t.blocks), CountingSaveOnCpu.packed
+    assert copies.shapes == [(2, tokens, 32)] * (2 * len(t.blocks)), copies.shapes  # ref runs none
+
+
+def test_the_device_input_is_dropped_until_the_backward():
+    """After the forward only the host copies hold the blocks' inputs: the inputs the blocks were given are freed
+    (plain checkpointing keeps them referenced for its recompute)."""
+    t = checkpointed(True, layers=3)
+    copies = HostCopies()
+    fast.to_host, real = copies, fast.to_host
+    try:
+        hidden, timestep, text = ti2v_batch(2, [True, False])
+        out = t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        gc.collect()
+        assert len(copies.inputs) == 3 and all(r() is None for r in copies.inputs)
+        (out.float() ** 2).mean().backward()
+        assert all(p.grad is not None and p.grad.abs().max() > 0 for n, p in t.named_parameters() if p.requires_grad)
+    finally:
+        fast.to_host = real
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_rank(rank: int, world: int, port: int, grads_out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        t = checkpointed(True)
+        ddp = DistributedDataParallel(t, find_unused_parameters=True)
+        hidden, timestep, text = ti2v_batch(2, [True, False])
+        out = ddp(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        (out.float() ** 2).mean().backward()
+        if rank == 0:
+            grads_out.update({n: p.grad.clone() for n, p in t.named_parameters() if p.requires_grad})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_with_find_unused_parameters_trains_through_the_offloaded_checkpoint():
+    """Two processes (gloo), DDP with find_unused_parameters as wanexp sets it for two A14B experts or DMD: the step
+    runs and each rank's averaged LoRA gradients are one process's (both ranks see the same batch)."""
+    ref = checkpointed(False)
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    _, want = output_and_grads(ref, hidden, timestep, text)
+    with mp.Manager() as manager:
+        grads = manager.dict()
+        mp.start_processes(_ddp_rank, args=(2, free_port(), grads), nprocs=2, start_method="fork")
+        got = dict(grads)
+    assert got.keys() == want.keys() and len(got) == 40
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-7), k
 
 
 def test_offloaded_inputs_with_compiled_blocks():

@@ -123,8 +123,6 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
         ckpt = checkpoint_function(self, sp is not None)
         if getattr(self, "_wanexp_offload_activations", False):
             ckpt = offloaded_checkpoint
-            if not hidden_states.requires_grad:  # the blocks' LoRA gradients flow back through their input
-                hidden_states = hidden_states.detach().requires_grad_()
         for i, block in enumerate(self.blocks):
             if i < n_ckpt:
                 hidden_states = ckpt(block, hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
@@ -230,17 +228,37 @@ def checkpointed_call(block: nn.Module, *args):
     return torch_checkpoint(block, *args, use_reentrant=False)
 
 
-def offloaded_checkpoint(block: nn.Module, *args):
-    """One block under activation checkpointing whose saved inputs wait in pinned host memory for the backward
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied into pinned host memory, the copy in autograd's graph (its gradient flows back to ``x``); a CPU
+    tensor as it is. The device-to-host copy is queued on the current stream, not waited for: only the same stream's
+    host-to-device copy in the recompute reads it, and the source's memory is reused only by later work on that stream."""
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
+
+def offloaded_checkpoint(block: nn.Module, hidden_states: torch.Tensor, *args):
+    """One block under activation checkpointing whose input hidden states wait in pinned host memory for the backward
     (``model.offload_activations``): at 480x832x81 the A14B's 40 block inputs are 12.5 GiB of GPU memory otherwise.
 
-    Reentrant checkpointing saves its inputs with ``save_for_backward``, which ``save_on_cpu``'s hooks move to the host
-    (non-reentrant checkpointing keeps them referenced from its recompute closure, out of the hooks' reach); the
-    recompute and the backward inside it run outside the hooks, on the GPU. One copy out and one back per block and
-    step: at 32,760 tokens 335 MB each way against about 0.3 s of compute per A14B block. The first block's input must
-    require grad for reentrant checkpointing to reach the LoRA parameters (``transformer_forward`` sees to it)."""
-    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-        return torch_checkpoint(block, *args, use_reentrant=True)
+    Non-reentrant checkpointing keeps the inputs its recompute needs referenced from the recompute's closure, so its
+    input is the host copy (:func:`to_host`): the forward runs the block on the GPU tensor it was given (and drops it),
+    the recompute on the host copy copied back. The other inputs (text states, modulation, rotary tables) are one
+    tensor shared by every block and stay. One copy out and one back per block and step: at 32,760 tokens 335 MB each
+    way against about 0.3 s of compute per A14B block. Non-reentrant, so that DDP with ``find_unused_parameters`` (two
+    A14B experts, DMD) sees the blocks' parameters in the forward's graph: reentrant checkpointing leaves them out of
+    it (DDP marks them unused), then its inner backward marks them ready a second time, and DDP stops."""
+    on_gpu = [hidden_states]  # the forward's input; the recompute finds the list empty
+
+    def run(host: torch.Tensor, *rest):
+        h = on_gpu.pop() if on_gpu else host.to(hidden_states_device, non_blocking=True)
+        return block(h, *rest)
+
+    hidden_states_device = hidden_states.device
+    host = to_host(hidden_states)
+    del hidden_states
+    return torch_checkpoint(run, host, *args, use_reentrant=False)
 
 
 def checkpoint_function(transformer: nn.Module, sequence_parallel: bool):
