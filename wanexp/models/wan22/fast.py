@@ -249,15 +249,14 @@ def offloaded_checkpoint(block: nn.Module, hidden_states: torch.Tensor, *args):
     way against about 0.3 s of compute per A14B block. Non-reentrant, so that DDP with ``find_unused_parameters`` (two
     A14B experts, DMD) sees the blocks' parameters in the forward's graph: reentrant checkpointing leaves them out of
     it (DDP marks them unused), then its inner backward marks them ready a second time, and DDP stops."""
-    on_gpu = [hidden_states]  # the forward's input; the recompute finds the list empty
+    device, host = hidden_states.device, to_host(hidden_states)
+    on_gpu = [hidden_states]  # the forward's input, dropped once read; the recompute finds the list empty
+    del hidden_states
 
     def run(host: torch.Tensor, *rest):
-        h = on_gpu.pop() if on_gpu else host.to(hidden_states_device, non_blocking=True)
+        h = on_gpu.pop() if on_gpu else host.to(device, non_blocking=True)
         return block(h, *rest)
 
-    hidden_states_device = hidden_states.device
-    host = to_host(hidden_states)
-    del hidden_states
     return torch_checkpoint(run, host, *args, use_reentrant=False)
 
 
