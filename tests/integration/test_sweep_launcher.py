@@ -32,30 +32,63 @@ def test_grid_from_the_sweep_config_narrowed_by_the_command_line():
 def test_multirun_refuses_several_devices(tmp_path, monkeypatch, capsys):
     from tests.integration.test_cli_runs import _main  # the CLI's entry in this process
 
-    code, err = _main(monkeypatch, capsys, ["-m", "sweep=rank_lr", "experiment=demo", "trainer.devices=2",
-                                            f"paths.root_dir={tmp_path}"])
+    # a 2-point grid: Hydra composes every point of the grid before the first one starts (~1 s each)
+    code, err = _main(monkeypatch, capsys, ["-m", "sweep=rank_lr", "adapter.rank=8,16", "optim.lr=1e-4",
+                                            "experiment=demo", "trainer.devices=2", f"paths.root_dir={tmp_path}"])
     assert code == 2 and len(err) == 1
     assert "python sweeps/launch.py" in err[0] and "Traceback" not in "\n".join(err)
 
 
 @pytest.mark.slow
 def test_launcher_runs_each_point_with_two_ranks(shared_dir, tmp_path):
-    """One torchrun per point, as on a cluster: Lightning joins the ranks torchrun started (no spawning of its own),
-    the replicas stay in sync and each point writes its LoRA files."""
+    """A point as on a cluster, through python sweeps/launch.py: torchrun starts 2 ranks and Lightning joins them (no
+    spawning of its own), the replicas stay in sync and the point writes its LoRA files. One point (a torchrun and its
+    ranks cost ~25 s here): the grid's points one after another, test_launcher_runs_the_points_in_turn."""
     res = subprocess.run(
         [sys.executable, str(ROOT / "sweeps" / "launch.py"), "sweep=rank_lr", "--nproc", "2",
-         "--torchrun-args=--master-port=29541", "experiment=demo", "adapter.rank=4,8", "optim.lr=1e-3",
+         "--torchrun-args=--master-port=29541", "experiment=demo", "adapter.rank=4", "optim.lr=1e-3",
          "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "callbacks.progress=null",
          f"paths.root_dir={tmp_path}", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
+    _assert_point(tmp_path, 0, 4, world_size=2)
+    rows = (tmp_path / "outputs" / "sweeps" / "rank_lr" / "summary.csv").read_text().splitlines()
+    assert len(rows) == 2  # the summary, also of a one-point sweep
+
+
+def test_launcher_runs_the_points_in_turn(shared_dir, tmp_path, monkeypatch, capsys):
+    """The launcher's loop over a 2-point grid: each point's torchrun command in turn (here its train.py part, run
+    through the CLI's entry in this process, one device), each in its own folder with its name and alpha tied to
+    rank, then the same summary as a Hydra multirun (the swept key first)."""
+    from tests.integration.test_cli_runs import _main_ends
+
+    started = []
+
+    def point(cmd, cwd):
+        assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=1"] and cwd == ROOT
+        args = cmd[cmd.index(str(ROOT / "train.py")) + 1:]
+        started.append(args)
+        _main_ends(monkeypatch, capsys, args)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(launch.subprocess, "run", point)
+    assert launch.main(["sweep=rank_lr", "experiment=demo", "adapter.rank=4,8", "optim.lr=1e-3",
+                        "trainer.max_steps=1", "callbacks.progress=null", f"paths.root_dir={tmp_path}",
+                        f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data"]) == 0
+    assert len(started) == 2
     for i, rank in enumerate((4, 8)):
-        run = tmp_path / "outputs" / "sweeps" / "rank_lr" / str(i)
-        status = json.loads((run / "status.json").read_text())
-        assert status["world_size"] == 2 and status["state"] == "finished" and status["replicas_in_sync"] is True
-        assert sorted(f.name for f in (run / "lora" / "final").iterdir()) == ["tiny_lora_comfyui.safetensors",
-                                                                              "tiny_lora_diffusers.safetensors"]
-        assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
-        assert f"rank: {rank}" in (run / "config.yaml").read_text() and f"alpha: {rank}" in (run / "config.yaml").read_text()
+        _assert_point(tmp_path, i, rank, world_size=1)
     rows = (tmp_path / "outputs" / "sweeps" / "rank_lr" / "summary.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[0].startswith("adapter.rank,")  # the same summary as a Hydra multirun
+
+
+def _assert_point(root, i: int, rank: int, world_size: int) -> None:
+    """Point i of the rank_lr sweep under root ran to its end with adapter.rank=rank (alpha tied to it)."""
+    run = root / "outputs" / "sweeps" / "rank_lr" / str(i)
+    status = json.loads((run / "status.json").read_text())
+    assert status["world_size"] == world_size and status["state"] == "finished"
+    assert status["replicas_in_sync"] is (True if world_size > 1 else None)  # None: one process, nothing to compare
+    assert sorted(f.name for f in (run / "lora" / "final").iterdir()) == ["tiny_lora_comfyui.safetensors",
+                                                                          "tiny_lora_diffusers.safetensors"]
+    assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
+    assert f"rank: {rank}" in (run / "config.yaml").read_text() and f"alpha: {rank}" in (run / "config.yaml").read_text()
