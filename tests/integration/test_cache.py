@@ -173,10 +173,11 @@ def test_loader_benchmark_reports_both_paths(shared_dir, tmp_path):
 
 
 def test_bf16_cache_stores_the_fp32_latents_rounded(shared_dir, tmp_path):
-    build_cache(_cfg(shared_dir, tmp_path / "fp32"))
-    build_cache(_cfg(shared_dir, tmp_path / "bf16", "data.cache_dtype=bf16"))
-    _, full = _datamodule(_cfg(shared_dir, tmp_path / "fp32"))
-    _, half = _datamodule(_cfg(shared_dir, tmp_path / "bf16", "data.cache_dtype=bf16"))
+    one = "data.max_samples=1"  # the sample compared below; each cached sample is a VAE encode
+    build_cache(_cfg(shared_dir, tmp_path / "fp32", one))
+    build_cache(_cfg(shared_dir, tmp_path / "bf16", one, "data.cache_dtype=bf16"))
+    _, full = _datamodule(_cfg(shared_dir, tmp_path / "fp32", one))
+    _, half = _datamodule(_cfg(shared_dir, tmp_path / "bf16", one, "data.cache_dtype=bf16"))
     a, b = full.dataset[0], half.dataset[0]
     assert b["latents"].dtype == torch.bfloat16 and torch.equal(b["latents"], a["latents"].to(torch.bfloat16))
     assert torch.equal(a["text"], b["text"])
