@@ -215,3 +215,36 @@ class StepTimer(Callback):
             self.mean_s = (time.perf_counter() - self.t0) / self.steps
             print(f"wanexp-timer: steps {self.start + 1}-{self.start + self.steps} mean {1000 * self.mean_s:.1f} ms",
                   flush=True)
+
+
+class CliRun:
+    """``python train.py ARGS`` started as tests.conftest.run_cli starts it, without waiting for it: for runs of a
+    test that do not depend on each other (a multi-process run leaves a core idle while its later ranks import and
+    while its processes exit). Its stdout and stderr go to files in ``folder``; ``result()`` waits for it."""
+
+    def __init__(self, args: list[str], folder, env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        from tests.conftest import ROOT
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = folder / "stdout.txt", folder / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=out,
+                                         stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+
+    def result(self, timeout: float = 300):
+        """The finished run as a subprocess.CompletedProcess (returncode, stdout, stderr); killed past ``timeout``."""
+        import subprocess
+
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return subprocess.CompletedProcess(self.proc.args, code, self.out.read_text(), self.err.read_text())

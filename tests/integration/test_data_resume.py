@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import compose_cfg, run_cli
+from tests.helpers import CliRun
 from tests.integration.conftest import tiny_run
+from wanexp.data.synthetic import make_demo_dataset
 
 RECORD = ["+callbacks.recorder._target_=tests.helpers.BatchRecorder", "callbacks.checkpoint.every_n_train_steps=1"]
 
@@ -143,21 +145,32 @@ def test_resume_mid_epoch_under_ddp_gives_each_rank_its_unseen_batches(shared_di
               "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "callbacks.progress=null",
               "callbacks.checkpoint.every_n_train_steps=1", "+callbacks.recorder._target_=tests.helpers.BatchRecorder"]
 
+    def args(out, log, steps, *extra):
+        return [*common, f"paths.output_dir={out}", f"+callbacks.recorder.path={log}", f"trainer.max_steps={steps}",
+                *extra]
+
     def run(out, log, steps, *extra, code=0):
-        res = run_cli([*common, f"paths.output_dir={out}", f"+callbacks.recorder.path={log}",
-                       f"trainer.max_steps={steps}", *extra], timeout=600)
+        res = run_cli(args(out, log, steps, *extra), timeout=600)
         assert res.returncode == code, res.stderr[-3000:]
 
     def read(log, rank):
         return [json.loads(line)["index"] for line in open(f"{log}.rank{rank}")]
 
-    run(tmp_path / "full", tmp_path / "full.jsonl", 6)  # 16 clips / (2 ranks x 2) = 4 batches per epoch
-    status = json.loads((tmp_path / "full" / "status.json").read_text())
-    assert status["state"] == "finished" and status["step"] == 6 and status["replicas_in_sync"] is True
+    # the clips first, as the runs' datamodule would generate them (both runs below read them), then the
+    # uninterrupted run and the cut one side by side
+    data = compose_cfg(common).data
+    make_demo_dataset(Path(data.metadata).parent, **dict(data.generate))
+    full = CliRun(args(tmp_path / "full", tmp_path / "full.jsonl", 6), tmp_path / "full_log")
     # cut by a SIGUSR1 that only rank 1 receives, late in step 2 (after the step-end check): rank 1 sees it at step
     # 3's end, where the flag is all-reduced; the ranks read the result at step 4's end, both save step 4 and stop
-    run(tmp_path / "cut", tmp_path / "cut.jsonl", 6, "+callbacks.zz_signal._target_=tests.helpers.SignalAtStep",
-        "+callbacks.zz_signal.step=2", "+callbacks.zz_signal.signum=10", "+callbacks.zz_signal.rank=1", code=138)
+    signal = ["+callbacks.zz_signal._target_=tests.helpers.SignalAtStep", "+callbacks.zz_signal.step=2",
+              "+callbacks.zz_signal.signum=10", "+callbacks.zz_signal.rank=1"]
+    cut = CliRun(args(tmp_path / "cut", tmp_path / "cut.jsonl", 6, *signal), tmp_path / "cut_log")
+    full, cut = full.result(timeout=600), cut.result(timeout=600)
+    assert full.returncode == 0, full.stderr[-3000:]
+    status = json.loads((tmp_path / "full" / "status.json").read_text())  # 16 clips / (2 ranks x 2): 4 batches/epoch
+    assert status["state"] == "finished" and status["step"] == 6 and status["replicas_in_sync"] is True
+    assert cut.returncode == 138, cut.stderr[-3000:]
     status = json.loads((tmp_path / "cut" / "status.json").read_text())
     assert status["state"] == "interrupted" and status["signal"] == "SIGUSR1" and status["step"] == 4
     assert len(read(tmp_path / "cut.jsonl", 0)) == len(read(tmp_path / "cut.jsonl", 1)) == 4

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import compose_cfg, run_cli, run_cli_batch
+from tests.conftest import compose_cfg, run_cli
+from tests.helpers import CliRun
 from wanexp.train import run
 
 FAULTS = str(Path(__file__).resolve().parents[1] / "faults")
@@ -61,13 +62,14 @@ def test_fsdp_with_checkpointing_and_bf16_trains_and_resumes(shared_dir, tmp_pat
 def test_sequence_parallel_trains_the_one_process_lora(shared_dir, tmp_path):
     common = ["model.gradient_checkpointing=true", "optim.lr=1e-2", "trainer.max_steps=3"]
     one, two = tmp_path / "one", tmp_path / "sp2"
-    run(compose_cfg(_base(shared_dir, one) + common))  # the one-process reference, in this process
     # with load turns (free host memory reported as 1 byte): the sequence groups are made by every rank, outside
     # the turns (a rank making them inside its turn waited for the others, who waited for its turn to end)
-    res = run_cli(_base(shared_dir, two) + common + [
+    sp2 = CliRun(_base(shared_dir, two) + common + [
         "parallel=fsdp", "parallel.strategy.param_dtype=fp32", "parallel.sp_size=2", "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        "parallel.strategy.timeout_s=60"], timeout=300, env={"PYTHONPATH": FAULTS, "WANEXP_TEST_FREE_HOST_BYTES": "1"})
+        "trainer.devices=2", "parallel.strategy.timeout_s=60"], tmp_path / "sp2_log",
+        env={"PYTHONPATH": FAULTS, "WANEXP_TEST_FREE_HOST_BYTES": "1"})
+    run(compose_cfg(_base(shared_dir, one) + common))  # the one-process reference, here while sp2 starts
+    res = sp2.result(timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "1 data-parallel rank(s) of 2 device(s) each" in res.stdout
     assert "loading the base in 2 turns of 1 rank(s) per node" in res.stdout
@@ -119,17 +121,59 @@ SP_REFUSED = [
 ]
 
 
-def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path):
-    """Each row as python train.py's entry in one fresh process (tests.conftest.run_cli_batch): both checks run in
-    the launching process, before Lightning starts the others."""
-    results = run_cli_batch([_base(shared_dir, tmp_path / f"run{sp}", steps=2) + [
-        "parallel=ddp", f"parallel.sp_size={sp}", "trainer.accelerator=cpu", f"trainer.devices={sp}", *extra]
-        for sp, extra, _ in SP_REFUSED], tmp_path / "batch", timeout=120)
-    for (sp, _, message), res in zip(SP_REFUSED, results):
-        assert res["returncode"] == 2, (sp, res["stderr"][-2000:])
-        lines = [ln for ln in res["stderr"].splitlines() if ln.strip()]
-        assert len(lines) == 1 and message in lines[0], res["stderr"][-2000:]
-        assert "Loading" not in res["stdout"] + res["stderr"] and "Traceback" not in res["stderr"]
+def _cli_here(monkeypatch, capsys, args: list[str]) -> tuple[object, str, str]:
+    """``python train.py ARGS``'s entry (wanexp.train.main) in this process, for a command refused before Lightning
+    starts: its exit code, stdout and stderr. As in a fresh process, each warning prints to stderr (pytest would
+    collect it) under Python's default filters and the entry's own, shown anew; what the run sets in os.environ
+    (HYDRA_FULL_ERROR, parallel.env) is undone. A command that reaches Lightning's launcher raises there (exit 1,
+    a traceback) instead of starting ranks from this process."""
+    import os
+    import sys
+    import warnings
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from wanexp.train import main, quiet_warnings
+
+    def launch(*_, **__):
+        raise RuntimeError("the command reached Lightning's launcher: it was not refused before the ranks start")
+
+    monkeypatch.setattr("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher.launch",
+                        launch)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    environ, code = dict(os.environ), 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+            warnings.simplefilter("ignore", category)  # python's defaults (the last added comes first)
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        quiet_warnings()
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(message, category, filename, lineno, line))
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            GlobalHydra.instance().clear()
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loading(shared_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Each row through python train.py's entry in this process: both checks run in the launching process, before
+    Lightning starts the others (so no process of its own is needed)."""
+    for sp, extra, message in SP_REFUSED:
+        code, out, err = _cli_here(monkeypatch, capsys, _base(shared_dir, tmp_path / f"run{sp}", steps=2) + [
+            "parallel=ddp", f"parallel.sp_size={sp}", "trainer.accelerator=cpu", f"trainer.devices={sp}", *extra])
+        assert code == 2, (sp, err[-2000:])
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and message in lines[0], err[-2000:]
+        assert "Loading" not in out + err and "Traceback" not in err
 
 
 def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tmp_path):
