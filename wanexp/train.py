@@ -410,9 +410,8 @@ def skip_exit_collection() -> None:
     alive out of reach of the interpreter's last garbage collection: it walks every object torch, diffusers and
     Lightning made, 2-3 s per process and rank on the CPU dev machines. Nothing a run keeps waits for it: status,
     checkpoints, LoRA files and the lock are written and closed explicitly before the process ends."""
-    if not getattr(skip_exit_collection, "registered", False):
-        atexit.register(gc.freeze)
-        skip_exit_collection.registered = True
+    atexit.unregister(gc.freeze)  # registered once, also when main runs several times in one process
+    atexit.register(gc.freeze)
 
 
 def main(task=None) -> None:

@@ -91,4 +91,5 @@ def _assert_point(root, i: int, rank: int, world_size: int) -> None:
     assert sorted(f.name for f in (run / "lora" / "final").iterdir()) == ["tiny_lora_comfyui.safetensors",
                                                                           "tiny_lora_diffusers.safetensors"]
     assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
-    assert f"rank: {rank}" in (run / "config.yaml").read_text() and f"alpha: {rank}" in (run / "config.yaml").read_text()
+    config = (run / "config.yaml").read_text()
+    assert f"rank: {rank}" in config and f"alpha: {rank}" in config

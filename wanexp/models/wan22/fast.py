@@ -231,7 +231,8 @@ def checkpointed_call(block: nn.Module, *args):
 def to_host(x: torch.Tensor) -> torch.Tensor:
     """``x`` copied into pinned host memory, the copy in autograd's graph (its gradient flows back to ``x``); a CPU
     tensor as it is. The device-to-host copy is queued on the current stream, not waited for: only the same stream's
-    host-to-device copy in the recompute reads it, and the source's memory is reused only by later work on that stream."""
+    host-to-device copy in the recompute reads it, and the source's memory is reused only by later work on that
+    stream."""
     if x.device.type == "cpu":
         return x
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
