@@ -210,16 +210,23 @@ def test_corrupt_clip_in_a_worker_fails_with_one_line(shared_dir, tmp_path, monk
     assert "2 of 2 samples rejected" in errors[0] and "broken.mp4: cannot open video" in errors[0], errors[0]
 
 
-def _main(monkeypatch, capsys, args: list[str]) -> tuple[int, list[str]]:
-    """``python train.py ARGS`` in this process (wanexp.train.main with sys.argv patched): exit code, stderr lines."""
+def _entry(monkeypatch, capsys, args: list[str]):
+    """wanexp.train.main set up to run ``python train.py ARGS`` in this process (sys.argv patched, output so far
+    read away, HYDRA_FULL_ERROR restored unset after the test: main sets it for Hydra)."""
     import sys
 
     from wanexp.train import main
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    monkeypatch.delenv("HYDRA_FULL_ERROR")  # main sets it for Hydra; restored unset after the test
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
     monkeypatch.setattr(sys, "argv", ["train.py", *args])
     capsys.readouterr()
+    return main
+
+
+def _main(monkeypatch, capsys, args: list[str]) -> tuple[int, list[str]]:
+    """``python train.py ARGS`` in this process, a run that exits: exit code, stderr lines."""
+    main = _entry(monkeypatch, capsys, args)
     with pytest.raises(SystemExit) as e:
         main()
     return e.value.code, capsys.readouterr().err.strip().splitlines()
@@ -228,15 +235,7 @@ def _main(monkeypatch, capsys, args: list[str]) -> tuple[int, list[str]]:
 def _main_ends(monkeypatch, capsys, args: list[str], stream: str = "both") -> str:
     """``python train.py ARGS`` in this process, a run that must end normally (an exit fails the test): what it
     wrote to stdout (``stream="out"``) or to both stdout and stderr."""
-    import sys
-
-    from wanexp.train import main
-
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    monkeypatch.delenv("HYDRA_FULL_ERROR")  # main sets it for Hydra; restored unset after the test
-    monkeypatch.setattr(sys, "argv", ["train.py", *args])
-    capsys.readouterr()
-    main()
+    _entry(monkeypatch, capsys, args)()
     out = capsys.readouterr()
     return out.out if stream == "out" else out.out + out.err
 
