@@ -133,16 +133,16 @@ def _cli_here(monkeypatch, capsys, args: list[str]) -> tuple[object, str, str]:
 
     from hydra.core.global_hydra import GlobalHydra
 
-    from wanexp.train import main, quiet_warnings
+    from tests.integration.test_cli_runs import _entry
+    from wanexp.train import quiet_warnings
 
     def launch(*_, **__):
         raise RuntimeError("the command reached Lightning's launcher: it was not refused before the ranks start")
 
     monkeypatch.setattr("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher.launch",
                         launch)
-    monkeypatch.setattr(sys, "argv", ["train.py", *args])
     environ, code = dict(os.environ), 0
-    capsys.readouterr()
+    main = _entry(monkeypatch, capsys, args)
     with warnings.catch_warnings():
         warnings.resetwarnings()
         for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
