@@ -127,6 +127,7 @@ boundary_ratio: null
 shift: 5.0
 hw_multiple: 16
 text_len: 16
+fps: 16
 gradient_checkpointing: false
 attention_backend: null
 first_frame_cond: 0.0

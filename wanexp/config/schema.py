@@ -57,6 +57,8 @@ class ModelConfig:
     shift: float = knob(MISSING, gt=0.0)
     hw_multiple: int = knob(MISSING, ge=1, doc="height/width must divide by this")
     text_len: int = knob(MISSING, ge=1)
+    fps: int = knob(MISSING, ge=1, doc="native frame rate: training clips are resampled to it (data.fps: null) and "
+                    "generated videos are written at it")
     gradient_checkpointing: bool = MISSING
     attention_backend: Optional[str] = MISSING  # checked against diffusers' dispatcher by the spec
     first_frame_cond: float = knob(MISSING, ge=0.0, le=1.0, doc="share trained image-to-video (optional first frame)")

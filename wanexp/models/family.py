@@ -88,6 +88,7 @@ class ModelSpec:
         shift: float,
         hw_multiple: int,
         text_len: int,
+        fps: int,
         gradient_checkpointing: bool,
         attention_backend: str | None,
         first_frame_cond: float,
@@ -111,6 +112,7 @@ class ModelSpec:
         self.shift = shift
         self.hw_multiple = hw_multiple
         self.text_len = text_len
+        self.fps = fps  # native frame rate: clips are resampled to it, generated videos written at it
         self.gradient_checkpointing = gradient_checkpointing
         self.attention_backend = attention_backend
         self.first_frame_cond = first_frame_cond
