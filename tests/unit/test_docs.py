@@ -97,3 +97,14 @@ def test_readme_links_point_at_built_pages_and_anchors(site):
         elif anchor and f'id="{anchor}"' not in html.read_text():
             bad.append(f"{page}#{anchor}")
     assert not bad, "README.md links to missing docs pages or anchors: " + ", ".join(bad)
+
+
+def test_model_folders_are_spelled_one_way():
+    """A folder the docs write (convert --dst) is the folder later commands read: paths that differ only in case
+    would send a user on a case-sensitive file system to a folder that does not exist."""
+    spellings: dict[str, set[str]] = {}
+    for text in cited_texts().values():
+        for path in re.findall(r"/models/[\w.-]+", text):
+            spellings.setdefault(path.lower(), set()).add(path)
+    mixed = {k: sorted(v) for k, v in spellings.items() if len(v) > 1}
+    assert not mixed, f"one folder, several spellings: {mixed}"
