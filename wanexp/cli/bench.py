@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from wanexp.errors import ConfigError, UserError
 from wanexp.models.family import EXPERT_FOLDERS
 from wanexp.models.wan22.layouts import MODELS
 from wanexp.perf import transformer_step_flops
@@ -499,6 +500,10 @@ def main(argv=None) -> list[dict]:
     unknown = [p for p in args.paths.split(",") if p not in PATHS] if args.paths not in (None, "all") else []
     if unknown:  # before any model is read
         ap.error(f"--paths: unknown path {unknown[0]!r} (one of {', '.join(PATHS)})")
+    folder = Path(args.model_path) / _folder(args.model)
+    if not (folder / "config.json").is_file():  # before any model is read
+        raise ConfigError(f"--model-path {args.model_path}: no {folder.name}/config.json there; point it at a local "
+                          f"diffusers-format {args.model} folder")
     if args.json:  # made now: the JSON is written after minutes of benchmarking
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if _dense(args.model):
@@ -670,9 +675,14 @@ def _sigma_range(args):
 
 
 def entry() -> None:
-    """The console command (wanexp-bench): main() returns its results for callers; a command returns nothing."""
-    main()
+    """The console command (wanexp-bench): main() returns its results for callers; a command returns nothing. Bad
+    input is one line and exit 2."""
+    try:
+        main()
+    except UserError as e:
+        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    entry()
