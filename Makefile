@@ -3,6 +3,9 @@
 # make test: set up .venv (first time) and run the test suite.
 # make docs: build the documentation site (docs/, mkdocs.yml) into site/.
 # make setup: only the .venv, with wanexp installed editable (wanexp-train, wanexp-status, ... in .venv/bin).
+# make setup TORCH_CUDA=cu126: torch (requirements.lock's version) as PyTorch's CUDA 12.6 build, from its own index,
+# before the lock: the build for V100s (sm_70), which PyPI's CUDA 13 builds lack (docs/memory.md). Any PyTorch CUDA
+# variant name works (cu128, ...); on an existing .venv it replaces the installed torch.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,10 +14,14 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test setup docs clean
 
 PACKAGE := $(VENV)/.wanexp-installed
+TORCH_CUDA ?=
+TORCH_PIN := torch==$(shell sed -n 's/^torch==//p' requirements.lock)+$(TORCH_CUDA) \
+	--index-url https://download.pytorch.org/whl/$(TORCH_CUDA)
 
 $(STAMP): requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_CUDA),$(PY) -m pip install -q $(TORCH_PIN))
 	$(PY) -m pip install -q -r requirements.lock
 	touch $(STAMP)
 
@@ -24,6 +31,7 @@ $(PACKAGE): $(STAMP) pyproject.toml
 	touch $(PACKAGE)
 
 setup: $(PACKAGE)
+	$(if $(TORCH_CUDA),$(PY) -m pip install -q $(TORCH_PIN))
 
 # The demo overfits two clips at a high lr so that its loss falls visibly in 30 steps, and samples the base model at
 # step 0 and the LoRA at the end (DIR/validation/strip.png); tests/integration/test_demo_learns.py reads this line.

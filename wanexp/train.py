@@ -206,6 +206,8 @@ def run(cfg: DictConfig) -> dict:
     check_config(cfg)
     for key, value in (cfg.parallel.env or {}).items():  # before CUDA/NCCL start; children inherit it
         os.environ.setdefault(str(key), str(value))
+    from wanexp.gpu_check import check_torch_build  # a GPU this torch build has no kernels for (V100 under CUDA 13)
+    check_torch_build(cfg.trainer.accelerator)
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
     prepare_model_folder(spec, cfg.boundary.name)
     check_paths(cfg)

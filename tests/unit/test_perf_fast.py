@@ -6,6 +6,7 @@ gets a gradient); the stock diffusers forward on a copy of the same weights is t
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -178,3 +179,70 @@ def test_checkpointed_blocks_use_the_compiled_checkpoint_only_where_it_applies(c
         t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)
         assert used == ["compiled" if case == "compiled" else "eager"] * 2
     assert (ckpt is getattr(t, "_wanexp_compiled_checkpoint", None)) == (case == "compiled")
+
+
+# ---- fp16 (model.dtype=fp16, the V100 path): the residual stream in fp32 --------------------------------------------
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+
+
+def large_residual_transformer(dtype: torch.dtype):
+    """The tiny DiT with its frozen base weights in ``dtype`` (LoRA parameters fp32, as a run loads them) and block
+    0's feed-forward output (x 10) and gate (3e4) scaled: block 0 leaves residual values of order 1e5, a trained DiT's
+    range, past fp16's largest value while every weight and matmul output still fits fp16."""
+    t = tiny_transformer()
+    with torch.no_grad():
+        t.blocks[0].ffn.net[2].base_layer.weight *= 10
+        t.blocks[0].scale_shift_table[:, 5] = 3e4  # c_gate_msa
+        for p in t.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
+    return fast.use_frame_modulation(t)
+
+
+def block0_peak(t, hidden, timestep, text) -> tuple[torch.Tensor, float]:
+    """The model's output and the largest |value| block 0 hands to block 1."""
+    seen = []
+    handle = t.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().float().abs().max().item()))
+    try:
+        out = t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    finally:
+        handle.remove()
+    return out, seen[0]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp16-weights", "fp16-weights+16-mixed-autocast"])
+def test_fp16_keeps_a_residual_past_fp16s_range_finite(autocast):
+    """model.dtype=fp16 (and trainer.precision=16-mixed): residual values of order 1e5 stay finite (fp32 residual
+    stream, as Wan2.2's block), and the output and LoRA gradients match the fp32 computation of the same weights."""
+    hidden, timestep, text = ti2v_batch(2, [True, False])
+    ref = large_residual_transformer(torch.float32)
+    ref_out, ref_peak = block0_peak(ref, hidden, timestep, text)
+    assert FP16_MAX < ref_peak < 1e6  # the real-scale range this test is about
+    t = large_residual_transformer(torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        out, peak = block0_peak(t, hidden.half(), timestep, text.half())
+        (out.float() ** 2).mean().backward()
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert peak > FP16_MAX and math.isfinite(peak)
+    assert rel(out.float(), ref_out) < 1e-2, rel(out.float(), ref_out)
+    grads = [p.grad for p in t.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bf16_and_fp32_forwards_are_diffusers_bit_for_bit(dtype):
+    """The fp32 residual is fp16's alone: in fp32 and bf16 the forward (scalar timestep: the same time embedding GEMM)
+    and its LoRA gradients equal diffusers' stock forward bit for bit."""
+    stock = tiny_transformer(channels=16)
+    for p in stock.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+    quick = fast.use_frame_modulation(copy.deepcopy(stock))
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 16, 3, 4, 6, generator=g).to(dtype)
+    text = torch.randn(2, 7, TINY["text_dim"], generator=g).to(dtype)
+    timestep = torch.tensor([900.0, 120.0])
+    ref, ref_g = output_and_grads(stock, hidden, timestep, text)
+    out, grads = output_and_grads(quick, hidden, timestep, text)
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert set(grads) == set(ref_g) and all(torch.equal(grads[n], ref_g[n]) for n in ref_g)

@@ -75,6 +75,10 @@ def check_rules(cfg: DictConfig) -> None:
         if m.dtype == "bf16":
             raise ConfigError("trainer.precision=16-mixed with model.dtype=bf16: fp16 autocast over bf16 weights "
                               "mixes the two formats; set model.dtype=fp16 (V100: no fast bf16) or fp32")
+    if (str(t.precision) == "16-mixed" or m.dtype == "fp16") and not m.fast_modulation:  # fast.stream_dtypes
+        raise ConfigError("model.fast_modulation=false with fp16 compute: diffusers' block keeps the residual stream "
+                          "in fp16, where a trained DiT's values overflow; set model.fast_modulation=true (wanexp's "
+                          "forward keeps it in fp32)")
     if m.fp8:  # models/fp8.py: FP8 buffers, a bf16 GEMM output
         if p.name in ("fsdp", "deepspeed"):
             raise ConfigError(f"model.fp8=true with parallel={p.name}: the FP8 weights are not sharded (FSDP would "

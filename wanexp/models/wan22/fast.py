@@ -33,15 +33,29 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, groups, l // groups, d)
 
 
+def stream_dtypes(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(compute, residual): the dtype of the attention and feed-forward inputs and that of the residual stream.
+
+    Under fp16 compute (the text states, which the blocks' matmuls read, are fp16) the residual stream is fp32, as in
+    Wan2.2's own block (``x = x + y * e`` in fp32): a trained DiT's residual values pass fp16's largest, 65504.
+    Otherwise both are the stream's own dtype (bf16, fp32), as in diffusers' block."""
+    if encoder_hidden_states.dtype == torch.float16:
+        return torch.float16, torch.float32
+    return hidden_states.dtype, hidden_states.dtype
+
+
 def block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                   rotary_emb) -> torch.Tensor:
     """A WanTransformerBlock forward whose modulation ``temb`` is (B, G, 6, D): one row per group of L/G consecutive
     tokens (G = latent frames, or 1 for a scalar timestep; diffusers' (B, 6, D) is taken as G = 1). With G = L this is
-    diffusers' per-token forward; the elementwise operations are the same in the same order."""
+    diffusers' per-token forward; the elementwise operations are the same in the same order. Under fp16 the residual
+    stream it takes and returns is fp32 (:func:`stream_dtypes`); in bf16 and fp32 every operation is diffusers'."""
     if temb.ndim == 3:
         temb = temb.unsqueeze(1)
     b, l, d = hidden_states.shape
     g = temb.shape[1]
+    compute, residual = stream_dtypes(hidden_states, encoder_hidden_states)
+    hidden_states = hidden_states.to(residual)
     # (1, 1, 6, D) + (B, G, 6, D) -> six (B, G, 1, D) views
     mod = (self.scale_shift_table.unsqueeze(0) + temb.float()).unsqueeze(2)
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mod.unbind(3)
@@ -53,17 +67,17 @@ def block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torc
         return (_grouped(x, g) + _grouped(y, g) * gate).view(b, l, d)
 
     # 1. self-attention
-    norm_hidden_states = modulate(self.norm1(hidden_states.float()), scale_msa, shift_msa).type_as(hidden_states)
+    norm_hidden_states = modulate(self.norm1(hidden_states.float()), scale_msa, shift_msa).to(compute)
     attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
-    hidden_states = gated_add(hidden_states.float(), attn_output, gate_msa).type_as(hidden_states)
+    hidden_states = gated_add(hidden_states.float(), attn_output, gate_msa).to(residual)
     # 2. cross-attention
-    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    norm_hidden_states = self.norm2(hidden_states.float()).to(compute)
     attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     hidden_states = hidden_states + attn_output
     # 3. feed-forward
-    norm_hidden_states = modulate(self.norm3(hidden_states.float()), c_scale_msa, c_shift_msa).type_as(hidden_states)
+    norm_hidden_states = modulate(self.norm3(hidden_states.float()), c_scale_msa, c_shift_msa).to(compute)
     ff_output = self.ffn(norm_hidden_states)
-    return gated_add(hidden_states.float(), ff_output.float(), c_gate_msa).type_as(hidden_states)
+    return gated_add(hidden_states.float(), ff_output.float(), c_gate_msa).to(residual)
 
 
 def frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
@@ -137,7 +151,8 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     g = temb.shape[1]
     bl, d = hidden_states.shape[:2], hidden_states.shape[2]
     norm = _grouped(self.norm_out(hidden_states.float()), g)
-    hidden_states = (norm * (1 + scale) + shift).view(*bl, d).type_as(hidden_states)
+    compute = stream_dtypes(hidden_states, encoder_hidden_states)[0]  # fp16 from the fp32 residual stream of fp16
+    hidden_states = (norm * (1 + scale) + shift).view(*bl, d).to(compute)
     hidden_states = self.proj_out(hidden_states)
     if sp is not None:
         hidden_states = sequence.gather(hidden_states, sp)
