@@ -38,6 +38,35 @@ def test_sigma_sqrt_is_finite_at_a_clean_sample():
     assert float(loss_weight(torch.tensor([0.0]), "sigma_sqrt")) == pytest.approx(SIGMA_FLOOR**-2)
 
 
+def _diffsynth_training_weights(shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DiffSynth-Studio's FlowMatchScheduler in training (its Wan template, 1000 steps), written out: the sigmas
+    linspace(1, 0, 1001)[:-1] shifted, timesteps t = 1000 sigma, y = exp(-2 ((t - 500) / 1000)^2), less its minimum,
+    times 1000 / its sum. Returns (sigmas, weights)."""
+    sigmas = torch.linspace(1, 0, 1001, dtype=torch.float64)[:-1]
+    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    t = sigmas * 1000
+    y = torch.exp(-2 * ((t - 500) / 1000) ** 2)
+    y = y - y.min()
+    return sigmas, y * (1000 / y.sum())
+
+
+@pytest.mark.parametrize("shift", [1.0, 5.0, 12.0])
+def test_gaussian_is_diffsynth_s_training_weight(shift):
+    sigmas, want = _diffsynth_training_weights(shift)
+    got = loss_weight(sigmas, "gaussian", shift)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-7)
+    assert float(got.double().mean()) == pytest.approx(1.0, abs=1e-6)  # mean 1 over the training timesteps
+    assert float(got[0]) == 0.0  # pure noise (sigma 1) weighs nothing
+    between = torch.tensor([0.2, 0.5, 0.8])
+    w = loss_weight(between, "gaussian", shift)
+    assert w[1] > w[0] and w[1] > w[2] and w[0] == pytest.approx(float(w[2]))  # a bell at sigma 0.5
+
+
+def test_gaussian_needs_the_shift():
+    with pytest.raises(ValueError, match="shift"):
+        loss_weight(SIGMAS, "gaussian")
+
+
 @dataclass
 class _Batch:
     x0: torch.Tensor
@@ -63,9 +92,9 @@ class _Denoiser:
         return 0
 
 
-@pytest.mark.parametrize("scheme", ["none", "sigma_sqrt", "cosmap"])
+@pytest.mark.parametrize("scheme", ["none", "sigma_sqrt", "cosmap", "gaussian"])
 def test_flow_matching_loss_is_the_weighted_mean(scheme):
-    fm = FlowMatching(name="fm", timestep={"sampling": "uniform", "shift": 1.0, "logit_mean": 0.0, "logit_std": 1.0},
+    fm = FlowMatching(name="fm", timestep={"sampling": "uniform", "shift": 3.0, "logit_mean": 0.0, "logit_std": 1.0},
                       weighting=scheme)
     x0 = torch.randn(4, 2, 1, 2, 2, generator=torch.Generator().manual_seed(0))
     batch, den = _Batch(x0=x0, text=torch.zeros(4, 3, 8)), _Denoiser()
@@ -74,6 +103,15 @@ def test_flow_matching_loss_is_the_weighted_mean(scheme):
     sigma = fm.sample_sigmas(4, 0.0, 1.0, generator=g)
     noise = torch.randn(x0.shape, generator=g)
     per_sample = ((noise - x0) ** 2).mean(dim=(1, 2, 3, 4))
-    assert torch.allclose(out.loss, (per_sample * loss_weight(sigma, scheme)).mean(), rtol=1e-5)
+    assert torch.allclose(out.loss, (per_sample * loss_weight(sigma, scheme, 3.0)).mean(), rtol=1e-5)
     if scheme != "none":  # the weighting changed the loss: the check is not the unweighted mean again
         assert not torch.allclose(out.loss, per_sample.mean(), rtol=1e-3)
+
+
+def test_gaussian_weighting_is_wired_from_the_config():
+    from tests.conftest import compose_cfg
+    from wanexp.train import build
+
+    cfg = compose_cfg(["experiment=demo", "objective.weighting=gaussian"])
+    fm = build(cfg.objective)
+    assert fm.weighting == "gaussian" and fm.shift == cfg.model.shift

@@ -18,7 +18,7 @@ def test_shift_matches_formula_and_inverts():
     assert shift_sigma(0.5, 5.0) == pytest.approx(5 * 0.5 / (1 + 4 * 0.5))
 
 
-@pytest.mark.parametrize("scheme", ["uniform", "logit_normal"])
+@pytest.mark.parametrize("scheme", ["uniform", "logit_normal", "mode"])
 @pytest.mark.parametrize("lo,hi", [(0.875, 1.0), (0.0, 0.875), (0.0, 1.0)])
 def test_samples_stay_in_the_boundary_range(scheme, lo, hi):
     g = torch.Generator().manual_seed(0)
@@ -45,6 +45,57 @@ def test_logit_normal_matches_its_distribution_and_truncates_exactly():
     # truncated to the high range: the fraction that fell there untruncated is tiny, yet all samples land there
     s_hi = sample_sigmas(1000, lo=0.9, hi=1.0, shift=1.0, scheme="logit_normal", generator=g)
     assert (s_hi >= 0.9).all()
+
+
+def _ks(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    grid = torch.cat([a, b]).double().sort().values
+    cdf = [torch.searchsorted(x.double().sort().values, grid, right=True) / len(x) for x in (a, b)]
+    return float((cdf[0] - cdf[1]).abs().max())
+
+
+def test_mode_is_diffusers_mode_density():
+    """The reference: diffusers' training_utils.compute_density_for_timestep_sampling("mode", mode_scale=s) (SD3's
+    f_mode, musubi-tuner's too): the same map of the same uniform draws, and sample_sigmas draws its distribution
+    (before the shift; the shift then applies as to any scheme)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling as density
+
+    from wanexp.objectives.timesteps import mode_sigma
+
+    for scale in (1.29, 0.0, -0.5, 1.75):
+        want = density("mode", 1000, mode_scale=scale, generator=torch.Generator().manual_seed(3))
+        u = torch.rand(1000, generator=torch.Generator().manual_seed(3))
+        assert torch.allclose(mode_sigma(u, scale), want, atol=1e-6)
+    ref = density("mode", 20000, mode_scale=1.29, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(5)
+    for shift in (1.0, 5.0):
+        s = sample_sigmas(20000, lo=0.0, hi=1.0, shift=shift, scheme="mode", mode_scale=1.29, generator=g)
+        assert _ks(unshift_sigma(s.double(), shift), ref) < 0.02  # the 0.1 % critical value is 0.0195
+    uniform = sample_sigmas(20000, lo=0.0, hi=1.0, shift=1.0, scheme="uniform", generator=g)
+    assert _ks(ref, uniform) > 0.05  # the check tells the mode density from the uniform one
+
+
+def test_mode_truncated_to_a_boundary_is_the_conditional_distribution():
+    """Inside an expert's range (shifted sigma in [0.875, 1] at shift 12, the A14B high-noise expert): exactly the
+    mode draws that land there, as diffusers' draws kept where they land in it."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling as density
+
+    ref = shift_sigma(density("mode", 400000, mode_scale=1.29, generator=torch.Generator().manual_seed(6)), 12.0)
+    for lo, hi in ((0.875, 1.0), (0.0, 0.875)):
+        kept = ref[(ref >= lo) & (ref <= hi)]
+        s = sample_sigmas(20000, lo=lo, hi=hi, shift=12.0, scheme="mode", mode_scale=1.29,
+                          generator=torch.Generator().manual_seed(7))
+        assert len(kept) > 20000 and _ks(s, kept) < 0.02
+
+
+def test_mode_sampling_is_wired_from_the_config():
+    from tests.conftest import compose_cfg
+    from wanexp.train import build
+
+    cfg = compose_cfg(["experiment=demo", "objective.timestep.sampling=mode", "objective.timestep.mode_scale=0.5"])
+    fm = build(cfg.objective)
+    assert (fm.sampling, fm.mode_scale) == ("mode", 0.5)
+    assert compose_cfg(["experiment=demo"]).objective.timestep.mode_scale == 1.29  # diffusers' and musubi's default
 
 
 def test_bad_scheme_and_range_raise():

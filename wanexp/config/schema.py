@@ -24,8 +24,9 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # config na
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32", "32-true")  # 16-mixed: pre-Ampere GPUs (V100)
 BOUNDARIES = ("full", "high", "low")
 EXPERTS = ("dense", "high", "low")
-TIMESTEP_SAMPLING = ("uniform", "logit_normal")
-LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # flow matching; SD3 / diffusers / musubi-tuner names
+TIMESTEP_SAMPLING = ("uniform", "logit_normal", "mode")  # SD3 / diffusers / musubi-tuner names
+LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap", "gaussian")  # flow matching; SD3 / diffusers / musubi-tuner
+# names, and DiffSynth-Studio's training weight (gaussian)
 SCHEDULERS = ("constant", "cosine", "linear")
 LR_SCALING = ("none", "linear", "sqrt")
 PARALLEL = ("single", "ddp", "fsdp", "deepspeed")
@@ -118,6 +119,8 @@ class TimestepConfig:
     shift: float = knob(MISSING, gt=0.0)
     logit_mean: float = MISSING
     logit_std: float = knob(MISSING, gt=0.0)
+    mode_scale: float = knob(1.29, ge=-1.0, le=1.75, doc="sampling=mode: its scale s (SD3; > 0 favours mid noise; "
+                             "monotone up to 2/(pi-2) = 1.75)")
 
 
 @dataclass

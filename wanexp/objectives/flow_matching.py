@@ -1,14 +1,15 @@
 """Wan2.2 rectified-flow objective: x_t = (1-s)*x0 + s*eps, target v = eps - x0, MSE."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
 import torch
 
-from wanexp.config.schema import FlowMatchingConfig
+from wanexp.config.schema import FlowMatchingConfig, TimestepConfig
 from wanexp.objectives.base import Objective, ObjectiveOutput
-from wanexp.objectives.timesteps import sample_sigmas
+from wanexp.objectives.timesteps import sample_sigmas, shift_sigma
 
 
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -32,14 +33,30 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | No
 
 
 SIGMA_FLOOR = 1e-4  # sigma_sqrt's 1/sigma^2 at a sigma of 0 (a clean sample) would be infinite
+TRAIN_TIMESTEPS = 1000  # DiffSynth-Studio's training schedule: unshifted sigmas 1, 0.999, ..., 0.001, shifted
 
 
-def loss_weight(sigma: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Per-sample loss weight at the (shifted) noise level ``sigma`` (``objective.weighting``), the schemes of SD3
+def gaussian_bell(sigma: torch.Tensor) -> torch.Tensor:
+    """exp(-2 (t - 500)^2 / 1000^2) at t = 1000 sigma, less its least value on [0, 1] (exp(-1/2), at sigma 1)."""
+    return torch.exp(-2 * (sigma - 0.5) ** 2) - math.exp(-0.5)
+
+
+@functools.lru_cache(maxsize=8)
+def gaussian_mean(shift: float) -> float:
+    """The mean of :func:`gaussian_bell` over DiffSynth-Studio's training schedule at ``shift``."""
+    u = 1 - torch.arange(TRAIN_TIMESTEPS, dtype=torch.float64) / TRAIN_TIMESTEPS
+    return float(gaussian_bell(shift_sigma(u, shift)).mean())
+
+
+def loss_weight(sigma: torch.Tensor, scheme: str, shift: float | None = None) -> torch.Tensor:
+    """Per-sample loss weight at the (shifted) noise level ``sigma`` (``objective.weighting``). The schemes of SD3
     (Esser et al. 2024) as diffusers' ``compute_loss_weighting_for_sd3`` and musubi-tuner's ``--weighting_scheme``
     name them: ``none`` 1; ``sigma_sqrt`` 1/sigma^2 (sigma floored at SIGMA_FLOOR); ``cosmap``
     2 / (pi (1 - 2 sigma + 2 sigma^2)). Their ``logit_normal`` and ``mode`` shape the sigma draw instead
-    (``objective.timestep.sampling``)."""
+    (``objective.timestep.sampling``). And DiffSynth-Studio's training weight (its FlowMatchScheduler's):
+    ``gaussian`` :func:`gaussian_bell` scaled to a mean of 1 over its 1000 training timesteps at ``shift`` (the
+    timestep shift; needed by this scheme only), 0 at pure noise; taken at the drawn sigma, where DiffSynth takes
+    its nearest training timestep's."""
     s = sigma.float()
     if scheme == "none":
         return torch.ones_like(s)
@@ -47,6 +64,10 @@ def loss_weight(sigma: torch.Tensor, scheme: str) -> torch.Tensor:
         return s.clamp_min(SIGMA_FLOOR) ** -2.0
     if scheme == "cosmap":
         return 2.0 / (math.pi * (1 - 2 * s + 2 * s**2))
+    if scheme == "gaussian":
+        if shift is None:
+            raise ValueError("loss weighting gaussian: pass the timestep shift")
+        return (gaussian_bell(sigma.double()) / gaussian_mean(shift)).float()
     raise ValueError(f"unknown loss weighting {scheme!r}")  # the schema's choices are checked at composition
 
 
@@ -87,22 +108,24 @@ class FlowMatching(Objective):
     schema = FlowMatchingConfig
 
     def __init__(self, *, name: str, timestep: dict, weighting: str = "none"):
-        """``timestep``: sampling, shift, logit_mean, logit_std (config.schema.TimestepConfig); ``weighting``: the
-        per-sample loss weight (:func:`loss_weight`)."""
+        """``timestep``: sampling, shift, logit_mean, logit_std, mode_scale (config.schema.TimestepConfig; a missing
+        mode_scale is the schema's default); ``weighting``: the per-sample loss weight (:func:`loss_weight`)."""
         super().__init__(name)
         self.weighting = weighting
         self.sampling, self.shift = timestep["sampling"], float(timestep["shift"])
         self.logit_mean, self.logit_std = float(timestep["logit_mean"]), float(timestep["logit_std"])
+        self.mode_scale = float(timestep.get("mode_scale", TimestepConfig.mode_scale))
 
     def weighted_mean(self, per_sample: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """The batch's loss: per-sample losses times w(sigma), averaged (the loss_t metrics stay unweighted MSE)."""
         if self.weighting == "none":
             return per_sample.mean()
-        return (per_sample * loss_weight(sigma, self.weighting).to(per_sample.device)).mean()
+        return (per_sample * loss_weight(sigma, self.weighting, self.shift).to(per_sample.device)).mean()
 
     def sample_sigmas(self, n: int, lo: float, hi: float, generator=None, device="cpu") -> torch.Tensor:
         return sample_sigmas(n, lo=lo, hi=hi, shift=self.shift, scheme=self.sampling, logit_mean=self.logit_mean,
-                             logit_std=self.logit_std, generator=generator, device=device)
+                             logit_std=self.logit_std, mode_scale=self.mode_scale, generator=generator,
+                             device=device)
 
     def __call__(self, batch, denoiser, generator=None, *, step: int = 0, negative_text=None) -> ObjectiveOutput:
         x0, b = batch.x0, batch.size
