@@ -43,8 +43,11 @@ def test_planned_steps_and_eta_match_the_run(shared_dir, tmp_path, cached, monke
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the calibration's folder goes here, and goes away
     before = set(tmp_path.iterdir())
     cfg = compose_cfg(_overrides(shared_dir, tmp_path / "run", cached))
-    p = plan.make_plan(cfg, {**plan.split_options([])[0], "calibrate": True})
+    p = plan.make_plan(cfg, {**plan.split_options([])[0], "calibrate": True, "budget_gib": 0.0001})
     assert set(tmp_path.iterdir()) == before and not (tmp_path / "run").exists()  # nothing left, no run folder
+    # the CPU has no GPU memory to measure: the budget is said to be unchecked, not met
+    assert plan.report(p).endswith("\nfits the disk; the memory budget (--budget-gib 0.0001) was not checked: the "
+                                   "calibration ran on the CPU (the peak is GPU memory, measured on a GPU)")
     d = p["data"]
     # 8 clips x 2 repeats in batches of 2 = 8, 2 images x 2 = 2: 10 batches, 5 steps of 2
     assert {k: b["batches_per_epoch"] for k, b in d["buckets"].items()} == {"1x64x64": 2, "9x64x64": 8}
@@ -170,6 +173,18 @@ def test_a_plan_that_does_not_fit_exits_2_with_one_line_per_problem(shared_dir, 
     assert p["calibration"] is None and p["data"]["total_steps"] == 30 and len(p["problems"]) == 1
 
 
+def test_an_unmeasured_budget_is_said_to_be_unchecked(shared_dir, tmp_path, monkeypatch, capsys):
+    code, stdout, err = _main(monkeypatch, capsys, [
+        "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data",
+        f"paths.output_dir={tmp_path}/run", "--no-calibrate", "--budget-gib", "0.0001", "--json", f"{tmp_path}/p.json"])
+    assert code == 0 and err == []
+    lines = stdout.splitlines()
+    assert "memory    not checked: --no-calibrate (the peak comes from the calibration)" in lines
+    assert "fits the disk; the memory budget (--budget-gib 0.0001) was not checked: --no-calibrate (the peak comes " \
+           "from the calibration)" in lines and "fits" not in lines
+    assert json.loads((tmp_path / "p.json").read_text())["memory"]["not_checked"].startswith("--no-calibrate")
+
+
 def test_several_datasets_count_each_item_once(shared_dir, tmp_path):
     """data.datasets with a repeat and a fractional weight: the plan's samples and clips per bucket count each item
     once (its copies are the repeat and the weight), and the calibration's subset holds each bucket's items."""
@@ -193,3 +208,49 @@ def test_several_datasets_count_each_item_once(shared_dir, tmp_path):
     assert d["samples"] == 4 + 2 + 3
     clips = {k: (v["clips"], v["images"]) for k, v in d["buckets"].items()}
     assert sorted(clips.values()) == [(0, 2), (3, 0), (4, 0)], clips
+
+
+def test_calibration_reads_each_dataset_s_relative_paths_as_the_run_does(shared_dir, tmp_path, monkeypatch):
+    """data.datasets of CSVs of relative paths, each in its own folder (not the data group's metadata folder): the
+    calibration trains on whole batches of each bucket from each dataset's own files (none rejected), with each
+    dataset's settings (num_frames), and the held-out file that validation's loss reads stays held out. A bucket
+    with fewer items than a batch (one clip at weight 1.5: a batch of 2 in the run) is timed on copies of it."""
+    from wanexp.data.synthetic import make_demo_dataset
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    a = make_demo_dataset(tmp_path / "a", num_videos=2, num_images=2, num_frames=9, height=64, width=64)
+    b = make_demo_dataset(tmp_path / "b", num_videos=2, num_images=0, num_frames=9, height=64, width=96)
+    (b.parent / "videos").rename(b.parent / "shots")  # names the demo's own folder does not hold
+    b.write_text(b.read_text().replace("videos/", "shots/"))
+    assert "shots/clip_000.mp4" in b.read_text()  # relative to b's folder
+    datasets = (f"data.datasets={{a:{{metadata:'{a}',weight:1.5}},b:{{metadata:'{b}',repeat:2,num_frames:5,"
+                "height:64,width:96}}")
+    cfg = compose_cfg(_overrides(shared_dir, tmp_path / "run", [
+        datasets, "data.use_cache=false", f"paths.cache_dir={tmp_path}/no_cache", "data.val_fraction=0.2",
+        *EXTRA[4:], "callbacks.validation.loss_samples=1", "callbacks.validation.every_n_steps=5"]))
+    seen = {}
+
+    def calibration(cfg, calib):  # the calibration's datamodule, as its run builds it, and the run's own
+        from wanexp.train import build
+
+        for name, c in (("run", cfg), ("calibration", plan.apply_overrides(cfg, calib))):
+            dm = plan.datamodule(c, build(c.model))
+            dm.setup("fit")
+            seen[name] = dm
+        return real(cfg, calib)
+
+    real = plan.run_calibration
+    monkeypatch.setattr(plan, "run_calibration", calibration)
+    p = plan.make_plan(cfg, {**plan.split_options([])[0], "calibrate": True, "steps_per_bucket": 1})
+    run, sub = seen["run"], seen["calibration"]
+    assert sub.report["rejected"] == 0 and set(sub.dataset.samples) <= set(run.dataset.samples)
+    assert sub.val_dataset.samples == run.val_dataset.samples  # the held-out file: held out there too
+    assert [sub.parts[i].name for i in sub.dataset_part].count("b") == 2  # b's 2 clips once, at b's num_frames
+    assert {sub.dataset.shapes[i] for i in range(len(sub.dataset)) if sub.dataset_part[i] == 1} == {(5, 64, 96)}
+    cal, d = p["calibration"], p["data"]
+    assert cal["failed"] is None and cal["oom"] is None, cal
+    assert d["heldout"] == 1 and d["buckets"]["9x64x64"]["clips"] == 1  # one of a's two clips is held out
+    assert set(p["eta"]["buckets"]) == {"1x64x64", "9x64x64", "5x64x96"}, p["eta"]["buckets"]
+    # a batch of each bucket, each file once, and the held-out file (validation's loss)
+    assert cal["files"] == 2 + 1 + 2 + 1 and cal["steps"] == 3
+    assert cal["world_size"] == 1 and cal["validation_s"] > 0

@@ -89,14 +89,23 @@ def test_subset_takes_whole_batches_of_every_bucket_and_a_files_windows_together
     shapes = [(9, 64, 64)] * 7 + [(1, 64, 64)] * 3
     keys = ["a", "a", "b", "c", "d", "e", "f", "i", "j", "k"]  # "a" has two windows
     per_batch = {(9, 64, 64): 2, (1, 64, 64): 2}
-    chosen, batches = plan_calibrate.choose_subset(shapes, keys, per_batch, needed_batches=2)
-    assert batches == {(9, 64, 64): 2, (1, 64, 64): 1}  # the images give one whole batch only
+    chosen, batches, copies = plan_calibrate.choose_subset(shapes, keys, per_batch, needed_batches=2)
+    assert batches == {(9, 64, 64): 2, (1, 64, 64): 1} and copies == {}  # the images give one whole batch only
     assert chosen == [0, 1, 2, 3, 7, 8]
     # "b"'s second window comes with it (the subset file lists files: each brings all its windows back)
-    chosen, batches = plan_calibrate.choose_subset([(9, 64, 64)] * 4, ["a", "b", "b", "c"], {(9, 64, 64): 2}, 1)
+    chosen, batches, _ = plan_calibrate.choose_subset([(9, 64, 64)] * 4, ["a", "b", "b", "c"], {(9, 64, 64): 2}, 1)
     assert chosen == [0, 1, 2] and batches == {(9, 64, 64): 1}
-    _, batches = plan_calibrate.choose_subset(shapes, keys, {(9, 64, 64): 8, (1, 64, 64): 2}, 3)
-    assert (9, 64, 64) not in batches  # fewer samples than one batch: the run never trains that bucket either
+
+
+def test_a_bucket_of_fewer_items_than_a_batch_is_filled_with_copies():
+    """Its batches in the run are its items' repeats, weight copies or a filled last batch: the calibration times it
+    on copies of its files, as many as the batches need."""
+    shapes = [(9, 64, 64)] * 7 + [(1, 64, 64)] * 3
+    keys = ["a", "a", "b", "c", "d", "e", "f", "i", "j", "k"]
+    chosen, batches, copies = plan_calibrate.choose_subset(shapes, keys, {(9, 64, 64): 8, (1, 64, 64): 2}, 3)
+    assert batches == {(9, 64, 64): 3, (1, 64, 64): 1}  # 3 images: one whole batch, as before
+    assert chosen == list(range(7)) + [7, 8]  # every 9-frame item
+    assert copies == {k: 4 for k in "abcdef"}  # 7 items x 4 = 28 >= 3 batches of 8
 
 
 def test_bucket_times_first_steady_and_peak():
@@ -218,3 +227,32 @@ def test_timer_keeps_a_validation_call_out_of_the_batch_before_it(tmp_path):
     assert rows[2]["start"] - rows[1]["next"] >= 0.2
     assert timer.times["validation_first_s"] == timer.times["validation_s"] == 5.0
     assert (tmp_path / "t.json").is_file()
+
+
+def test_the_verdict_says_what_was_not_checked():
+    why = plan.memory_not_checked
+    assert why(None, True, False, 12.0) is None  # a GPU's peak: checked
+    assert why(False, False, False, None).startswith("--no-calibrate")
+    assert why(None, False, True, None).startswith("no GPU here")
+    assert why(True, True, True, None).startswith("the calibration ran on the CPU")
+    plan_ = {"problems": [], "memory": {"not_checked": None, "budget_gib": 28.0}}
+    assert plan.verdict(plan_) == "fits"
+    plan_["memory"]["not_checked"] = "no GPU here"
+    assert plan.verdict(plan_) == "fits the disk; the memory budget (--budget-gib 28) was not checked: no GPU here"
+    plan_["memory"]["budget_gib"] = None
+    assert plan.verdict(plan_) == "fits the disk; GPU memory was not checked: no GPU here"
+    assert plan.verdict({**plan_, "problems": ["disk /: needs 2 GiB"]}) == "does not fit:"
+
+
+def test_the_docs_give_each_default_once_and_as_the_code_has_it():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text()
+    default = plan.split_options([])[0]["steps_per_bucket"]
+    said = [int(n) for line in text.splitlines() if "--steps-per-bucket" in line
+            for n in re.findall(r"default (\d+)", line)]
+    assert said == [default], said
+    assert f"--steps-per-bucket N optimizer steps the calibration times per bucket (default {default})" in plan.OPTIONS
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert not [a for a, b in zip(lines, lines[1:]) if a == b]  # no line said twice in a row

@@ -329,25 +329,22 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
     shapes = [tuple(ds.shapes[pos]) for pos in first]
     sizes = dm.bucket_batch_sizes() or {}
     per_batch = {s: sizes.get(s, dm.batch_size) * world for s in set(shapes)}
-    chosen, _ = choose_subset(shapes, [ds.samples[pos] for pos in first], per_batch, steps_per_bucket * accumulate)
+    chosen, _, copies = choose_subset(shapes, [ds.samples[pos] for pos in first], per_batch,
+                                      steps_per_bucket * accumulate)
     chosen = [first[i] for i in chosen]  # positions in the dataset
-    files = list(dict.fromkeys(ds.samples[i] for i in chosen))
+    files = [f for f in training_files(dm, chosen) for _ in range(copies.get(f[1], 1))]
     held = getattr(dm, "val_dataset", None)
     v = cfg.callbacks.get("validation") if OmegaConf.is_dict(cfg.callbacks) else None
     validating = bool(OmegaConf.is_dict(v) and v.get("every_n_steps"))
     if held is not None and validating:  # val/loss reads these; they stay held out (the split hashes the path)
-        files += list(dict.fromkeys(held.samples[: int(v.get("loss_samples") or 0)]))
-    subset = tmp / "subset.jsonl"
-    subset.write_text("".join(json.dumps({"file_path": s.path, "text": s.prompt, "type": s.kind}) + "\n"
-                              for s in files))
-    sub_shapes = [tuple(ds.shapes[i]) for i in chosen]
+        n = int(v.get("loss_samples") or 0)
+        files += list(dict.fromkeys(zip(dm.val_part[:n], held.samples[:n])))
+    sub_shapes = [tuple(ds.shapes[i]) for i in chosen for _ in range(copies.get(ds.samples[i], 1))]
     batches = len(BucketBatchSampler(sub_shapes, dm.batch_size, 0, world, batch_sizes=sizes or None))
     steps = steps_for_batches(batches, accumulate)
-    root = cfg.data.root or str(Path(cfg.data.metadata).resolve().parent)
-    o = {"data.metadata": str(subset), "data.root": str(root), "data.max_samples": None, "data.dataset_repeat": 1,
-         "data.generate": None, "data.rejects": str(tmp / "rejects.jsonl"), "paths.output_dir": str(tmp / "run"),
-         "trainer.max_steps": steps, "trainer.max_epochs": None, "resume": None, "overwrite": True,
-         "logger": {}, "callbacks.progress": None}
+    o = {**subset_data(cfg, dm, files, tmp, "subset"), "data.rejects": str(tmp / "rejects.jsonl"),
+         "paths.output_dir": str(tmp / "run"), "trainer.max_steps": steps, "trainer.max_epochs": None,
+         "resume": None, "overwrite": True, "logger": {}, "callbacks.progress": None}
     cb = cfg.callbacks
     if OmegaConf.is_dict(cb.get("checkpoint")):
         o["callbacks.checkpoint.every_n_train_steps"] = steps
@@ -361,7 +358,37 @@ def calibration_overrides(cfg: DictConfig, dm, data: dict, steps_per_bucket: int
         if OmegaConf.is_dict(cb.get(name)) and "output_dir" in cb[name]:
             o[f"callbacks.{name}.output_dir"] = str(tmp / "run")
     return {"overrides": o, "steps": steps, "record": str(tmp / "timer.json"), "validating": validating,
-            "files": len(files)}
+            "files": len(set(files))}
+
+
+def training_files(dm, positions: list[int]) -> list[tuple[int, object]]:
+    """(dataset index, sample) of the training samples at ``positions``, each file once, in that order."""
+    parts = dm.dataset_part or [0] * len(dm.dataset)  # (prompts alone: one dataset)
+    return list(dict.fromkeys((parts[i], dm.dataset.samples[i]) for i in positions))
+
+
+def subset_data(cfg: DictConfig, dm, files: list[tuple[int, object]], tmp: Path, stem: str) -> dict:
+    """The data group's settings (dotted key -> value) that read only ``files`` ((dataset index, sample) pairs of
+    the run's datamodule) with each dataset's own settings: one JSON-lines file per dataset in ``tmp``
+    (``<stem>-<dataset>.jsonl``) of the samples as the run's datamodule read them (absolute paths, prompts with
+    their dataset's caption prefix), each file once (repeat and weight 1). Each dataset keeps the folder the run
+    takes its paths relative to (``Part.base``): the held-out split hashes the path from there."""
+    entries: dict = {}
+    for p, part in enumerate(dm.parts):
+        samples = [s for q, s in files if q == p]
+        if not samples:
+            continue
+        path = tmp / f"{stem}-{p}.jsonl"
+        path.write_text("".join(json.dumps({"file_path": s.path, "text": s.prompt, "type": s.kind}) + "\n"
+                                for s in samples))
+        entries[p] = {"metadata": str(path), "root": str(part.base.resolve()), "repeat": 1, "weight": 1,
+                      "caption_prefix": ""}
+    o = {"data.max_samples": None, "data.dataset_repeat": 1, "data.generate": None}
+    if not dm.several:  # the single-dataset keys
+        return {**o, "data.metadata": entries[0]["metadata"], "data.root": entries[0]["root"]}
+    given = OmegaConf.to_container(cfg.data.datasets, resolve=True)
+    given = list(given.values()) if isinstance(given, dict) else given  # in the order of dm.parts
+    return {**o, "data.datasets": {dm.parts[p].name: {**given[p], **e} for p, e in entries.items()}}
 
 
 def validation_overrides(validation: DictConfig, steps: int) -> dict:
@@ -545,11 +572,13 @@ def report(plan: dict) -> str:
                          f"(first {e['validation_first_s']:.1f} s, next {e['validation_second_s']:.1f} s, "
                          f"then {e['validation_call_s']:.1f} s each), "
                          f"checkpoints {e['checkpoints']} x {e['checkpoint_s']:.1f} s")
-        m = plan["memory"]
-        if m.get("peak_gib") is not None:
-            lines.append(f"memory    peak {m['peak_gib']:.2f} GiB (validation and checkpoint "
-                         f"{m.get('end_peak_gib') or 0:.2f} GiB); card {m.get('card_gib') or '-'} GiB"
-                         + (f", budget {m['budget_gib']} GiB" if m.get("budget_gib") else ""))
+    m = plan["memory"]
+    if m.get("peak_gib") is not None:
+        lines.append(f"memory    peak {m['peak_gib']:.2f} GiB (validation and checkpoint "
+                     f"{m.get('end_peak_gib') or 0:.2f} GiB); card {m.get('card_gib') or '-'} GiB"
+                     + (f", budget {m['budget_gib']} GiB" if m.get("budget_gib") else ""))
+    elif m.get("not_checked"):
+        lines.append(f"memory    not checked: {m['not_checked']}")
     for mount, fs in plan["disk"]["filesystems"].items():
         held = f"; {_gib(fs['retention_bytes'])} at retention, {_gib(fs['present_bytes'])} of it already there" \
             if fs.get("present_bytes") else ""
@@ -568,8 +597,32 @@ def report(plan: dict) -> str:
             lines.append(f"          try {tip}")
     elif comm:
         lines.append(f"gpus      {comm.get('note')}")
-    lines += ["", "fits" if not plan["problems"] else "does not fit:"] + [f"  {p}" for p in plan["problems"]]
+    lines += ["", verdict(plan)] + [f"  {p}" for p in plan["problems"]]
     return "\n".join(lines)
+
+
+def verdict(plan: dict) -> str:
+    """The report's last line: whether the run fits, and what was not checked."""
+    if plan["problems"]:
+        return "does not fit:"
+    m = plan["memory"]
+    if not m.get("not_checked"):
+        return "fits"
+    what = f"the memory budget (--budget-gib {m['budget_gib']:g})" if m.get("budget_gib") else "GPU memory"
+    return f"fits the disk; {what} was not checked: {m['not_checked']}"
+
+
+def memory_not_checked(calibrate: bool | None, calibrated: bool, on_cpu: bool, peak_gib: float | None) -> str | None:
+    """Why the plan has no peak memory (so neither the card nor --budget-gib was checked); None when it has one.
+    ``calibrate``: the --calibrate / --no-calibrate option (None: neither)."""
+    if peak_gib is not None:
+        return None
+    if not calibrated:
+        return "--no-calibrate (the peak comes from the calibration)" if calibrate is False else \
+            "no GPU here (the peak is measured on a GPU, by the calibration)"
+    if on_cpu:
+        return "the calibration ran on the CPU (the peak is GPU memory, measured on a GPU)"
+    return "the calibration measured no peak (it trained no batch)"
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
@@ -638,6 +691,7 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
         memory = {"peak_gib": max(peaks + [end_peak or 0.0]) if peaks else None, "end_peak_gib": end_peak,
                   "peak_all_ranks_gib": (calib or {}).get("peak_gib_all_ranks"), "card_gib": card and round(card, 1),
                   "budget_gib": opts["budget_gib"]}
+        memory["not_checked"] = memory_not_checked(opts["calibrate"], calib is not None, on_cpu, memory["peak_gib"])
         if comm and comm.get("sizes") and eta_.get("mean_batch_s"):
             from wanexp.cli import plan_comm
 
@@ -675,15 +729,12 @@ def measure_cache(cfg: DictConfig, dm, folder: Path, samples: int = 2) -> dict:
     to the missing entries."""
     from wanexp.cli.cache import build_cache
 
-    tmp = folder.parent
-    files = list(dict.fromkeys(dm.dataset.samples))[:samples]
-    subset = tmp / "cache_subset.jsonl"
-    subset.write_text("".join(json.dumps({"file_path": s.path, "text": s.prompt, "type": s.kind}) + "\n"
-                              for s in files))
+    files = training_files(dm, range(len(dm.dataset)))[:samples]
     c = cfg.copy()
     with open_dict(c):
-        c.data.metadata, c.data.root, c.data.generate = str(subset), None, None
-        c.data.max_samples, c.data.cache_dir = None, str(folder)
+        for key, value in subset_data(cfg, dm, files, folder.parent, "cache_subset").items():
+            OmegaConf.update(c, key, value, merge=False)
+        c.data.cache_dir = str(folder)
         c.callbacks.validation = None  # its prompts would be timed as samples
     s = build_cache(c)
     n = max(1, s.get("latents") or 0)

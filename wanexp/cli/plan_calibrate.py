@@ -136,20 +136,27 @@ def bucket_times(rows: list[dict]) -> dict:
     return result
 
 
-def choose_subset(shapes: list, keys: list, per_batch: dict, needed_batches: int) -> tuple[list[int], dict]:
+def choose_subset(shapes: list, keys: list, per_batch: dict, needed_batches: int) -> tuple[list[int], dict, dict]:
     """Indexes of the items to calibrate on: for each bucket, whole batches (``per_batch[bucket]`` samples across
     ranks each) up to ``needed_batches``, in data order. ``keys`` groups items of one file (its windows go
-    together). Returns (indexes, batches per bucket)."""
+    together). A bucket with fewer items than one batch (the run's batches of it are its items' repeats and weight
+    copies, or a last batch filled from the bucket) takes them all, each file ``copies[key]`` times over, for
+    ``needed_batches`` batches. Returns (indexes, batches per bucket, copies per file key where above 1)."""
     chosen: list[int] = []
     batches: dict = {}
+    copies: dict = {}
     by_bucket: dict = {}
     for i, s in enumerate(shapes):
         by_bucket.setdefault(tuple(s), []).append(i)
     for shape, idx in sorted(by_bucket.items()):
         per = per_batch[shape]
-        n = min(needed_batches, len(idx) // per) * per
-        if n == 0:
+        if len(idx) < per:
+            times = math.ceil(needed_batches * per / len(idx))
+            copies.update({keys[i]: times for i in idx})
+            chosen += idx
+            batches[shape] = len(idx) * times // per
             continue
+        n = min(needed_batches, len(idx) // per) * per
         files: list = []
         take: list[int] = []
         for i in idx:
@@ -160,7 +167,7 @@ def choose_subset(shapes: list, keys: list, per_batch: dict, needed_batches: int
             take.append(i)
         chosen += take
         batches[shape] = len(take) // per
-    return sorted(chosen), batches
+    return sorted(chosen), batches, copies
 
 
 def steps_for_batches(batches: int, accumulate: int) -> int:

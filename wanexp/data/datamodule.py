@@ -66,6 +66,11 @@ class Part:
     weight: float = 1.0  # samples per epoch: items x repeat x weight (see epoch_share)
 
     @property
+    def base(self) -> Path:
+        """The folder its samples' paths are taken relative to for the held-out split: root, else the metadata's."""
+        return Path(self.root) if self.root else self.metadata.parent
+
+    @property
     def share(self) -> float:
         """How many times over an epoch holds each of this dataset's items: repeat x weight (may be fractional)."""
         return self.repeat * self.weight
@@ -477,6 +482,7 @@ class WanDataModule(L.LightningDataModule):
         self.item_part: list[int] = []  # each item's dataset (an index into parts), set by items()
         self.item_stride: list[int] = []  # each item's frame stride
         self.dataset_part: list[int] = []  # each training sample's dataset (repeats included), set by setup()
+        self.val_part: list[int] = []  # each held-out sample's dataset, set by setup()
         self.epoch_pools: list[tuple[list[int], int]] = []  # fractional weights: part of each pool trains per epoch
         self.sampler: BucketBatchSampler | None = None  # the last train loader's (the progress bar reads it)
         self._seen: tuple | None = None  # samples_seen's (epoch, cumulative counts per batch and dataset)
@@ -640,7 +646,7 @@ class WanDataModule(L.LightningDataModule):
                                     "data.caption_dropout=0")
             self.dataset, self.cached = prompt_dataset(self, samples, shapes)
             return
-        bases = [Path(p.root) if p.root else p.metadata.parent for p in self.parts]  # the split is the same
+        bases = [p.base for p in self.parts]  # the split is the same
         held = heldout_rows([os.path.relpath(s.path, bases[p]) for s, p in zip(samples, self.item_part)],
                             self.val_fraction)  # wherever the data is
         val = [i for i in range(len(samples)) if held[i]]
@@ -652,6 +658,7 @@ class WanDataModule(L.LightningDataModule):
         samples, shapes, starts, available, strides = ([lst[i] for i in train]
                                                        for lst in (samples, shapes, starts, available, strides))
         self.dataset_part = [self.item_part[i] for i in train]
+        self.val_part = [self.item_part[i] for i in val]  # each held-out sample's dataset
         self.report["heldout"] = len(val)
         for part, count in zip(self.parts, counts):  # samples per epoch, repeat and weight included
             self.report["datasets"][part.name].update(samples=count, weight=part.weight)
