@@ -553,6 +553,9 @@ def check_adapter_fits(f: AdapterFile, adapter: "LoraAdapter", what: str) -> Non
     if f.kind != adapter.kind or f.dora != adapter.use_dora:
         setting = f"adapter={f.kind}" + (" adapter.use_dora=true" if f.dora else "")
         raise ConfigError(f"{what}: the file is a {f.label} adapter, the run trains {want}; set {setting}")
+    if f.kind == "lora":
+        _check_not_transposed({m: (p["lora_down.weight"], p.get("lora_up.weight")) for m, p in f.modules.items()},
+                              what)
     rank = f.rank()
     if rank is not None and rank != adapter.rank:
         raise ConfigError(f"{what}: file has rank {rank}, run has rank {adapter.rank}; set adapter.rank={rank}")
@@ -570,12 +573,7 @@ def copy_adapter_into(transformer, f: AdapterFile, adapter_name: str = "default"
     cfg = transformer.peft_config[adapter_name]
     run_scale = (cfg.lora_alpha if f.kind == "lora" else cfg.alpha) / cfg.r
     for module, p in f.modules.items():
-        try:
-            layer = transformer.get_submodule(module)
-        except AttributeError:
-            raise ConfigError(f"{what}: {module} is not in the model ({transformer.config.num_layers} blocks): the "
-                              "file is an adapter of another model; use one trained on this model (see model=)"
-                              ) from None
+        layer = _file_module(transformer, module, what)
         for name, value in _peft_values(f.kind, p, run_scale, layer).items():
             param = _peft_param(layer, name, adapter_name)
             if param is None or param.shape != value.shape:
@@ -584,6 +582,30 @@ def copy_adapter_into(transformer, f: AdapterFile, adapter_name: str = "default"
                                   "model or adapter shape (rank, kind); use one trained with this model and adapter")
             with torch.no_grad():
                 param.copy_(value)
+
+
+def _file_module(transformer, module: str, what: str):
+    """The module of ``transformer`` an adapter file adapts; one line when the model has none of that name."""
+    try:
+        return transformer.get_submodule(module)
+    except AttributeError:
+        raise ConfigError(f"{what}: {module} is not in the model ({transformer.config.num_layers} blocks): the file "
+                          "is an adapter of another model; use one trained on this model (see model=)") from None
+
+
+def load_adapter_file(transformer, path, adapter_name: str = "default", what: str = "adapter file") -> AdapterFile:
+    """Add the adapter of a file :func:`read_any_adapter` reads (LoRA, DoRA, LoKr or LoHa under wanexp's, ComfyUI's,
+    kohya's or peft's names) to ``transformer`` as ``adapter_name``, through peft: a config of the file's kind on
+    exactly its modules (its rank, or for a LoKr of full factors one at which peft keeps them full; alpha = rank),
+    then its weights with the file's scale folded in (:func:`copy_adapter_into`). This loads what diffusers' loaders
+    do not: a LoHa, a ComfyUI-named LoKr or DoRA (diffusers drops a ``dora_scale``)."""
+    f = read_any_adapter(path, what)
+    for module in f.modules:
+        _file_module(transformer, module, what)
+    rank = f.rank() or max(max(p["lokr_w2"].shape) for p in f.modules.values())
+    transformer.add_adapter(peft_config(f.kind, rank, rank, 0.0, sorted(f.modules), f.dora), adapter_name)
+    copy_adapter_into(transformer, f, adapter_name, what)
+    return f
 
 
 def _peft_values(kind: str, p: dict, run_scale: float, layer) -> dict[str, torch.Tensor]:
@@ -595,9 +617,9 @@ def _peft_values(kind: str, p: dict, run_scale: float, layer) -> dict[str, torch
         if "lora_magnitude_vector" in p:
             out["lora_magnitude_vector"] = p["lora_magnitude_vector"]
         elif "dora_scale" in p:  # undo the export: m = dora_scale * |W + diff| / (|W| + eps)
-            w = layer.get_base_layer().weight.detach().float()
-            out["lora_magnitude_vector"] = (p["dora_scale"].reshape(-1) * (w + scale * diff).norm(dim=1)
-                                            / (w.norm(dim=1) + DORA_EPS))
+            w = layer.get_base_layer().weight.detach().float()  # on the meta device for the start's fit check
+            diff, dora = diff.to(w.device), p["dora_scale"].reshape(-1).to(w.device)
+            out["lora_magnitude_vector"] = dora * (w + scale * diff).norm(dim=1) / (w.norm(dim=1) + DORA_EPS)
         return out
     out = {k: v for k, v in p.items() if k not in ("alpha", "dora_scale")}
     first = {"lokr": "lokr_w1" if "lokr_w1" in p else "lokr_w1_a", "loha": "hada_w1_a"}[kind]
@@ -675,6 +697,8 @@ def convert_lora_state_dict(sd: dict[str, torch.Tensor], header: dict | None = N
     ranks = {w.shape[0] for k, w in weights.items() if k.endswith(".lora_A.weight")}
     if not ranks:
         raise _unknown_format(sd, what)
+    _check_not_transposed({k.removesuffix(".lora_A.weight"): (w, weights.get(k.replace(".lora_A.", ".lora_B.")))
+                           for k, w in weights.items() if k.endswith(".lora_A.weight")}, what)
     if len(ranks) > 1:
         raise ConfigError(f"{what}: the file mixes LoRA ranks {sorted(ranks)}; wanexp's adapter has one rank for "
                           "every module (adapter.rank): use a file with one rank")
@@ -700,6 +724,18 @@ def _neutral_alphas(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     out = dict(sd)
     out.update({f"{m}.alpha": torch.tensor(float(downs[m].shape[0])) for m in alphas})
     return out, scales.pop()
+
+
+def _check_not_transposed(pairs: dict[str, tuple], what: str) -> None:
+    """Refuse a LoRA whose every module has A (down) of shape (out, r) and B (up) of shape (r, in): A and B swapped.
+    ``pairs``: module -> (A, B). Read as they are, its ranks would be the modules' output sizes."""
+    swapped = {m: (a, b) for m, (a, b) in pairs.items()
+               if b is not None and a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] < a.shape[0]}
+    if swapped and len(swapped) == len(pairs):
+        module, (a, b) = next(iter(sorted(swapped.items())))
+        raise ConfigError(f"{what}: the file looks transposed (lora_A and lora_B swapped: {module} has lora_A "
+                          f"{list(a.shape)} and lora_B {list(b.shape)}; lora_A is (rank, in), lora_B (out, rank)); "
+                          "swap each module's lora_A/lora_down and lora_B/lora_up back")
 
 
 def _header_scale(header: dict, rank: int, what: str) -> float:
@@ -823,20 +859,19 @@ def read_any_adapter(path, what: str) -> AdapterFile:
 
 
 def concat_loras(files: list[AdapterFile], weights: list[float]) -> dict[str, torch.Tensor]:
-    """Several LoRAs of one layout (same modules, same rank) as one ComfyUI-named LoRA of rank sum(ranks):
-    A = [A_1; A_2; ...], B = [w_1 s_1 B_1, w_2 s_2 B_2, ...], alpha = its rank (scale 1), so B @ A is
-    sum_i w_i s_i B_i @ A_i exactly (s_i: file i's alpha/rank). Averaging the A's and B's instead would add the
-    cross terms B_1 A_2 + B_2 A_1."""
+    """Several LoRAs of the same modules (of any ranks) as one ComfyUI-named LoRA of rank sum(ranks):
+    A = [A_1; A_2; ...] (rows), B = [w_1 s_1 B_1, w_2 s_2 B_2, ...] (columns), alpha = its rank (scale 1), so B @ A
+    is sum_i w_i s_i B_i @ A_i exactly (s_i: file i's alpha/rank). Averaging the A's and B's instead would need one
+    rank and add the cross terms B_1 A_2 + B_2 A_1."""
     first = files[0]
     for f in files:
         if f.kind != "lora" or f.dora:
             raise ConfigError(f"{f.what}: a {f.label} adapter; combining is exact for LoRA files only (a sum of "
                               "Kronecker/Hadamard products or DoRA norms is not one adapter of that kind)")
-        if set(f.modules) != set(first.modules) or f.rank() != first.rank():
+        if set(f.modules) != set(first.modules):
             only = sorted(set(f.modules) ^ set(first.modules))
-            differs = f"modules {only[0]} ... ({len(only)} differ)" if only else f"ranks {first.rank()} and {f.rank()}"
-            raise ConfigError(f"{f.what}: its layout differs from {first.what} ({differs}); combine LoRAs of one "
-                              "rank and the same targets")
+            raise ConfigError(f"{f.what}: its layout differs from {first.what} (modules {only[0]} ... ({len(only)} "
+                              "differ)); combine LoRAs of the same targets")
     out = {}
     for module in sorted(first.modules):
         downs, ups = [], []

@@ -49,6 +49,43 @@ def lora_header(path: Path) -> dict:
         return dict(f.metadata() or {})
 
 
+# ---- an adapter file into a diffusers pipeline --------------------------------------------------------------------
+def load_adapter(pipe, path: Path, adapter_name: str, transformer_2: bool = False) -> str:
+    """Load an adapter file into ``pipe``'s transformer (``transformer_2``: the A14B low-noise expert's) as
+    ``adapter_name``, by the call that loads its kind in diffusers (docs/adapters.md, "Files and loaders"); returns
+    that call's name:
+
+    - a LoRA (any naming diffusers' Wan converter reads) or a peft-named DoRA: ``pipe.load_lora_weights``;
+    - a peft-named LoKr (the ``_diffusers`` file): the transformer's ``load_lora_adapter`` with the LoKrConfig of the
+      file's ``lora_adapter_metadata`` (the pipeline's loader wants "lora" in every key; ``...to_q.lokr_w1`` has none).
+      ``use_safetensors=True``: without it diffusers 0.42 reads the file without its header and takes alpha = rank;
+    - anything else (LoHa, which diffusers has no loader for; a ComfyUI-named LoKr or DoRA): through peft by
+      :func:`wanexp.lora.load_adapter_file`."""
+    from safetensors import safe_open
+
+    from wanexp.lora import is_typed_adapter_file, load_adapter_file
+
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())
+    transformer = pipe.transformer_2 if transformer_2 else pipe.transformer
+    if not is_typed_adapter_file(path) or any(".lora_magnitude_vector" in k for k in keys):
+        pipe.load_lora_weights(str(path), adapter_name=adapter_name, load_into_transformer_2=transformer_2)
+        return "pipe.load_lora_weights"
+    if all(k.startswith("transformer.") for k in keys) and any(".lokr_" in k for k in keys):
+        transformer.load_lora_adapter(str(path), prefix="transformer", adapter_name=adapter_name, use_safetensors=True)
+        return "load_lora_adapter"
+    load_adapter_file(transformer, path, adapter_name, what=f"--lora {path}")
+    return "wanexp.lora.load_adapter_file"
+
+
+def run_adapter_files(folder: Path) -> list[Path]:
+    """The adapter files of an export folder (a run's ``lora/final``) to sample with, one per trained expert: its
+    ``_diffusers`` file, else (a LoHa) its ``_comfyui`` file."""
+    comfy = sorted(Path(folder).glob("*_comfyui.safetensors"))
+    diffusers = [p.with_name(p.name.replace("_comfyui.", "_diffusers.")) for p in comfy]
+    return [d if d.is_file() else c for c, d in zip(comfy, diffusers)]
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     """Peak signal-to-noise ratio (dB) of two videos with values in [0, 1] (torchmetrics; inf when identical)."""
     from torchmetrics.functional.image import peak_signal_noise_ratio
@@ -241,15 +278,17 @@ def use_routing(pipe, routing: ExpertRouting, modules: dict):
 @contextmanager
 def recorded_experts(modules: dict):
     """Collect (expert name, adapter on) of each transformer call of ``modules`` (name -> transformer) into the
-    yielded list: which expert served each call, and whether a LoRA adapter was active in it then."""
+    yielded list: which expert served each call, and whether an adapter (of any kind) was active in it then."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     record: list[tuple[str, bool]] = []
 
+    def holds(layer, name) -> bool:  # lora_A, lokr_w1, hada_w1_a ...: the layer's parameters of its kind
+        return any(name in getattr(layer, attr, {}) for attr in layer.adapter_layer_names)
+
     def hook_for(name, layers):
         def hook(module, a, kw):
-            record.append((name, any(not layer.disable_adapters and
-                                     any(n in getattr(layer, "lora_A", {}) for n in layer.active_adapters)
+            record.append((name, any(not layer.disable_adapters and any(holds(layer, n) for n in layer.active_adapters)
                                      for layer in layers)))
         return hook
 

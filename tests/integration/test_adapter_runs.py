@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import tiny_run
-from tests.unit.test_adapter_types import _assert_same_weights, _effective
+from tests.unit.test_adapter_types import TOL, _assert_same_weights, _effective
 from wanexp import lora
 
 KIND = {"lokr": ["adapter=lokr"], "loha": ["adapter=loha"], "dora": ["adapter=lora", "adapter.use_dora=true"]}
@@ -58,13 +58,34 @@ def test_resume_is_bit_identical_for_a_loha(shared_dir, tmp_path, tmp_path_facto
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
 
 
-def test_sampling_a_loha_run_says_to_bake_it(shared_dir, tmp_path_factory, capsys):
-    """wanexp-sample --run finds no diffusers file in a LoHa run: one line naming wanexp-merge, not the bare base."""
-    from wanexp.cli import sample
+@pytest.mark.parametrize("kind", list(KIND))
+def test_wanexp_sample_runs_each_kinds_run_with_its_adapter(kind, shared_dir, tmp_path_factory, tmp_path):
+    """``python -m wanexp.cli.sample --run`` on a LoKr, LoHa or DoRA run loads its final file (the route
+    docs/adapters.md names), runs every step with the adapter on, and samples the video of the model with the adapter
+    baked in (``wanexp-merge bake``: ComfyUI's arithmetic), not the base model's."""
+    from omegaconf import OmegaConf
 
-    out, _ = _run("loha", shared_dir, tmp_path_factory)
-    capsys.readouterr()  # the training run's own output
-    with pytest.raises(SystemExit) as e:
-        sample.main(["--run", str(out), "--prompt", "x", "--device", "cpu"])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "\n" not in err and "ComfyUI-only" in err and "wanexp-merge bake" in err, err
+    from wanexp.cli import merge, sample
+
+    out, _ = _run(kind, shared_dir, tmp_path_factory)
+    cfg = OmegaConf.load(out / "config.yaml")
+    baked = merge.main(["bake", "--model", cfg.model.path, "--lora", str(out / "lora" / "final" / FILES[kind][0]),
+                        "--out", str(tmp_path / "baked_model")])
+
+    def sampled(run) -> dict:
+        (entry,) = sample.main(["--run", str(run), "--prompt", "a ball", "--seed", "1", "--steps", "2", "--guidance",
+                                "1", "--device", "cpu", "--out", str(tmp_path / "samples" / run.name)])["samples"]
+        return entry
+
+    def bare_run(name, model_path):  # the run's settings, another model folder, no adapter files
+        folder = tmp_path / name
+        folder.mkdir()
+        OmegaConf.save(OmegaConf.merge(cfg, {"model": {"path": str(model_path)}}), folder / "config.yaml")
+        return folder
+
+    adapted = sampled(out)
+    assert adapted["experts"] == [["dense", True]] * 2
+    with_baked = sampled(bare_run("baked", baked))["latents"]
+    base = sampled(bare_run("base", cfg.model.path))["latents"]
+    gap, moved = (adapted["latents"] - with_baked).abs().max(), (base - with_baked).abs().max()
+    assert gap <= TOL and moved > 100 * TOL, (gap, moved)

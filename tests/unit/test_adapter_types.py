@@ -169,18 +169,61 @@ def test_patched_weight_follows_comfyuis_formulas():
     assert torch.allclose(got, want)
 
 
+def _pipe():
+    """A Wan pipeline around the bare tiny base (no VAE or text encoder: loading an adapter touches the transformer
+    only)."""
+    from diffusers import WanPipeline
+
+    return WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=_base())
+
+
 @pytest.mark.parametrize("kind", ["lora", "dora", "lokr", "lokr_lowrank"])
 def test_diffusers_file_loads_in_diffusers(kind, tmp_path_factory):
-    """What ``pipe.load_lora_weights`` does: WanLoraLoaderMixin.lora_state_dict, then the transformer's
-    load_lora_adapter with the file's metadata."""
-    from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
-
+    """The call docs/adapters.md names for each kind's diffusers file: ``pipe.load_lora_weights`` for LoRA and DoRA;
+    for LoKr, whose keys (``...to_q.lokr_w1``) diffusers 0.42's pipeline loader refuses (it wants "lora" in every
+    key), the transformer's ``load_lora_adapter``, which reads the LoKrConfig from the file's header when told the
+    file is safetensors (without ``use_safetensors=True`` it skips the header: alpha = rank, here twice the scale)."""
     _, want, files = trained(kind, tmp_path_factory)
     assert files[1].name == "tiny_diffusers.safetensors"
-    sd, meta = WanLoraLoaderMixin.lora_state_dict(str(files[1]), return_lora_metadata=True)
-    t = _base()
-    t.load_lora_adapter(sd, prefix="transformer", metadata=meta, adapter_name="loaded")
-    _assert_same_weights(_effective(t), want)
+    pipe = _pipe()
+    if kind in ("lora", "dora"):
+        pipe.load_lora_weights(str(files[1]), adapter_name="loaded")
+    else:
+        with pytest.raises(ValueError, match="'lora'"):
+            pipe.load_lora_weights(str(files[1]), adapter_name="loaded")
+        pipe.transformer.load_lora_adapter(str(files[1]), prefix="transformer", adapter_name="loaded",
+                                           use_safetensors=True)
+    _assert_same_weights(_effective(pipe.transformer), want)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("which", [0, 1])
+def test_load_adapter_loads_each_kinds_files_into_a_pipeline(kind, which, tmp_path_factory):
+    """wanexp.sampling.load_adapter (what wanexp-sample calls): every file of every kind, ComfyUI's LoHa included,
+    gives the pipeline's transformer the trained weights."""
+    from wanexp.sampling import load_adapter
+
+    _, want, files = trained(kind, tmp_path_factory)
+    if which >= len(files):
+        pytest.skip("LoHa has one file")
+    pipe = _pipe()
+    load_adapter(pipe, files[which], "loaded")
+    _assert_same_weights(_effective(pipe.transformer), want)
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_recorded_experts_sees_each_kind_on_and_off(kind, tmp_path_factory):
+    """A LoKr or LoHa layer has no lora_A: the adapter still counts as on, and as off once disabled."""
+    from wanexp.sampling import load_adapter, recorded_experts
+
+    files = trained(kind, tmp_path_factory)[2]
+    pipe = _pipe()
+    load_adapter(pipe, files[-1], "loaded")
+    with recorded_experts({"dense": pipe.transformer}) as served:
+        _out(pipe.transformer)
+        pipe.disable_lora()
+        _out(pipe.transformer)
+    assert served == [("dense", True), ("dense", False)]
 
 
 def test_loha_has_no_diffusers_file(tmp_path_factory):
@@ -284,3 +327,23 @@ def test_init_from_a_dora_scaled_per_input_column_is_one_line(tmp_path, tmp_path
     save_file(sd, tmp_path / "columns.safetensors")
     with pytest.raises(ConfigError, match="its DoRA scale is per input column .*; use a DoRA file with a per-row"):
         _adapter("dora", init_from=str(tmp_path / "columns.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_init_from_with_a_and_b_swapped_says_it_looks_transposed(kind, tmp_path, tmp_path_factory):
+    """lora_down (A) stored as (out, rank) and lora_up (B) as (rank, in): the ranks read as the modules' output sizes
+    (16 and 32 here), which is not what is wrong with the file."""
+    from safetensors.torch import save_file
+
+    sd = load_file(trained(kind, tmp_path_factory)[2][0])
+    swap = {"lora_down.weight": "lora_up.weight", "lora_up.weight": "lora_down.weight"}
+    swapped = {re.sub(r"lora_(down|up)\.weight$", lambda m: swap[m.group(0)], k): v for k, v in sd.items()}
+    attn = {k: v for k, v in swapped.items() if "_attn." in k}
+    for name, tensors, targets in (("all", swapped, TARGETS), ("attn", attn, ["q", "k", "v", "o"])):
+        # attn: square modules only, where every A reads as rank 16 (is still transposed, not "rank 16")
+        save_file(tensors, tmp_path / f"{name}.safetensors")
+        with pytest.raises(ConfigError) as e:
+            lora.LoraAdapter(name=kind, rank=4, alpha=2.0, dropout=0.0, targets=targets, attention=["self", "cross"],
+                             init_from=str(tmp_path / f"{name}.safetensors"), use_dora=KINDS[kind][1])
+        message = str(e.value)
+        assert "looks transposed (lora_A and lora_B swapped" in message and "\n" not in message, message

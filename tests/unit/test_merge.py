@@ -56,23 +56,32 @@ def test_baked_model_gives_the_trained_output(model_dir, tmp_path, tmp_path_fact
     assert (_out(merged) - _out(t)).abs().max() <= TOL
 
 
-def test_combine_concatenates_ranks_exactly(tmp_path, tmp_path_factory):
-    """Two LoRAs of rank 4 (alpha 2) with weights 1 and 0.5 make one rank-8 LoRA equal to applying both."""
+@pytest.mark.parametrize("rank", [4, 2])
+def test_combine_concatenates_ranks_exactly(rank, tmp_path, tmp_path_factory):
+    """A LoRA of rank 4 (alpha 2) and one of ``rank`` (alpha 3) with weights 1 and 0.5 make one LoRA of rank
+    4 + ``rank`` whose weight difference is the sum of theirs at those weights."""
     first = trained("lora", tmp_path_factory)[2][0]
     t = _base()
-    ad = lora.LoraAdapter(name="lora", rank=4, alpha=3.0, dropout=0.0, targets=["q", "k", "v", "o", "ffn.0", "ffn.2"],
-                          attention=["self", "cross"], init_from=None)
+    ad = lora.LoraAdapter(name="lora", rank=rank, alpha=3.0, dropout=0.0,
+                          targets=["q", "k", "v", "o", "ffn.0", "ffn.2"], attention=["self", "cross"], init_from=None)
     ad.apply(t)
     _randomize(t, seed=7)
     second = ad.export(t.state_dict(), "", t, tmp_path / "second", "b")[1]  # the diffusers file: formats may differ
     out = merge.main(["combine", "--lora", str(first), "--lora", str(second), "--weight", "1", "--weight", "0.5",
                       "--out", str(tmp_path / "ab.safetensors")])
     sd = load_file(out)
-    assert sd["diffusion_model.blocks.0.self_attn.q.lora_down.weight"].shape == (8, 16)
+    assert sd["diffusion_model.blocks.0.self_attn.q.lora_down.weight"].shape == (4 + rank, 16)
     a, b = lora.read_any_adapter(first, "a"), lora.read_any_adapter(second, "b")
     combined = lora.read_any_adapter(out, "ab")
     base = _base().state_dict()
+
+    def delta(params):
+        diff, scale = lora.comfy_diff(params)
+        return scale * diff
+
     for module in a.modules:
+        want = delta(a.modules[module]) + 0.5 * delta(b.modules[module])
+        assert (delta(combined.modules[module]) - want).abs().max() <= TOL
         w = base[f"{module}.weight"]
         both = lora.patched_weight(lora.patched_weight(w, a.modules[module], 1.0), b.modules[module], 0.5)
         assert (lora.patched_weight(w, combined.modules[module]) - both).abs().max() <= TOL
@@ -113,7 +122,7 @@ def test_bad_input_is_one_line_and_writes_nothing(model_dir, tmp_path, tmp_path_
     with pytest.raises(SystemExit):
         merge.main(["bake", "--model", str(model_dir), "--lora", str(lora_file), "--out", str(full)])
     assert "already exists" in capsys.readouterr().err and [p.name for p in full.iterdir()] == ["keep.txt"]
-    # combine: layouts that differ (rank 4 and rank 1), a LoKr, a missing weight count
+    # combine: a LoKr, LoRAs of other modules, a missing weight count
     lokr = trained("lokr_lowrank", tmp_path_factory)[2][0]
     ab = tmp_path / "ab.safetensors"
     assert "combining is exact for LoRA files only" in _refused(

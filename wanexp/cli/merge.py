@@ -36,7 +36,7 @@ def _parse(argv):
                    help="the expert the adapter belongs to (default: the file's wanexp_expert, else dense); low "
                         "writes transformer_2/")
     b.add_argument("--out", required=True, help="the new model folder (must not exist, or be empty)")
-    c = sub.add_parser("combine", help="combine LoRAs of one rank layout into one file")
+    c = sub.add_parser("combine", help="combine LoRAs of the same modules (any ranks) into one file")
     c.add_argument("--lora", action="append", required=True, help="a LoRA file (give two or more)")
     c.add_argument("--weight", action="append", type=float, default=None,
                    help="a weight per --lora, in order (default: 1 each)")

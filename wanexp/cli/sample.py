@@ -30,6 +30,7 @@ from wanexp.errors import ConfigError, UserError
 from wanexp.sampling import generate as _generate
 from wanexp.sampling import lora_header, psnr, ssim, student_scheduler  # noqa: F401
 from wanexp.sampling import expert_routing, pipeline_experts, recorded_experts, recorded_timesteps, use_routing
+from wanexp.sampling import load_adapter, run_adapter_files
 
 
 def _parse(argv):
@@ -72,12 +73,7 @@ def _settings(args) -> dict:
         s["frames"] = s["frames"] or cfg.data.num_frames
         s["text_len"] = int(cfg.model.text_len)
         s["boundary_ratio"] = cfg.model.get("boundary_ratio")  # the experts' boundary the run trained with
-        s["loras"] = s["loras"] or sorted((run / "lora" / "final").glob("*_diffusers.safetensors"))
-        comfy_only = sorted((run / "lora" / "final").glob("*_comfyui.safetensors")) if not s["loras"] else []
-        if comfy_only:  # adapter=loha: diffusers has no LoHa loader, so the run wrote ComfyUI files only
-            raise ConfigError(f"--run {run}: its adapter files are ComfyUI-only ({comfy_only[0].name}; diffusers loads "
-                              "no LoHa): bake them with wanexp-merge bake --model ... --lora ... --out DIR, then pass "
-                              "--model-path DIR without --run")
+        s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final")  # a LoHa run's: its _comfyui files
         s["out"] = s["out"] or str(run / "samples")
     if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
         raise ConfigError(f"--model-path {s['model_path']}: not a diffusers-format model folder; pass --model-path "
@@ -125,7 +121,7 @@ def _main(args) -> dict:
     for path in s["loras"]:
         header = lora_header(path)
         expert = _lora_expert(path, header, modules)
-        pipe.load_lora_weights(str(path), adapter_name=f"wanexp_{expert}", load_into_transformer_2=expert == "low")
+        load_adapter(pipe, path, f"wanexp_{expert}", transformer_2=expert == "low")  # each kind by its route
         trained.append(expert)
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
