@@ -333,3 +333,74 @@ def test_heatmap_shows_lower_loss_as_better():
     assert best[1] > best[0] and worst[0] > worst[1]  # lowest green, highest red
     assert fig.axes[1].get_ylabel() == "val/loss, lower is better"
     assert len(fig.axes[0].patches) == 1  # the best cell outlined
+
+
+# ---- the status callback's lr and elapsed time (a stand-in trainer and clock; no training) --------------------------
+class _Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _status_run(monkeypatch, folder: Path, clock: _Clock, step: int = 0, warmup: int = 10):
+    """A RunStatus on ``folder`` with a stand-in trainer at ``step``: AdamW at lr 1e-3 under wanexp's schedule with
+    ``warmup`` warm-up steps, status.json rewritten at every step."""
+    import torch
+
+    from wanexp.callbacks import status as status_mod
+    from wanexp.optim import lr_lambda
+
+    monkeypatch.setattr(status_mod, "time", types.SimpleNamespace(time=clock, perf_counter=clock, monotonic=clock))
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("constant", warmup, 100, 0.0))
+    for _ in range(step):  # a resumed run's schedule is where its checkpoint left it
+        opt.step()
+        sched.step()
+    trainer = types.SimpleNamespace(
+        global_rank=0, world_size=1, global_step=step, current_epoch=0, max_steps=100, max_epochs=None,
+        num_training_batches=100, accumulate_grad_batches=1, log_every_n_steps=1000, optimizers=[opt],
+        datamodule=None, loggers=[], callback_metrics={}, checkpoint_callback=None, profiler=None,
+        _logger_connector=types.SimpleNamespace(should_update_logs=False))
+    cb = status_mod.RunStatus(output_dir=str(folder), run_name="r", every_s=0.0)
+    cb.on_train_start(trainer, None)
+
+    def step_once(seconds: float) -> dict:
+        cb.on_before_optimizer_step(trainer, None, opt)
+        opt.step()
+        sched.step()  # Lightning steps the schedule before the callbacks' on_train_batch_end
+        trainer.global_step += 1
+        clock.now += seconds
+        cb.on_train_batch_end(trainer, None, None, {"prompt": ["a"]}, 0)
+        return json.loads((folder / "status.json").read_text())
+
+    return step_once
+
+
+def test_status_shows_the_lr_each_step_used_and_the_configured_one(tmp_path, monkeypatch):
+    """During warm-up (10 steps to 1e-3) step k trains at k x 1e-4, which ``train/lr`` logs: status.json's ``lr`` is
+    that one, not the next step's; ``optimizer.base_lr`` is the configured 1e-3 (not the first warm-up value)."""
+    step_once = _status_run(monkeypatch, tmp_path, _Clock(1000.0))
+    first = json.loads((tmp_path / "status.json").read_text())
+    assert first["optimizer"]["base_lr"] == pytest.approx(1e-3) and "lr" not in first["optimizer"]
+    assert [step_once(1.0)["lr"] for _ in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])
+    assert status_cli.learning_rate(json.loads((tmp_path / "status.json").read_text())) == "lr 0.0003 (last step; base 0.001)"
+
+
+def test_a_resumed_run_shows_its_training_time_over_every_session(tmp_path, monkeypatch, capsys):
+    clock = _Clock(1000.0)
+    step_once = _status_run(monkeypatch, tmp_path, clock)
+    first = [step_once(50.0) for _ in range(2)][-1]
+    assert first["elapsed_s"] == first["elapsed_total_s"] == 100.0
+    clock.now += 3600.0  # the run stopped (killed); resumed an hour later from its step-2 checkpoint
+    step_once = _status_run(monkeypatch, tmp_path, clock, step=2)
+    s = step_once(30.0)
+    assert (s["start_step"], s["elapsed_before_s"], s["elapsed_s"], s["elapsed_total_s"]) == (2, 100.0, 30.0, 130.0)
+    step_once = _status_run(monkeypatch, tmp_path, clock, step=3)  # a second resume adds to the first
+    assert step_once(20.0)["elapsed_total_s"] == 150.0
+    assert status_cli.main([str(tmp_path)]) == 0
+    assert "elapsed 0:02:30 (0:00:20 since the resume at step 3)" in capsys.readouterr().out
+    _run(tmp_path / "sweep" / "0", elapsed_s=20.0, elapsed_total_s=150.0)
+    assert status_cli.main([str(tmp_path / "sweep")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("0:02:30")  # the sweep's elapsed column

@@ -5,6 +5,10 @@ one epoch (batches per rank / accumulation, rounded up: Lightning steps at the e
 The batches per rank already divide the samples (x each dataset's repeat and weight) by world size x batch, so the
 total is right for any world size, batch and accumulation. A resumed run's bar starts at the resumed step, and its ETA counts
 only the steps of this session.
+
+The rate (s/step) and the ETA count from the session's first training batch: the step-0 validation, which runs once
+before it (the base model's videos; minutes on A14B), is no step. Later validations recur at their cadence and stay in
+the pace, so the ETA holds for the rest of the run; the elapsed time is the session's wall time.
 """
 from __future__ import annotations
 
@@ -44,6 +48,20 @@ def dataset_postfix(trainer) -> dict[str, str]:
     return {name: f"{done}/{total}" for name, (done, total) in seen(trainer.global_step).items()}
 
 
+class PacedTqdm(Tqdm):
+    """A bar whose rate and ETA count from ``pace_from`` = (time, step) when set, not from the bar's creation."""
+
+    pace_from: tuple[float, int] | None = None
+
+    @property
+    def format_dict(self) -> dict:
+        d = super().format_dict
+        if self.pace_from is not None and self.n > self.pace_from[1]:
+            t0, n0 = self.pace_from
+            d["rate"] = (self.n - n0) / max(self._time() - t0, 1e-9)
+        return d
+
+
 class StepProgressBar(TQDMProgressBar):
     """``Training: 45%|████▌     | 450/1000 [02:10<02:39, 3.45step/s, loss=0.123, samples/s=13.8]`` (rank 0);
     with several datasets, each one's samples this epoch follow: ``..., clips=40/120, stills=130/400]``.
@@ -59,7 +77,7 @@ class StepProgressBar(TQDMProgressBar):
     def init_train_tqdm(self) -> Tqdm:
         # created with its total and start step, so no "Training: 0/?" bar is ever drawn
         step = self.trainer.global_step
-        return Tqdm(desc="Training", total=self.total_train_batches or None, initial=step,
+        return PacedTqdm(desc="Training", total=self.total_train_batches or None, initial=step,
                     position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
                     file=sys.stdout, smoothing=0.1, unit="step",
                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
@@ -74,6 +92,11 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_epoch_start(self, trainer, *_) -> None:
         pass  # one bar for the run: nothing resets per epoch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        bar = self.train_progress_bar
+        if bar.pace_from is None:  # the session's first batch: after the step-0 validation
+            bar.pace_from = (bar._time(), trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bar, step = self.train_progress_bar, trainer.global_step

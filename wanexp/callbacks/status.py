@@ -108,6 +108,13 @@ def _gpu() -> dict:
     return out
 
 
+def time_before(previous: dict) -> float:
+    """Seconds the run trained in its earlier sessions, from the status.json the last of them left (0 for none)."""
+    if previous.get("elapsed_total_s") is not None:
+        return float(previous["elapsed_total_s"])
+    return float(previous.get("elapsed_before_s") or 0.0) + float(previous.get("elapsed_s") or 0.0)
+
+
 def dataset_metrics(report: dict) -> dict:
     """Each dataset's rows, rejects and samples per epoch (repeats included), as logged metrics (W&B, CSV)."""
     out = {}
@@ -147,6 +154,7 @@ class RunStatus(TakesRunContext, Callback):
         self._window_start = 0  # global step at the last log step
         self._loss_read: float | None = None  # the loss and skipped steps as last read from the device
         self._skipped_read = 0
+        self._lr: float | None = None  # the learning rate the last optimizer step used (warm-up included)
         self.state: dict = {}
 
     # ---- writing ---------------------------------------------------------------------------------------------
@@ -159,15 +167,15 @@ class RunStatus(TakesRunContext, Callback):
         write_json_atomic(self.path, self.state)
 
     def _progress(self, trainer, read_device: bool = True) -> dict:
-        """Step of total, ETA (from the last steps' pace), throughput, loss, lr, memory, checkpoint, rejects; the
-        loss is read from the device only when ``read_device`` (logged steps, the end), else the last value read."""
+        """Step of total, ETA (from the last steps' pace), throughput, loss, the lr of the last step, memory,
+        checkpoint, rejects, elapsed time (the session's and the run's); the loss is read from the device only when
+        ``read_device`` (logged steps, the end), else the last value read."""
         total = total_optimizer_steps(trainer)
         seconds = sum(r[0] for r in self._recent)
         per_step = seconds / len(self._recent) if self._recent else None
         if read_device:
             self._loss_read = _number(trainer.callback_metrics.get("train/loss"))
         loss = self._loss_read
-        opt = trainer.optimizers[0] if trainer.optimizers else None
         ckpt = trainer.checkpoint_callback
         last = getattr(ckpt, "_last_checkpoint_saved", "") or getattr(ckpt, "last_model_path", "") or None
         out = {"total_steps": total or None,
@@ -175,14 +183,19 @@ class RunStatus(TakesRunContext, Callback):
                "step_time_s": _number(per_step),
                "samples_per_s": _number(sum(r[1] for r in self._recent) / seconds) if seconds else None,
                "tokens_per_s": _number(sum(r[2] for r in self._recent) / seconds) if seconds else None,
-               "loss": _number(loss), "lr": None if opt is None else _number(opt.param_groups[0]["lr"]),
+               "loss": _number(loss), "lr": self._lr,
                "last_checkpoint": last, "rejected_online": self.rejected + self._others_rejected,
-               "elapsed_s": time.time() - self.state.get("started", time.time())}
+               **self._elapsed()}
         for k in ("tflops", "pct_of_peak", "loader_wait_frac"):
             if k in self._perf:
                 out[k] = _number(self._perf[k])
         out.update({k: _number(v) for k, v in _gpu().items()})
         return out
+
+    def _elapsed(self) -> dict:
+        """This session's seconds since training started, and the run's over all its sessions."""
+        session = time.time() - self.state.get("started", time.time())
+        return {"elapsed_s": session, "elapsed_total_s": self.state.get("elapsed_before_s", 0.0) + session}
 
     # ---- hooks -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -191,15 +204,24 @@ class RunStatus(TakesRunContext, Callback):
         opt = trainer.optimizers[0] if trainer.optimizers else None
         import socket
 
+        before = 0.0
         if trainer.global_rank == 0:
             self._trim_history(trainer.global_step)
+            if trainer.global_step > 0 and self.path.exists():  # a resumed run: its earlier sessions' time
+                try:
+                    before = time_before(json.loads(self.path.read_text()))
+                except (OSError, ValueError, TypeError):
+                    before = 0.0
         self._write(trainer, state="running", host=socket.gethostname(), pid=os.getpid(), started=time.time(),
+                    elapsed_before_s=before,
                     steps_per_epoch=optimizer_steps_per_epoch(trainer), total_steps=total_optimizer_steps(trainer),
                     start_step=trainer.global_step,
                     batches_per_epoch=trainer.num_training_batches,
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
                     data=getattr(trainer.datamodule, "report", None),
-                    optimizer=None if opt is None else {"name": type(opt).__name__, "lr": opt.param_groups[0]["lr"],
+                    optimizer=None if opt is None else {"name": type(opt).__name__,
+                                                        "base_lr": opt.param_groups[0].get("initial_lr",
+                                                                                           opt.param_groups[0]["lr"]),
                                                         "fused": bool(opt.defaults.get("fused"))})
         report = getattr(trainer.datamodule, "report", None) or {}
         if "rejected" in report and trainer.global_rank == 0:
@@ -209,7 +231,10 @@ class RunStatus(TakesRunContext, Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """``train/grad_norm`` (total L2 norm of the trainable gradients, before clipping) at logged steps only:
-        a sharded model needs a collective for it, and the cadence is the same on every rank."""
+        a sharded model needs a collective for it, and the cadence is the same on every rank. Also the learning
+        rate this step uses (status.json's ``lr``): once the step is taken the schedule has moved to the next one's."""
+        if len(trainer.optimizers) <= 1 or optimizer is trainer.optimizers[0]:  # several (DMD): the first's
+            self._lr = _number(optimizer.param_groups[0]["lr"])
         if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps):
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -35,6 +35,25 @@ def _num(v, spec: str = ".4g") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 
+def run_seconds(s: dict) -> float | None:
+    """The run's training time over all its sessions (a status.json without it: its session's)."""
+    return s.get("elapsed_total_s", s.get("elapsed_s"))
+
+
+def elapsed(s: dict) -> str:
+    """The run's training time, and this session's when it resumed from a checkpoint."""
+    if not s.get("start_step"):
+        return _hms(run_seconds(s))
+    return f"{_hms(run_seconds(s))} ({_hms(s.get('elapsed_s'))} since the resume at step {s['start_step']})"
+
+
+def learning_rate(s: dict) -> str:
+    """The lr the last step used, and the schedule's base (``optim.lr`` after ``lr_scaling``) when it differs."""
+    lr, base = s.get("lr"), (s.get("optimizer") or {}).get("base_lr")
+    shown = f"lr {_num(lr, '.3g')} (last step"
+    return shown + (f"; base {_num(base, '.3g')})" if base is not None and base != lr else ")")
+
+
 def read_status(run: Path) -> dict:
     try:
         return json.loads((run / "status.json").read_text())
@@ -76,10 +95,10 @@ def run_view(run: Path, s: dict) -> str:
         ("state", live_state(s) + (f" ({s['signal']})" if s.get("signal") else "") +
          (f": {s['error']}" if s.get("error") else "")),
         ("step", f"{_num(step)} / {_num(total)}{pct}   epoch {_num(s.get('epoch'))}"),
-        ("eta", f"{_hms(s.get('eta_s'))}   elapsed {_hms(s.get('elapsed_s'))}   step {_num(s.get('step_time_s'), '.3g')} s"),
+        ("eta", f"{_hms(s.get('eta_s'))}   elapsed {elapsed(s)}   step {_num(s.get('step_time_s'), '.3g')} s"),
         ("train loss", f"{_num(s.get('loss'))} (last logged step)" +
                        (f"   val/loss {_num(s['val_loss'])}" if s.get("val_loss") is not None else "") +
-                       f"   lr {_num(s.get('lr'), '.3g')}"),
+                       f"   {learning_rate(s)}"),
         ("throughput", f"{_num(s.get('samples_per_s'), '.3g')} samples/s   {_num(s.get('tokens_per_s'), '.4g')} tokens/s"
                        f"   {_num(s.get('tflops'), '.3g')} TFLOP/s per device" +
                        (f" ({s['pct_of_peak']:.1f} % of peak)" if s.get("pct_of_peak") is not None else "")),
@@ -117,7 +136,7 @@ def sweep_view(folder: Path, runs: list[Path]) -> str:
         name = str(s.get("run_name", run.name)).rpartition("/")[2]
         rows.append([run.name, name, live_state(s), f"{_num(s.get('step'))}/{_num(s.get('total_steps'))}",
                      _num(s.get("loss")), _num(s.get("val_loss")), _num(s.get("samples_per_s"), ".3g"),
-                     _hms(s.get("eta_s")), _hms(s.get("elapsed_s"))])
+                     _hms(s.get("eta_s")), _hms(run_seconds(s))])
     states = [r[2] for r in rows]
     head = f"sweep {folder}: {len(rows)} points (" + ", ".join(f"{states.count(x)} {x}" for x in sorted(set(states))) + ")"
     # status.json's loss is one step's train loss; the sweep summary's is a mean over several steps: named apart
