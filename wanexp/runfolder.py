@@ -46,18 +46,14 @@ class RunLock:
             why = "a file, not a folder" if self.path.parent.is_file() else f"cannot write there ({e.strerror or e})"
             raise ConfigError(f"paths.output_dir={self.path.parent}: {why}; pick a writable folder (paths.output_dir "
                               "or paths.root_dir)") from None
-        os_lock = True
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._holder(f) or {}
+            os_lock = self._os_lock(f, fcntl.LOCK_EX)
+            holder = self._holder(f)
+            if holder and self._live(holder, os_lock):
+                raise self._live_error(holder)
+        except BaseException:
             f.close()
-            raise self._live_error(holder) from None
-        except OSError as e:  # e.g. a shared filesystem mounted without lock support: the heartbeat decides alone
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            os_lock = False
-        holder = self._holder(f)
+            raise
         if holder is None:  # an unreadable record nobody is rewriting (a holder killed mid-write): stale
             print(f"wanexp: warning: taking over the stale lock of {self.path.parent}: its record is unreadable "
                   "(a holder killed while writing it)", flush=True)
@@ -65,10 +61,6 @@ class RunLock:
         if holder:  # the last holder did not release: dead, or alive where the OS lock cannot see it
             age = time.time() - holder.get("heartbeat", 0)
             same_host = holder.get("host") == self.info["host"]
-            alive = _pid_alive(holder.get("pid")) if same_host else age < self.stale_s
-            if alive and not (same_host and os_lock):
-                f.close()
-                raise self._live_error(holder)
             why = "its process is gone" if same_host else f"no heartbeat for {age:.0f} s (guard.lock_stale_s={self.stale_s:g})"
             print(f"wanexp: warning: taking over the stale lock of {self.path.parent} (pid {holder.get('pid')} on "
                   f"{holder.get('host')}, started {holder.get('started')}): {why}", flush=True)
@@ -76,6 +68,43 @@ class RunLock:
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat, name="wanexp-lock-heartbeat", daemon=True)
         self._thread.start()
+
+    def check_free(self) -> None:
+        """Refuse (one line) a folder a live run holds, reading its lock only: nothing is created or written. A run
+        calls it before its checks read the folder, and takes the lock (:meth:`acquire`) once they all passed."""
+        import fcntl
+
+        try:
+            f = open(self.path)  # read-only: an absent lock stays absent
+        except OSError:  # no lock yet (or one that cannot be read: acquire() says why)
+            return
+        with f:  # closing it drops the shared OS lock
+            os_lock = self._os_lock(f, fcntl.LOCK_SH)
+            holder = self._holder(f)
+            if holder and self._live(holder, os_lock):
+                raise self._live_error(holder)
+
+    def _os_lock(self, f, kind: int) -> bool:
+        """Take the OS lock of ``kind`` on the open lock file without waiting: False where the filesystem has none
+        (the heartbeat decides alone); one line naming the holder when a live run holds it."""
+        import fcntl
+
+        try:
+            fcntl.flock(f, kind | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._live_error(self._holder(f) or {}) from None
+        except OSError as e:  # e.g. a shared filesystem mounted without lock support
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            return False
+        return True
+
+    def _live(self, holder: dict, os_lock: bool) -> bool:
+        """Whether the holder a record names still runs, its OS lock being free (or absent): on this host, its pid
+        alive where no OS lock could tell; on another host, a heartbeat within ``stale_s``."""
+        if holder.get("host") == self.info["host"]:
+            return not os_lock and _pid_alive(holder.get("pid"))
+        return time.time() - holder.get("heartbeat", 0) < self.stale_s
 
     def release(self, discard: bool = False) -> None:
         """Unlock; ``discard``: the run was refused before it started, so what acquire() created (the .lock file,

@@ -77,6 +77,23 @@ def prepare_model_folder(spec, boundary: str) -> None:
     spec.check_folder(spec.trained_experts(boundary))
 
 
+def check_built_model(spec, adapter, objective, boundary: str) -> None:
+    """What building the model refuses, found before anything loads or is written: each trained expert's transformer
+    is built on the meta device from its config.json and given the run's adapters as the real build gives them
+    (``adapter.init_from``'s modules and shapes checked), and ``model.blocks_to_swap`` is held to its blocks."""
+    import torch
+
+    from wanexp.models.blockswap import swap_count
+
+    for expert in spec.trained_experts(boundary):
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")  # no values: shapes
+            transformer = spec.transformer_type().from_config(spec.transformer_config(expert)).requires_grad_(False)
+            for name in objective.adapters:
+                adapter.apply(transformer, name)
+        swap_count(spec, expert, len(transformer.blocks))
+
+
 def build_trainer(cfg: DictConfig, out: Path, context=None):
     """The Trainer of a run; ``context`` (a wanexp.context.RunContext) is handed to the callbacks that read it."""
     import lightning as L
@@ -220,6 +237,7 @@ def run(cfg: DictConfig) -> dict:
 
     resolve_blocks_to_swap(cfg, spec, verbose=launch_rank() == 0)  # model.blocks_to_swap=auto: N, and why
     check_fit(cfg, spec)
+    check_built_model(spec, adapter, objective, cfg.boundary.name)
 
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
@@ -230,16 +248,22 @@ def run(cfg: DictConfig) -> dict:
     lock = None
     if launch_rank() == 0:
         lock = RunLock(out, cfg.guard.lock_stale_s)
-        lock.acquire()  # before anything in it is cleared or written
-        stale = remove_stale_temporaries(out)
-        if stale:
-            print(f"wanexp: removed {len(stale)} temporary file(s) of an interrupted write in {out} "
-                  f"(e.g. {stale[0].name})", flush=True)
+        lock.check_free()  # a live run's folder: one line before the checks read it; taken once they all pass
     try:
         return _fit(cfg, spec, adapter, objective, out, lock)
     finally:
         if lock is not None:  # refused before it started (no config.yaml written): the lock it made goes too
             lock.release(discard=not lock.started)
+
+
+def take_run_folder(lock: RunLock, out: Path) -> None:
+    """Rank 0, once every check passed: lock the run folder (creating it), then remove the temporary files of
+    writes a kill interrupted. Nothing in the folder is touched before this."""
+    lock.acquire()
+    stale = remove_stale_temporaries(out)
+    if stale:
+        print(f"wanexp: removed {len(stale)} temporary file(s) of an interrupted write in {out} "
+              f"(e.g. {stale[0].name})", flush=True)
 
 
 def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | None = None) -> dict:
@@ -253,6 +277,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
     # The run-wide facts, built once and handed to the datamodule, the module and the callbacks (wanexp/context.py)
     context = RunContext.from_config(cfg)
     dm = build_datamodule(cfg, spec, context)
+    dm.hold_rejects()
     dm.prepare()
     dm.setup("fit")  # reads and checks the metadata and media before any weights load
     if dm.prompts_only:  # a file of prompts alone (wanexp/data/prompts.py): only an objective needing no clip takes it
@@ -317,9 +342,13 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
         check_disk(out, estimate(spec, adapter, objective, cfg.boundary.name,
                                  OmegaConf.to_container(cfg.callbacks, resolve=True), int(cfg.trainer.max_steps or -1)))
     # Every check passed: the run starts here. Until now it wrote nothing into the run folder.
+    if lock is not None:
+        take_run_folder(lock, out)
     start_services(trainer)
-    if cfg.overwrite and ckpt is None and trainer.global_rank == 0:
-        clear_run_folder(out)
+    if trainer.global_rank == 0:
+        if cfg.overwrite and ckpt is None:
+            clear_run_folder(out)
+        dm.write_held_rejects()  # the data check's reject lists (held since setup: a refused run writes none)
     log_config(trainer, cfg)
     if trainer.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -228,6 +228,7 @@ CLI_BAD = [
     (["experiment=demo", "data.metadata=/usr"], "data.metadata=/usr is a folder, but data.generate is on"),
     (["experiment=demo", "resume=/nowhere/step_000010.ckpt"], "resume=/nowhere/step_000010.ckpt: checkpoint file "
                                                               "not found"),
+    (["experiment=demo", "model.fp8_storage=2"], "model.fp8_storage=2: must be true or false"),
 ]
 
 
@@ -358,6 +359,45 @@ def test_more_bad_values_are_one_line(values, message):
     with pytest.raises(ConfigError) as e:
         check_config(_base(**values))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def _true_false_keys(cfg) -> list[str]:
+    """Every key of a composed config that holds a bool (OmegaConf's BooleanNode)."""
+    from omegaconf import DictConfig
+    from omegaconf.nodes import BooleanNode
+
+    def walk(node, prefix: str):
+        for key in node.keys():
+            if OmegaConf.is_missing(node, key):
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                yield from walk(child, f"{prefix}{key}.")
+            elif isinstance(child, BooleanNode):
+                yield f"{prefix}{key}"
+
+    return list(walk(cfg, ""))
+
+
+def test_every_true_false_key_refuses_another_value_on_the_command_line():
+    """OmegaConf turns any integer into a bool (model.fp8_storage=2 was taken as true) and yes/no/on/off too: every
+    bool key of the config takes true or false only; anything else is one line naming the key and the value."""
+    from wanexp.config.messages import one_line_error
+    from wanexp.config.rules import check_booleans
+
+    cfg = compose_cfg(["experiment=demo"])
+    keys = _true_false_keys(cfg)
+    assert {"model.fp8_storage", "model.compile", "overwrite", "data.probe", "adapter.use_dora"} <= set(keys)
+    for key in keys:
+        check_booleans(cfg, [f"{key}=true", f"{key}=false", f"{key}=True"])
+        for bad in ("2", "0", "1", "yes", "off"):
+            with pytest.raises(ConfigError) as e:
+                check_booleans(cfg, [f"{key}={bad}"])
+            assert str(e.value) == f"{key}={bad}: must be true or false"
+    check_booleans(cfg, ["model.compile=true,false", "optim.lr=2", "+extra=2", "~tags"])  # not a bool key's value
+    with pytest.raises(Exception) as e:  # not a bool at all: OmegaConf refuses it, said in the same words
+        compose_cfg(["experiment=demo", "model.fp8_storage=abc"])
+    assert one_line_error(e.value) == "model.fp8_storage=abc: must be true or false"
 
 
 def test_device_settings_lightning_takes_pass():

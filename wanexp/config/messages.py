@@ -11,9 +11,10 @@ def one_line_error(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
     first = (getattr(cause, "msg", None) or str(cause) or type(cause).__name__).strip().splitlines()[0]
-    m = re.search(r"could not be converted to (\w+)", first)
+    m = re.search(r"could not be converted to (\w+)", first) or re.search(r"is not a valid (bool)\b", first)
     if key and m:
-        return f"{key}={value}: must be {_TYPE_WORDS.get(m.group(1), m.group(1))}"
+        kind = "Boolean" if m.group(1) == "bool" else m.group(1)
+        return f"{key}={value}: must be {_TYPE_WORDS.get(kind, kind)}"
     m = re.search(r"Key '([^']+)' not in '(\w+)'", first) or re.search(r"Key '([^']+)' is not in struct", first)
     if key and m:
         parent = key.rpartition(".")[0] or "the top level"

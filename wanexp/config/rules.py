@@ -24,7 +24,37 @@ def check_boundary(cfg: DictConfig) -> None:
         )
 
 
+def check_booleans(cfg: DictConfig, overrides) -> None:
+    """A true/false key given on the command line takes true or false. OmegaConf's bool nodes also convert any
+    integer (2 is true, 0 false) and yes/no/on/off, so each override's value is read as Hydra parsed it, before that
+    conversion, and held to the type of the key it sets."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.nodes import BooleanNode
+
+    for o in OverridesParser.create().parse_overrides([str(x) for x in overrides]):
+        if o.is_sweep_override() or o.is_delete():
+            continue
+        parent_key, _, leaf = o.key_or_group.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if not isinstance(parent, DictConfig) or leaf not in parent:
+            continue
+        value = o.value()
+        if isinstance(parent._get_node(leaf), BooleanNode) and value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{o.key_or_group}={o.get_value_element_as_str()}: must be true or false")
+
+
+def command_line(cfg: DictConfig) -> list[str]:
+    """The overrides a run was given: ``overrides`` (wanexp.train keeps Hydra's record there), else Hydra's record
+    when Hydra composed this config; none for a config composed otherwise."""
+    if cfg.get("overrides") is not None:
+        return list(cfg.overrides)
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def check_rules(cfg: DictConfig) -> None:
+    check_booleans(cfg, command_line(cfg))
     m, b, d, p = cfg.model, cfg.boundary, cfg.data, cfg.parallel
     if OmegaConf.is_missing(m, "path"):
         raise ConfigError(f"model.path is not set: pass model.path=/path/to/local/diffusers/folder for model={m.name}")

@@ -439,7 +439,18 @@ def collate(items: list[dict]) -> dict:
                 rejected=[r for it in items for r in it.get("rejected", ())])
 
 
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """A file of lines, written under a temporary name and renamed (readers never see a partial list)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+
+
 class WanDataModule(L.LightningDataModule):
+    _held_rejects: list[tuple[Path, list[str]]] | None = None  # hold_rejects(): (file, lines) not yet written
+
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
                  frame_stride: int, window: str, windows_per_clip: int, batch_size: int, token_budget: int | None, num_workers: int, max_samples: int | None, dataset_repeat: int,
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
@@ -503,8 +514,12 @@ class WanDataModule(L.LightningDataModule):
     def prepare(self) -> None:
         """Generate the synthetic clips if this data group asks for them (idempotent, safe across ranks)."""
         if self.generate and not self.metadata.is_file():
-            from wanexp.data.synthetic import make_demo_dataset
+            from wanexp.data.synthetic import METADATA_NAME, make_demo_dataset
 
+            if self.metadata.name != METADATA_NAME:  # a file of the user's (e.g. prompts), not the generated list
+                raise ConfigError(f"data.metadata={self.metadata}: file not found (data.generate lists the clips it "
+                                  f"generates in a {METADATA_NAME}, never in this file); point data.metadata at an "
+                                  "existing file and set data.generate=null to train on it")
             make_demo_dataset(self.metadata.parent, **dict(self.generate))
 
     def samples(self) -> tuple[list[Sample], list[tuple[int, int] | None], list[int | None]]:
@@ -532,6 +547,7 @@ class WanDataModule(L.LightningDataModule):
                        "rejects_file": str(self.rejects_path) if self.rejects_path else None}
         self._write_rejects(rejects, warnings)
         if rejects and (not samples or len(rejects) / total > self.max_reject_fraction):
+            self.write_held_rejects()  # the refusal's own report: its line names the file
             first = rejects[0]
             hint = ("fix the paths in the metadata file or set data.root to the folder they are relative to"
                     if first.reason == "file not found" else
@@ -627,13 +643,23 @@ class WanDataModule(L.LightningDataModule):
     def _write_rejects(self, rejects: list[Reject], warnings: list) -> None:
         if self.rejects_path is None:
             return
-        self.rejects_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.rejects_path.with_name(f".{self.rejects_path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            for kind, items in (("reject", rejects), ("warning", warnings)):
-                for r in items:
-                    f.write(json.dumps({"kind": kind, "source": r.source, "path": r.path, "reason": r.reason}) + "\n")
-        os.replace(tmp, self.rejects_path)
+        lines = [json.dumps({"kind": kind, "source": r.source, "path": r.path, "reason": r.reason}) + "\n"
+                 for kind, items in (("reject", rejects), ("warning", warnings)) for r in items]
+        if self._held_rejects is not None:
+            self._held_rejects.append((self.rejects_path, lines))
+        else:
+            _write_lines(self.rejects_path, lines)
+
+    def hold_rejects(self) -> None:
+        """Keep the reject lists in memory until :meth:`write_held_rejects`: a run writes nothing into its folder
+        before every check has passed (a refusal by the data check itself writes them: its line names the file)."""
+        self._held_rejects = []
+
+    def write_held_rejects(self) -> None:
+        for path, lines in self._held_rejects or []:
+            _write_lines(path, lines)
+        if self._held_rejects:
+            self._held_rejects.clear()  # shared with the per-dataset copies (_child)
 
     def setup(self, stage: str | None = None) -> None:
         if self.dataset is not None:

@@ -309,9 +309,23 @@ def _prefetch_hook(swap: BlockSwap, position: int):
 
 
 # ---- wiring and the fit check -------------------------------------------------------------------------------------
+def swap_count(spec, expert: str, layers: int) -> int:
+    """``model.blocks_to_swap`` for the ``expert`` transformer of ``layers`` blocks; one line for more blocks than it
+    has, or for ``auto`` not sized (wanexp.train checks it on the meta-built model before the run folder is touched)."""
+    from wanexp.errors import ConfigError
+
+    n = getattr(spec, "blocks_to_swap", 0) or 0
+    if n == "auto":  # a command that builds the model without wanexp.train.run's resolve_blocks_to_swap
+        raise ConfigError("model.blocks_to_swap=auto: this command does not size block swap; set "
+                          "model.blocks_to_swap=N (wanexp-train prints the N auto picks on its start line)")
+    if n > layers:
+        raise ConfigError(f"model.blocks_to_swap={n}: the {expert} transformer has {layers} blocks; set "
+                          f"model.blocks_to_swap to at most {layers}")
+    return n
+
+
 def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) -> BlockSwap | None:
     """``model.fp8_storage`` then ``model.blocks_to_swap`` on a loaded transformer (adapters added, on the host)."""
-    from wanexp.errors import ConfigError
     from wanexp.models import fp8
 
     if getattr(spec, "fp8_storage", False):
@@ -319,15 +333,10 @@ def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) ->
         if verbose:
             print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8",
                   flush=True)
-    n, layers = getattr(spec, "blocks_to_swap", 0) or 0, len(transformer.blocks)
-    if n == "auto":  # a command that builds the model without wanexp.train.run's resolve_blocks_to_swap
-        raise ConfigError("model.blocks_to_swap=auto: this command does not size block swap; set "
-                          "model.blocks_to_swap=N (wanexp-train prints the N auto picks on its start line)")
+    layers = len(transformer.blocks)
+    n = swap_count(spec, expert, layers)
     if not n:
         return None
-    if n > layers:
-        raise ConfigError(f"model.blocks_to_swap={n}: the {expert} transformer has {layers} blocks; set "
-                          f"model.blocks_to_swap to at most {layers}")
     swap = enable(transformer.blocks, n)
     transformer._wanexp_blockswap = swap
     if verbose:
