@@ -108,3 +108,27 @@ def test_model_folders_are_spelled_one_way():
             spellings.setdefault(path.lower(), set()).add(path)
     mixed = {k: sorted(v) for k, v in spellings.items() if len(v) > 1}
     assert not mixed, f"one folder, several spellings: {mixed}"
+
+
+# The elements mkdocs-material builds a page of; anything else in a built page came from the markdown's text
+SITE_TAGS = {"a", "article", "body", "button", "code", "div", "em", "footer", "form", "h1", "h2", "h3", "h4", "head",
+             "header", "html", "img", "input", "label", "li", "link", "main", "meta", "nav", "ol", "p", "path", "pre",
+             "script", "span", "strong", "style", "svg", "table", "tbody", "td", "th", "thead", "title", "tr", "ul"}
+
+
+def test_no_placeholder_in_the_text_becomes_an_html_element(site):
+    """A placeholder such as <metric> outside a code span is parsed as an HTML element and vanishes from the page:
+    every element of the built pages is one the site builds itself."""
+    from html.parser import HTMLParser
+
+    found: dict[str, set[str]] = {}
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.setdefault(tag, set()).add(page)
+
+    for html in sorted(site.rglob("*.html")):
+        page = html.relative_to(site).as_posix()
+        Tags().feed(html.read_text())
+    stray = {tag: sorted(pages) for tag, pages in found.items() if tag not in SITE_TAGS}
+    assert not stray, f"text parsed as HTML elements (put placeholders in `code`): {stray}"

@@ -26,6 +26,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -250,7 +251,10 @@ def heatmap_figure(z, ranks: list[str], lrs: list[str], rank_key: str, lr_key: s
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    fig, ax = plt.subplots(figsize=(2.4 + 1.3 * len(lrs), 1.2 + 0.8 * len(ranks)))
+    # the title and the colour bar's label wrap, and the figure is large enough for their lines (a small grid's
+    # colour bar is shorter than a loss's name, its axes narrower than the title)
+    label = "\n".join(textwrap.wrap(f"{metric}, lower is better", 26))
+    fig, ax = plt.subplots(figsize=(2.4 + 1.3 * len(lrs), max(3.4, 1.2 + 0.8 * len(ranks))))
     im = ax.imshow(z, cmap=HEATMAP_CMAP, aspect="auto")
     ax.set_xticks(range(len(lrs)), lrs)
     ax.set_yticks(range(len(ranks)), ranks)
@@ -263,8 +267,8 @@ def heatmap_figure(z, ranks: list[str], lrs: list[str], rank_key: str, lr_key: s
     if np.isfinite(z).any():
         i, j = np.unravel_index(np.nanargmin(z), z.shape)
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.5))
-    ax.set_title(f"{name}: {metric}\n(best outlined)", fontsize=10)
-    fig.colorbar(im, ax=ax).set_label(f"{metric}, lower is better", fontsize=9)
+    ax.set_title("\n".join([*textwrap.wrap(f"{name}: {metric}", 36), "(best outlined)"]), fontsize=10)
+    fig.colorbar(im, ax=ax).set_label(label, fontsize=9)
     fig.tight_layout()
     return fig
 
