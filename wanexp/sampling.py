@@ -125,19 +125,48 @@ def strip_frames(video: torch.Tensor):
     return np.concatenate(list(frames), axis=1)
 
 
-def write_strip(path: Path, rows: list[tuple]) -> None:
+def write_strip(path: Path, rows: list[tuple], labels: list[str] | None = None) -> None:
     """A PNG of before/after pairs: one row per (base, LoRA) pair of :func:`strip_frames`, the base's three frames
-    then the LoRA's; rows of narrower shapes are padded with black. Written to a temporary name, then renamed: a
-    viewer never sees half a file."""
+    then the LoRA's; rows of narrower shapes are padded with black. ``labels``: one per row (its video and prompt),
+    written in a band above the row with what each half's frames are (:func:`label_band`). Written to a temporary
+    name, then renamed: a viewer never sees half a file."""
     import numpy as np
     from PIL import Image
 
     lines = [np.concatenate(pair, axis=1) for pair in rows]  # a pair: the same prompt, seed and shape
+    if labels is not None:
+        lines = [np.concatenate([label_band(line.shape, label), line]) for line, label in zip(lines, labels)]
     width = max(x.shape[1] for x in lines)
     grid = np.concatenate([np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0))) for x in lines], axis=0)
     tmp = path.with_name(path.name + ".tmp")
     Image.fromarray(grid).save(tmp, format="PNG")
     tmp.replace(path)
+
+
+def label_band(shape: tuple, label: str):
+    """A black band of white text to put above a strip row of ``shape`` (H, W, 3): ``label`` on its first line, then
+    over each of the row's six frames which it is ("base first" ... "LoRA last"). The text is sized to the row's
+    height (10 to 36 px: legible on a 64-pixel demo frame and on a 704-pixel one) and cut to fit its space."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    height, width = shape[0], shape[1]
+    size = max(10, min(36, height // 16))
+    font, pad = ImageFont.load_default(size), size // 3 + 2
+    band = Image.new("RGB", (width, 2 * (size + pad) + pad))
+    draw = ImageDraw.Draw(band)
+
+    def fit(text: str, room: float) -> str:
+        while len(text) > 1 and draw.textlength(text, font=font) > room:
+            text = text[:-2] + "…"  # one character fewer, then the ellipsis
+        return text
+
+    draw.text((pad, pad), fit(label, width - 2 * pad), fill="white", font=font)
+    frame = width / 6
+    columns = [f"{who} {which}" for who in ("base", "LoRA") for which in ("first", "middle", "last")]
+    for k, text in enumerate(columns):
+        draw.text((round(k * frame) + pad, size + 2 * pad), fit(text, frame - pad), fill="white", font=font)
+    return np.asarray(band)
 
 
 @contextmanager
@@ -316,20 +345,53 @@ def build_pipeline(spec, transformers: dict, vae, text_encoder, tokenizer, sched
 
     ``transformers``: expert name -> transformer (``dense``, or ``high`` and ``low``). ``image``: an image-to-video
     pipeline (I2V-A14B always; TI2V-5B with a first frame)."""
-    import diffusers
-
     two = "high" in transformers and "low" in transformers
     kwargs = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                   transformer=transformers["high"] if two else next(iter(transformers.values())),
                   transformer_2=transformers["low"] if two else None,
                   boundary_ratio=spec.boundary_ratio if two else None,
                   expand_timesteps=bool(spec.pipeline_extras.get("expand_timesteps", False)))
-    cls = getattr(diffusers, spec.image_pipeline_class if image else spec.pipeline_class)  # the family's
+    cls = pipeline_class(spec.image_pipeline_class if image else spec.pipeline_class)  # the family's
     if image:
         kwargs.update(image_processor=None, image_encoder=None)
     pipe = cls(**kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def pipeline_class(name: str):
+    """The diffusers pipeline class ``name`` (a spec's ``pipeline_class`` or ``image_pipeline_class``). diffusers'
+    Wan image-to-video module imports transformers' ``CLIPImageProcessor`` for Wan2.1's CLIP image encoder, which
+    Wan2.2 has none of (its pipelines are built without an image processor); transformers without torchvision
+    resolves that name to ``CLIPImageProcessorPil`` and logs a warning. The name is bound to that class first, as
+    transformers' message advises (a direct import), so the import finds it and nothing is logged."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torchvision") is None:
+        from transformers import CLIPImageProcessorPil
+
+        live = sys.modules["transformers"]  # that import may have re-created the module (processing_utils does)
+        if "CLIPImageProcessor" not in vars(live):
+            live.CLIPImageProcessor = CLIPImageProcessorPil
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def condition_image(path: str | Path, height: int, width: int):
+    """A user's image (``wanexp-sample --image``, ``callbacks.validation.images``) as the first frame of a
+    height x width sample, as a PIL image: resized to cover and centre-cropped as training crops its clips
+    (``wanexp.data.media.load_clip``). Not an image file, missing or unreadable: a MediaError (one line)."""
+    from wanexp.data.media import load_clip
+    from wanexp.data.metadata import IMAGE_EXTENSIONS, media_kind
+    from wanexp.errors import MediaError
+
+    if media_kind(path) != "image":
+        raise MediaError(f"{path}: not an image file (one of {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if not Path(path).is_file():
+        raise MediaError(f"{path}: file not found")
+    return first_frame_image(load_clip(path, 1, height, width))
 
 
 def first_frame_image(pixels: torch.Tensor):

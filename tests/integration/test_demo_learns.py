@@ -31,14 +31,19 @@ def test_the_demo_settings_make_the_loss_fall_and_write_a_before_after_strip(sha
     # measured over seeds: 1.31 -> 1.14, 1.39 -> 1.19, 1.33 -> 1.16 (the demo's own settings stay near 1.37)
     assert (first_step, last_step) == (cfg.trainer.log_every_n_steps, cfg.trainer.max_steps)
     assert last < 0.93 * first, (first, last)
-    # the strip: a row per prompt x seed, the base's first/middle/last frames then the final LoRA's
+    # the strip: a row per prompt x seed under its label band, the base's first/middle/last frames then the final
+    # LoRA's
+    from wanexp.sampling import label_band
+
     val = cfg.callbacks.validation
     strip = out / "validation" / "strip.png"
     grid = np.asarray(Image.open(strip).convert("RGB"))
     rows = len(val.prompts) * len(val.seeds)
     h, w = cfg.data.height, cfg.data.width
-    assert grid.shape == (rows * h, 6 * w, 3)
-    base, lora = grid[:, :3 * w].astype(float), grid[:, 3 * w:].astype(float)
+    band = label_band((h, 6 * w, 3), "").shape[0]
+    assert grid.shape == (rows * (band + h), 6 * w, 3)
+    frames = grid.reshape(rows, band + h, 6 * w, 3)[:, band:]
+    base, lora = frames[:, :, :3 * w].astype(float), frames[:, :, 3 * w:].astype(float)
     assert np.abs(base - lora).mean() > 1.0  # the LoRA at the end samples other videos than the base model
     lines = end_lines(cfg, r)
     assert f"wanexp: training loss {first:.4g} at step {first_step} -> {last:.4g} at step {last_step}" in lines

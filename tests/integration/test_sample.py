@@ -3,12 +3,15 @@ same video for the same seed, on the experts its training used."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import av
 import pytest
 import torch
 
+from tests.conftest import ROOT, compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.cli import sample
 from wanexp.objectives.dmd import DMD
@@ -127,3 +130,157 @@ def test_image_quality_metrics_are_the_standard_psnr_and_gaussian_window_ssim():
     assert sample.ssim(a, b) == pytest.approx(float(expected), abs=1e-5)
     noise = torch.rand(2, 16, 16, 3, generator=g)
     assert sample.ssim(noise, torch.rand(noise.shape, generator=g)) < 0.2
+
+
+# ---- image-to-video from the user's own image -------------------------------------------------------------------
+def _wide_image(path: Path, seed: int = 0) -> Path:
+    """A 40x120 image of noise: covering a 64x64 sample crops its centre, so a crop and a squeeze differ."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    Image.fromarray((torch.rand(40, 120, 3, generator=g) * 255).to(torch.uint8).numpy()).save(path)
+    return path
+
+
+def _vae(cfg):
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan.from_pretrained(cfg.model.path, subfolder="vae", dtype=torch.float32)
+
+
+def _squeezed(path: Path, height: int, width: int) -> torch.Tensor:
+    """The image resized to the sample's size without keeping its aspect: (1, 3, 1, H, W) in [-1, 1]."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = torch.from_numpy(np.array(Image.open(path))).permute(2, 0, 1).float()[None]
+    pixels = torch.nn.functional.interpolate(pixels / 127.5 - 1, size=(height, width), mode="bilinear",
+                                             antialias=True)
+    return pixels[:, :, None]
+
+
+def test_an_image_is_the_first_frame_of_a_ti2v_sample_cropped_as_training_crops(trained, tmp_path):
+    """TI2V-5B layout: --image makes the sample image-to-video; its latent frame 0 is the VAE latent of the image
+    resized and centre-cropped as training crops a clip (not squeezed), and differs from a text-to-video run's. The
+    video is written at the model's rate (model.fps), and the whole path prints no warning."""
+    import warnings
+
+    from wanexp.data.media import load_clip
+    from wanexp.models.encode import encode_video
+
+    r = trained("tiny")
+    d = r["cfg"].data
+    image = _wide_image(tmp_path / "wide.png")
+    args = ["--run", r["output_dir"], "--prompt", "a red ball rolls", "--steps", "2", "--guidance", "1",
+            "--device", "cpu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. diffusers' torch_dtype FutureWarning
+        res = sample.main([*args, "--image", str(image), "--out", str(tmp_path / "i2v")])
+    text = sample.main([*args, "--out", str(tmp_path / "t2v")])
+    (entry,), (plain,) = res["samples"], text["samples"]
+    vae = _vae(r["cfg"])
+    cropped = encode_video(vae, load_clip(image, 1, d.height, d.width)[None])  # training's latent of the image
+    frame0 = entry["latents"][:, :, :1]
+    assert (frame0 - cropped).abs().max() < 1e-2  # the image, quantised to 8 bits as a PIL image
+    assert (frame0 - encode_video(vae, _squeezed(image, d.height, d.width))).abs().max() > 0.1
+    assert (plain["latents"][:, :, :1] - cropped).abs().max() > 1.0
+    assert entry["image"] == str(image) and "image" not in plain
+    with av.open(entry["file"]) as c:
+        assert c.streams.video[0].average_rate == r["cfg"].model.fps == 24
+    assert json.loads((tmp_path / "i2v" / "metrics.json").read_text())["fps"] == 24
+
+
+def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path, monkeypatch):
+    """I2V-A14B layout: the transformers' 16 image-condition channels are the latents of [image, zeros] with the image
+    cropped as training crops it (what training feeds them), at every call; another image gives another condition."""
+    from wanexp.data.media import load_clip
+    from wanexp.models.encode import encode_image_condition
+
+    r = trained("tiny_i2v14b")
+    d = r["cfg"].data
+    seen: list[torch.Tensor] = []
+    generate = sample._generate
+
+    def spy(pipe, *args, **kwargs):
+        hooks = [m.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"][:, 20:].clone()),
+                                             with_kwargs=True) for m in (pipe.transformer, pipe.transformer_2)]
+        try:
+            return generate(pipe, *args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    monkeypatch.setattr(sample, "_generate", spy)
+    images = [_wide_image(tmp_path / "a.png", 0), _wide_image(tmp_path / "b.png", 1)]
+    res = sample.main(["--run", r["output_dir"], "--prompt", "a red ball", "--prompt", "a blue ball", "--steps", "2",
+                       "--guidance", "1", "--device", "cpu", "--out", str(tmp_path / "out"),
+                       *[a for p in images for a in ("--image", str(p))]])
+    assert len(res["samples"]) == 2 and len(seen) == 4  # 2 prompts x 2 steps, one call each (no CFG)
+    vae = _vae(r["cfg"])
+    expected = [encode_image_condition(vae, load_clip(p, 1, d.height, d.width)[:, 0][None], d.num_frames)
+                for p in images]
+    for k, cond in enumerate(seen):
+        assert (cond - expected[k // 2]).abs().max() < 1e-2
+        assert (cond - expected[1 - k // 2]).abs().max() > 0.1
+
+
+def test_image_input_errors_are_one_line_before_any_weights_load(trained, shared_dir, tmp_path, monkeypatch, capsys):
+    from wanexp.models.tiny import ensure_tiny_model
+    from wanexp.train import build
+
+    def no_weights(name):
+        raise AssertionError("a pipeline was loaded")
+
+    monkeypatch.setattr(sample, "pipeline_class", no_weights)
+    ti2v, i2v = trained("tiny")["output_dir"], trained("tiny_i2v14b")["output_dir"]
+    t2v = ensure_tiny_model(build(compose_cfg(["model=tiny_t2v14b",
+                                               f"paths.tiny_model_dir={shared_dir}/models"]).model))
+    good, missing = _wide_image(tmp_path / "good.png"), tmp_path / "missing.png"
+    (tmp_path / "bad.png").write_text("not a png")
+    cases = [
+        (["--run", ti2v, "--image", str(missing)], f"--image {missing}: file not found"),
+        (["--run", ti2v, "--image", str(tmp_path / "bad.png")], f"--image {tmp_path / 'bad.png'}: cannot read image"),
+        (["--run", ti2v, "--image", str(good), "--image", str(good)],
+         "--image given 2 time(s) for 1 --prompt(s): pass one --image per --prompt"),
+        (["--run", i2v], "--image given 0 time(s) for 1 --prompt(s) (model=tiny_i2v14b is image-to-video)"),
+        (["--model-path", str(t2v), "--image", str(good)], "--image: model=t2v14b has no image conditioning"),
+    ]
+    for args, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            sample.main([*args, "--prompt", "x", "--device", "cpu", "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"wanexp: error: {expected}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dmd_runs_teacher_is_the_one_it_was_distilled_toward(dmd_tiny, tmp_path, monkeypatch):
+    """--teacher samples the base model with the run's objective.guidance_scale and objective.negative_prompt (the
+    CFG the student was distilled toward), not CFG 5 with the empty prompt; the flags still override them."""
+    calls = []
+    generate = sample._generate
+
+    def spy(pipe, prompt, seed, s, steps, guidance, negative, *args, **kwargs):
+        calls.append((steps, guidance, negative))
+        return generate(pipe, prompt, seed, s, steps, guidance, negative, *args, **kwargs)
+
+    monkeypatch.setattr(sample, "_generate", spy)
+    objective = dmd_tiny["cfg"].objective
+    assert objective.guidance_scale != 5.0 and objective.negative_prompt  # the defaults this must not fall back to
+    args = ["--run", dmd_tiny["output_dir"], "--prompt", "a red ball rolls", "--teacher", "--teacher-steps", "2",
+            "--device", "cpu"]
+    res = sample.main([*args, "--out", str(tmp_path / "a")])
+    assert calls[1] == (2, objective.guidance_scale, objective.negative_prompt)
+    assert res["teacher"] == {"steps": 2, "guidance": objective.guidance_scale}
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["negative_prompt"] == objective.negative_prompt
+    sample.main([*args, "--teacher-guidance", "3", "--negative-prompt", "blurry", "--out", str(tmp_path / "b")])
+    assert calls[3] == (2, 3.0, "blurry")
+
+
+def test_the_image_to_video_pipeline_class_comes_without_a_warning():
+    """diffusers' Wan image-to-video module imports transformers' CLIPImageProcessor (for Wan2.1's CLIP image encoder),
+    which without torchvision logs a fallback warning: validation and wanexp-sample get the pipeline class through
+    wanexp.sampling.pipeline_class, which prints nothing. A fresh process: the warning is logged once per process."""
+    code = "from wanexp.sampling import pipeline_class; print(pipeline_class('WanImageToVideoPipeline').__name__)"
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout == "WanImageToVideoPipeline\n" and done.stderr == "", done.stderr

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,11 @@ FAST = ["callbacks.validation.every_n_steps=2", "callbacks.validation.prompts=[a
 def _frames(path: Path) -> int:
     with av.open(str(path)) as c:
         return sum(1 for _ in c.decode(video=0))
+
+
+def _rate(path: Path):
+    with av.open(str(path)) as c:
+        return c.streams.video[0].average_rate
 
 
 def _logged(out: Path, key: str) -> dict[int, float]:
@@ -45,6 +51,14 @@ def test_videos_at_step_0_every_n_steps_and_the_end_and_a_deterministic_heldout_
     assert sorted(p.relative_to(v).as_posix() for p in v.rglob("*.mp4")) == [
         "step_000000/p0_s0_base.mp4", "step_000002/p0_s0.mp4", "step_000004/p0_s0.mp4", "step_000005/p0_s0.mp4"]
     assert all(_frames(p) == cfg.data.num_frames for p in v.rglob("*.mp4"))
+    assert {_rate(p) for p in v.rglob("*.mp4")} == {cfg.model.fps} == {24}  # the model's native rate
+    # the strip: the base's and the last LoRA's frames, under a band naming the video, its prompt and each frame
+    from PIL import Image
+
+    strip = np.asarray(Image.open(v / "strip.png"))
+    band = strip.shape[0] - cfg.data.height
+    assert band > 0 and strip[:band].any()
+    assert (strip[band:, :3 * cfg.data.width] == _callback(r)._before["p0_s0"]).all()
     # val/loss logged at each validation, in status.jsonl, and read by the sweep summary
     logged = _logged(out, "val/loss")
     assert sorted(logged) == [0, 2, 4, 5] and all(x > 0 for x in logged.values())
@@ -68,11 +82,25 @@ def test_videos_at_step_0_every_n_steps_and_the_end_and_a_deterministic_heldout_
     assert again[0] == again[1] == cb.results[-1]["metrics"]["val/loss"]
 
 
-def test_a_distilled_lora_validates_on_its_student_steps_against_the_teacher(shared_dir, tmp_path):
+def test_a_distilled_lora_validates_on_its_student_steps_against_the_teacher(shared_dir, tmp_path, monkeypatch):
+    import wanexp.sampling
+
+    calls = []
+    generate = wanexp.sampling.generate
+
+    def spy(pipe, prompt, seed, s, steps, guidance, negative, *args, **kwargs):
+        calls.append((steps, guidance, negative))
+        return generate(pipe, prompt, seed, s, steps, guidance, negative, *args, **kwargs)
+
+    monkeypatch.setattr(wanexp.sampling, "generate", spy)
     r = tiny_run(shared_dir, tmp_path / "run", [*FAST, "objective=dmd", "objective.generator_every=1",
                                                 "trainer.max_steps=2"])
     out = Path(r["output_dir"])
     objective = r["module"].objective
+    # the teacher (the base model, once) is the one the student was distilled toward: the objective's CFG scale and
+    # negative prompt, not callbacks.validation's
+    assert calls[0] == (2, objective.guidance_scale, objective.negative_prompt) and objective.guidance_scale != 5.0
+    assert [c[1] for c in calls[1:]] == [1.0, 1.0]  # the student at steps 0 and 2: no CFG
     results = _callback(r).results
     assert [x["step"] for x in results] == [0, 2]
     for x in results:  # the transformer saw exactly the training's student steps, one call each (no CFG pass)
@@ -190,3 +218,86 @@ def test_a_one_expert_a14b_run_that_cannot_hold_both_experts_for_validation_stop
             cb._check_other_expert_fits(trainer, module)
     else:
         cb._check_other_expert_fits(trainer, module)
+
+
+def _wide_image(path: Path, seed: int = 0) -> Path:
+    """A 40x120 image of noise: covering a 64x64 sample crops its centre."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    Image.fromarray((torch.rand(40, 120, 3, generator=g) * 255).to(torch.uint8).numpy()).save(path)
+    return path
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_i2v14b"])
+def test_validation_images_condition_every_video_cropped_as_training_crops(shared_dir, tmp_path, monkeypatch, model):
+    """callbacks.validation.images: prompt i is sampled image-to-video from image i, resized and centre-cropped to
+    the shape as training crops a clip (not the data's first frames): TI2V's clean latent frame 0, I2V-A14B's 16
+    image-condition channels are that image's latents, in every transformer call of the base and the LoRA."""
+    import wanexp.sampling
+    from wanexp.data.media import load_clip
+    from wanexp.models.encode import encode_image_condition, encode_video
+
+    seen: list[torch.Tensor] = []
+    generate = wanexp.sampling.generate
+
+    def spy(pipe, *args, **kwargs):
+        i2v = pipe.transformer.config.in_channels != pipe.transformer.config.out_channels
+
+        def hook(m, a, kw):  # I2V: noisy 16 + mask 4 + image 16 channels; TI2V: the clean first latent frame
+            seen.append(kw["hidden_states"][:, 20:] if i2v else kw["hidden_states"][:, :, :1])
+        hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in {pipe.transformer, pipe.transformer_2}
+                 if m is not None]
+        try:
+            return generate(pipe, *args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    monkeypatch.setattr(wanexp.sampling, "generate", spy)
+    images = [_wide_image(tmp_path / "a.png", 0), _wide_image(tmp_path / "b.png", 1)]
+    r = tiny_run(shared_dir, tmp_path / "run", [
+        f"model={model}", "boundary=full", "trainer.max_steps=2", "callbacks.validation.every_n_steps=2",
+        "callbacks.validation.prompts=[a red ball,a blue ball]", "callbacks.validation.steps=1",
+        "callbacks.validation.guidance=1.0", "callbacks.validation.loss_samples=0",
+        f"callbacks.validation.images=[{images[0]},{images[1]}]"])
+    cfg, dm = r["cfg"], r["trainer"].datamodule
+    d = cfg.data
+    vae = r["module"].spec.load_vae()
+
+    def latents(pixels: torch.Tensor) -> torch.Tensor:  # (3, H, W) -> what conditions the transformer
+        if model == "tiny":
+            return encode_video(vae, pixels[None, :, None])
+        return encode_image_condition(vae, pixels[None], d.num_frames)
+
+    expected = [latents(load_clip(p, 1, d.height, d.width)[:, 0]) for p in images]
+    clip = latents(dm.first_frames(1, d.height, d.width)[0])  # without images: the data's first frame
+    assert len(seen) == 4  # the base at step 0 and the LoRA at step 2, each 2 prompts x 1 step
+    for k, cond in enumerate(seen):
+        assert (cond - expected[k % 2]).abs().max() < 1e-2
+        assert (cond - expected[1 - k % 2]).abs().max() > 0.1 and (cond - clip).abs().max() > 0.1
+
+
+def test_validation_images_are_checked_before_the_run_starts(shared_dir, tmp_path):
+    """One image per prompt, each a readable image file, on a model that samples image-to-video: else one line at
+    start (the callback is built, and the config checked, before the run folder is touched)."""
+    from tests.conftest import compose_cfg
+    from wanexp.config import check_config
+    from wanexp.errors import ConfigError
+
+    good = _wide_image(tmp_path / "good.png")
+    (tmp_path / "bad.png").write_text("not a png")
+    kwargs = dict(output_dir=str(tmp_path), every_n_steps=2, prompts=["p", "q"], seeds=[0], first_frame=False,
+                  fps=8, steps=2, guidance=1.0, negative_prompt="", loss_sigmas=[0.5], loss_samples=0, timeout_s=60)
+    assert Validation(**kwargs, images=[good, good]).images == [str(good)] * 2
+    for images, expected in (([good], "has 1 image(s) for 2 prompt(s): give one image per prompt"),
+                             ([good, tmp_path / "missing.png"], f"{tmp_path / 'missing.png'}: file not found"),
+                             ([good, tmp_path / "bad.png"], f"{tmp_path / 'bad.png'}: cannot read image")):
+        with pytest.raises(ConfigError, match="^callbacks.validation.images") as e:
+            Validation(**kwargs, images=images)
+        assert expected in str(e.value) and "\n" not in str(e.value)
+    cfg = compose_cfg(["experiment=demo", "model=tiny_t2v14b", f"paths.tiny_model_dir={shared_dir}/models",
+                       f"callbacks.validation.images=[{good}]", "callbacks.validation.prompts=[p]"])
+    with pytest.raises(ConfigError, match="callbacks.validation.images with model=tiny_t2v14b: the model has no "
+                                          "image conditioning"):
+        check_config(cfg)

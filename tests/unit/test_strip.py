@@ -27,3 +27,28 @@ def test_the_strip_holds_first_middle_last_frames_of_base_then_lora_a_row_per_vi
     # row 2 (2 x 3 frames): frames 0, 2, 4; the rest of the row is black padding
     assert [int(grid[4, 3 * k, 0]) for k in range(6)] == [50, 52, 54, 150, 152, 154]
     assert not grid[4:, 18:].any()
+
+
+def test_each_row_is_labelled_with_its_video_and_prompt_and_each_frame_with_what_it_is(tmp_path):
+    """With labels, a band of text sits above each row: the row's label (video and prompt) on its first line, then
+    over each of the six frames which it is (base/LoRA first/middle/last); the frames below are unchanged."""
+    from wanexp.sampling import label_band
+
+    rows = [(strip_frames(_video(9, 64, 64, 0)), strip_frames(_video(9, 64, 64, 100))),
+            (strip_frames(_video(9, 64, 64, 50)), strip_frames(_video(9, 64, 64, 150)))]
+    labels = ["p0_s0: a red fox runs through fresh snow", "p1_s0: waves roll onto a sandy beach"]
+    path = tmp_path / "strip.png"
+    write_strip(path, rows, labels)
+    grid = np.asarray(Image.open(path))
+    bands = [label_band((64, 6 * 64, 3), label) for label in labels]
+    h = bands[0].shape[0]
+    assert grid.shape == (2 * (h + 64), 6 * 64, 3)
+    for k, (pair, band) in enumerate(zip(rows, bands)):
+        top = k * (h + 64)
+        assert (grid[top:top + h] == band).all() and (grid[top + h:top + h + 64] == np.concatenate(pair, 1)).all()
+    # the label is drawn: legible white text on black, different labels give different first lines
+    first, second = slice(0, int(0.55 * h)), slice(int(0.6 * h), h)
+    assert bands[0].max() > 200 and (bands[0][first] != bands[1][first]).any()
+    # the second line names each of the six frames, the same in every row
+    assert all(bands[0][second, 64 * c:64 * (c + 1)].max() > 200 for c in range(6))
+    assert (bands[0][second] == bands[1][second]).all()

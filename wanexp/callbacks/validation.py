@@ -8,14 +8,16 @@ Every ``every_n_steps`` optimizer steps and at the last step (``every_n_steps: 0
   loads the other expert from ``model.path`` for the call (sharded over the ranks under FSDP2). Written to
   ``DIR/validation/step_NNNNNN/p<i>_s<seed>.mp4`` and logged to W&B (``val/video/p<i>_s<seed>``). At step 0 of a
   fresh run the base model (adapters off) is sampled once (``..._base.mp4``, ``val/base/...``);
-  ``DIR/validation/strip.png`` then shows it against the latest LoRA (first, middle and last frames, a row per video),
-  rewritten at each validation. TI2V with
-  ``first_frame`` and I2V sample image-to-video from the first frames of the held-out clips (else the training clips),
-  prompt i with clip i.
+  ``DIR/validation/strip.png`` then shows it against the latest LoRA (first, middle and last frames, a row per video
+  under a band naming its prompt and each frame), rewritten at each validation. Videos are written at ``fps`` (the
+  model's native rate, ``model.fps``). With ``images`` (one per prompt), TI2V and I2V sample image-to-video from
+  those images, resized and centre-cropped to each shape as training crops its clips; without, TI2V with
+  ``first_frame`` and I2V take the first frames of the held-out clips (else the training clips), prompt i with clip i.
 - **Distilled LoRA** (an objective with ``student_timesteps``, i.e. ``objective=dmd``): sampled on exactly its
-  student steps with no CFG, as ``python -m wanexp.cli.sample`` does; the base model with ``steps``/``guidance`` is the
-  teacher, sampled once per session, and the gap is logged as ``val/teacher_latent_mse``, ``val/teacher_psnr``,
-  ``val/teacher_ssim`` (means over prompts and seeds).
+  student steps with no CFG, as ``python -m wanexp.cli.sample`` does; the teacher is the base model with ``steps`` and
+  the CFG it was distilled toward (the objective's ``guidance_scale`` and ``negative_prompt``), sampled once per
+  session, and the gap is logged as ``val/teacher_latent_mse``, ``val/teacher_psnr``, ``val/teacher_ssim`` (means over
+  prompts and seeds).
 - **Held-out loss** ``val/loss`` (and ``val/loss_s<100 sigma>``): flow matching of the exported adapter on the first
   ``loss_samples`` held-out samples (``data.val_fraction``) at each of ``loss_sigmas`` (those in the boundary's
   range), with fixed noise: the same weights give the same value, so sweep points compare. Also in status.jsonl
@@ -36,16 +38,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from wanexp.callbacks.progress import total_optimizer_steps
-from wanexp.errors import ConfigError
+from wanexp.errors import ConfigError, MediaError
 
 
 class Validation(Callback):
     def __init__(self, output_dir: str, every_n_steps: int, prompts: list[str], seeds: list[int], first_frame: bool,
                  fps: int, steps: int, guidance: float, negative_prompt: str, loss_sigmas: list[float],
-                 loss_samples: int, timeout_s: int, at_start: bool = True, shapes=None):
+                 loss_samples: int, timeout_s: int, at_start: bool = True, shapes=None, images=None):
         """The arguments are ``callbacks.validation`` (config.schema.ValidationConfig). ``shapes``: null (the data's
         first bucket at ``data.num_frames``), ``buckets`` (every bucket), or a list of [height, width] or
-        [height, width, frames]."""
+        [height, width, frames]. ``images``: null, or one image file per prompt (image-to-video from it)."""
         bad = [s for s in loss_sigmas if not 0.0 <= float(s) <= 1.0]
         if bad:
             raise ConfigError(f"callbacks.validation.loss_sigmas={list(loss_sigmas)}: {bad[0]} is not in [0, 1]")
@@ -53,6 +55,7 @@ class Validation(Callback):
         self.dir = Path(output_dir) / "validation"
         self.every = int(every_n_steps)
         self.prompts, self.seeds = list(prompts), [int(s) for s in seeds] or [0]
+        self.images = _check_images(images, self.prompts)
         self.first_frame = bool(first_frame)
         self.fps, self.steps, self.guidance = int(fps), int(steps), float(guidance)
         self.negative_prompt = negative_prompt
@@ -192,11 +195,12 @@ class Validation(Callback):
         return out
 
     # ---- what a sample needs: text embeddings, the VAE, the experts ----------------------------------------------
-    def _embeddings(self, trainer, pl_module, encoders) -> dict[str, torch.Tensor]:
-        """Every prompt's and the negative prompt's UMT5 embedding, made once per run: from the cache (the cache
-        command encodes them with the captions), else with the run's text encoder, else with the text encoder
-        loaded from model.path for this one call. Kept on the CPU: UMT5-XXL never stays on the GPU for validation."""
-        missing = [p for p in dict.fromkeys([*self.prompts, self.negative_prompt]) if p not in self._embeds]
+    def _embeddings(self, trainer, pl_module, encoders, negatives: tuple = ()) -> dict[str, torch.Tensor]:
+        """Every prompt's and the negative prompts' (``negative_prompt`` and ``negatives``) UMT5 embedding, made once
+        per run: from the cache (the cache command encodes them with the captions), else with the run's text encoder,
+        else with the text encoder loaded from model.path for this one call. Kept on the CPU: UMT5-XXL never stays on
+        the GPU for validation."""
+        missing = [p for p in dict.fromkeys([*self.prompts, self.negative_prompt, *negatives]) if p not in self._embeds]
         dm = trainer.datamodule
         for prompt in list(missing):
             cached = dm.cached_text(prompt) if hasattr(dm, "cached_text") else None
@@ -250,7 +254,6 @@ class Validation(Callback):
         from wanexp.sampling import (
             adapter,
             build_pipeline,
-            first_frame_image,
             generate,
             load_scheduler,
             psnr,
@@ -269,19 +272,21 @@ class Validation(Callback):
         extra = {}
         for other in _other_experts(spec, list(experts), objective):  # the base expert for its share of the steps
             extra[other], out["other_expert"] = _other_expert(trainer, pl_module, other)
-        embeds = self._embeddings(trainer, pl_module, encoders)
+        # the base model's CFG: a distilled adapter's teacher is the one it was distilled toward
+        guidance, negative = self.guidance, self.negative_prompt
+        if student is not None:
+            guidance = getattr(objective, "guidance_scale", guidance)
+            negative = getattr(objective, "negative_prompt", negative)
+        embeds = self._embeddings(trainer, pl_module, encoders, (negative,))
         sizes = self.sizes(trainer.datamodule)
-        image = spec.needs_image_latent or (self.first_frame and spec.draws_first_frame)
+        image = spec.needs_image_latent or bool(self.images) or (self.first_frame and spec.draws_first_frame)
         images: dict = {}
         if image:
-            for sz in sizes:
-                frames = trainer.datamodule.first_frames(len(self.prompts), sz["height"], sz["width"])
-                if not frames:
-                    print("wanexp: validation videos skipped: image-to-video needs a first frame and the data has "
-                          "none", flush=True)
-                    return
-                images.update({(i, _tag(sz)): first_frame_image(frames[i % len(frames)])
-                               for i in range(len(self.prompts))})
+            images = self._first_frames(trainer.datamodule, sizes)
+            if images is None:
+                print("wanexp: validation videos skipped: image-to-video needs a first frame and the data has "
+                      "none (callbacks.validation.images gives one per prompt)", flush=True)
+                return
         default = load_scheduler(spec.path)
         vae = self._vae_on(pl_module, encoders)
         pipe = build_pipeline(spec, {**experts, **extra}, vae, None, None, default, image)
@@ -306,9 +311,8 @@ class Validation(Callback):
                     teacher = {}
                     with adapter(modules, None):
                         for key, name, prompt, s, img in each():
-                            lat, video, _ = generate(pipe, prompt, key[1], s, self.steps, self.guidance,
-                                                     self.negative_prompt, dev, record, img,
-                                                     embeds=(embeds[prompt], embeds[self.negative_prompt]))
+                            lat, video, _ = generate(pipe, prompt, key[1], s, self.steps, guidance, negative, dev,
+                                                     record, img, embeds=(embeds[prompt], embeds[negative]))
                             teacher[key] = (lat, video)
                             if base and write:
                                 self._before[name] = strip_frames(video)
@@ -336,7 +340,7 @@ class Validation(Callback):
                             f = folder / f"{name}.mp4"
                             write_mp4(f, video, self.fps)
                             out["videos"][f"val/video/{name}"] = (str(f), prompt)
-                            after[name] = strip_frames(video)
+                            after[name] = (strip_frames(video), f"{name}: {prompt}")
                         if student is not None:
                             t_lat, t_video = self._teacher[key]
                             gaps.append((float(((lat - t_lat) ** 2).mean()), psnr(video, t_video),
@@ -354,17 +358,56 @@ class Validation(Callback):
 
     def _write_strip(self, after: dict) -> None:
         """DIR/validation/strip.png: a row per video, the base model's (sampled at step 0 of this session) first,
-        middle and last frames, then the latest LoRA's. Rewritten at each validation: always base vs latest."""
+        middle and last frames, then the latest LoRA's, under a band naming the video, its prompt and each frame.
+        Rewritten at each validation: always base vs latest. ``after``: video name -> (LoRA's frames, label)."""
         from wanexp.sampling import write_strip
 
-        rows = [(self._before[name], frames) for name, frames in after.items() if name in self._before]
+        rows = [((self._before[name], frames), label) for name, (frames, label) in after.items()
+                if name in self._before]
         if rows:
             self.strip = self.dir / "strip.png"
-            write_strip(self.strip, rows)
+            write_strip(self.strip, [r for r, _ in rows], [label for _, label in rows])
+
+    def _first_frames(self, dm, sizes: list[dict]) -> dict | None:
+        """(prompt index, shape tag) -> the first frame (PIL) of an image-to-video sample: ``images`` resized and
+        centre-cropped to the shape as training crops its clips, else the first frames of the held-out (else
+        training) clips, prompt i with clip i. None when there is neither."""
+        from wanexp.sampling import condition_image, first_frame_image
+
+        out = {}
+        for sz in sizes:
+            h, w = sz["height"], sz["width"]
+            if self.images:
+                out.update({(i, _tag(sz)): condition_image(path, h, w) for i, path in enumerate(self.images)})
+                continue
+            frames = dm.first_frames(len(self.prompts), h, w)
+            if not frames:
+                return None
+            out.update({(i, _tag(sz)): first_frame_image(frames[i % len(frames)]) for i in range(len(self.prompts))})
+        return out
 
 
 def _tag(size: dict) -> str:
     return f"{size['height']}x{size['width']}x{size['frames']}"
+
+
+def _check_images(images, prompts: list[str]) -> list[str] | None:
+    """``callbacks.validation.images``: null, or one readable image file per prompt (checked before the run starts;
+    each is cropped to the sample's shape when it is sampled)."""
+    if images is None:
+        return None
+    from wanexp.sampling import condition_image
+
+    images = [str(x) for x in images]
+    if len(images) != len(prompts):
+        raise ConfigError(f"callbacks.validation.images has {len(images)} image(s) for {len(prompts)} prompt(s): give "
+                          "one image per prompt, in the prompts' order, or null (the clips' first frames)")
+    for path in images:
+        try:
+            condition_image(path, 16, 16)
+        except MediaError as e:
+            raise ConfigError(f"callbacks.validation.images: {e}") from None
+    return images
 
 
 def _check_shapes(shapes):

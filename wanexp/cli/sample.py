@@ -1,10 +1,14 @@
 """Sample videos with a trained LoRA through the diffusers pipeline, and compare with the teacher (the base model).
 
     python -m wanexp.cli.sample --run outputs/demo --prompt "a red ball rolls" --seed 0 --teacher
+    python -m wanexp.cli.sample --run outputs/demo --prompt "a red ball rolls" --image ball.png   # image-to-video
     python -m wanexp.cli.sample --model-path /models/Wan2.2-TI2V-5B-Diffusers --lora my_lora_diffusers.safetensors \
         --prompt "..." --height 704 --width 1280 --frames 121 --steps 50 --guidance 5
 
-``--run DIR`` takes the model folder, the size and the LoRA files (``DIR/lora/final``) of a wanexp run. A LoRA made by
+``--run DIR`` takes the model folder, the size, the frame rate (``model.fps``) and the LoRA files (``DIR/lora/final``)
+of a wanexp run; without it the model group is the one whose layout the folder has. ``--image`` (one per ``--prompt``)
+samples image-to-video from that image, resized and centre-cropped to the sample's size as training crops its clips:
+TI2V-5B takes one optionally, I2V-A14B always needs one, T2V-A14B refuses it. A LoRA made by
 ``objective=dmd`` carries its student steps in its file header: it is sampled with exactly those steps (the shifted
 sigmas of training, each step predicting x0 and re-noising it to the next sigma) and no CFG. Otherwise the pipeline's
 own scheduler runs ``--steps`` steps with CFG ``--guidance``. The experts serve the steps as in training
@@ -12,8 +16,10 @@ own scheduler runs ``--steps`` steps with CFG ``--guidance``. The experts serve 
 on its expert; otherwise steps route by the boundary, the untrained side on that expert's base weights. The same
 ``--seed`` gives the same video (a distilled LoRA's re-noising draws from the seed's generator). ``--teacher`` also
 samples the base model (the LoRA off, both experts routed by the boundary; ``--teacher-steps``/``--teacher-guidance``)
-with the same prompts and seeds, and reports the student-teacher gap (latent MSE, PSNR and SSIM of the decoded
-frames) in ``<out>/metrics.json``, which also lists the expert (and whether the LoRA was on) of each transformer call.
+with the same prompts, seeds and images (a DMD run's teacher is the one it was distilled toward: CFG
+``objective.guidance_scale`` with ``objective.negative_prompt``; the flags override them), and reports the
+student-teacher gap (latent MSE, PSNR and SSIM of the decoded frames) in ``<out>/metrics.json``, which also lists the
+expert (and whether the LoRA was on) of each transformer call.
 """
 from __future__ import annotations
 
@@ -25,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from wanexp.errors import ConfigError, UserError
+from wanexp.errors import ConfigError, MediaError, UserError
 # The sampling functions live in wanexp.sampling (the validation callback uses them too); these names stay here.
+from wanexp.sampling import condition_image, lora_header, pipeline_class, psnr, ssim, student_scheduler, write_mp4
 from wanexp.sampling import generate as _generate
-from wanexp.sampling import lora_header, psnr, ssim, student_scheduler  # noqa: F401
 from wanexp.sampling import expert_routing, pipeline_experts, recorded_experts, recorded_timesteps, use_routing
 from wanexp.sampling import load_adapter, run_adapter_files
 
@@ -41,26 +47,33 @@ def _parse(argv):
                     help="a *_diffusers.safetensors LoRA file (repeat for an A14B pair; *_low_noise_* goes to the "
                          "low-noise expert); default: the run's lora/final")
     ap.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
+    ap.add_argument("--image", action="append", default=[],
+                    help="image-to-video: the first frame of the prompt's sample, one per --prompt in their order "
+                         "(resized and centre-cropped to the sample's size)")
     ap.add_argument("--seed", type=int, action="append", default=[], help="repeat for several seeds (default 0)")
-    ap.add_argument("--negative-prompt", default="")
+    ap.add_argument("--negative-prompt", help="CFG's negative prompt (default: a DMD run's objective.negative_prompt, "
+                                              "else the empty prompt)")
     ap.add_argument("--height", type=int)
     ap.add_argument("--width", type=int)
     ap.add_argument("--frames", type=int)
-    ap.add_argument("--fps", type=int, default=16)
+    ap.add_argument("--fps", type=int, help="the videos' frame rate (default: the model's native one, model.fps)")
     ap.add_argument("--steps", type=int, default=50, help="steps for a LoRA that is not distilled")
     ap.add_argument("--guidance", type=float, default=5.0, help="CFG for a LoRA that is not distilled")
     ap.add_argument("--teacher", action="store_true", help="also sample the base model (LoRA off) and compare")
     ap.add_argument("--teacher-steps", type=int, default=50)
-    ap.add_argument("--teacher-guidance", type=float, default=5.0)
+    ap.add_argument("--teacher-guidance", type=float,
+                    help="the teacher's CFG (default: a DMD run's objective.guidance_scale, else 5)")
     ap.add_argument("--out", help="output folder (default: RUN/samples, else outputs/samples)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return ap.parse_args(argv)
 
 
 def _settings(args) -> dict:
-    """Model folder, size, text length and LoRA files from the arguments and the run folder."""
+    """Model folder and group, size, frame rate, text length, LoRA files, the teacher's CFG and negative prompt and
+    the conditioning images from the arguments and the run folder; every input checked before any weight loads."""
     s = {"model_path": args.model_path, "height": args.height, "width": args.width, "frames": args.frames,
-         "loras": [Path(p) for p in args.lora], "text_len": 512, "out": args.out, "boundary_ratio": None}
+         "loras": [Path(p) for p in args.lora], "text_len": 512, "out": args.out, "boundary_ratio": None,
+         "model": None, "teacher_guidance": args.teacher_guidance, "negative_prompt": args.negative_prompt}
     if args.run:
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
@@ -73,6 +86,12 @@ def _settings(args) -> dict:
         s["frames"] = s["frames"] or cfg.data.num_frames
         s["text_len"] = int(cfg.model.text_len)
         s["boundary_ratio"] = cfg.model.get("boundary_ratio")  # the experts' boundary the run trained with
+        s["model"] = cfg.model
+        # a distilled run's teacher: the CFG scale and negative prompt the student was distilled toward
+        if s["teacher_guidance"] is None:
+            s["teacher_guidance"] = cfg.objective.get("guidance_scale")
+        if s["negative_prompt"] is None:
+            s["negative_prompt"] = cfg.objective.get("negative_prompt")
         s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final")  # a LoHa run's: its _comfyui files
         s["out"] = s["out"] or str(run / "samples")
     if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
@@ -85,7 +104,51 @@ def _settings(args) -> dict:
         raise ConfigError("no --prompt given; pass one or more --prompt \"...\"")
     s["height"], s["width"], s["frames"] = s["height"] or 480, s["width"] or 832, s["frames"] or 81
     s["out"] = Path(s["out"] or "outputs/samples")
+    model = s["model"] or _folder_model(Path(s["model_path"]))
+    s["fps"] = args.fps or int(model.get("fps") or _folder_model(Path(s["model_path"])).fps)  # a run before model.fps
+    s["teacher_guidance"] = 5.0 if s["teacher_guidance"] is None else float(s["teacher_guidance"])
+    s["negative_prompt"] = s["negative_prompt"] or ""
+    from wanexp.models.family import load_class
+
+    spec = load_class(str(model._target_))
+    s["images"] = _images(args, spec, model.name, s["height"], s["width"])
+    s["pipeline"] = spec.image_pipeline_class if s["images"] else spec.pipeline_class
     return s
+
+
+def _folder_model(path: Path):
+    """The model group (conf/model) of a model folder sampled without ``--run``: the one whose layout's transformer
+    has the folder's input and output channels. Its spec says how the model takes an image; its ``fps``, the rate
+    the videos are written at."""
+    from wanexp.config import compose
+    from wanexp.models.wan22.layouts import LAYOUTS
+
+    config = path / "transformer" / "config.json"
+    t = json.loads(config.read_text()) if config.is_file() else {}
+    channels = (t.get("in_channels"), t.get("out_channels"))
+    lay = next((x for x in LAYOUTS.values() if (x.in_channels, x.latent_channels) == channels), None)
+    if lay is None:
+        raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
+                          f"of the Wan2.2 layouts ({', '.join(x.model for x in LAYOUTS.values())}); pass a Wan2.2 "
+                          "diffusers folder, or --run with the run folder")
+    return compose([f"model={lay.model}"]).model
+
+
+def _images(args, spec, model: str, height: int, width: int) -> list:
+    """The first frame of each prompt's sample (``--image``, one per ``--prompt``) as the pipeline takes it, cropped
+    to the sample's size as training crops its clips; [] for text-to-video. A model without image conditioning, a
+    count that does not match the prompts' or a missing or unreadable file is one line."""
+    if args.image and not (spec.needs_image_latent or spec.draws_first_frame):
+        raise ConfigError(f"--image: model={model} has no image conditioning (text-to-video only); leave out --image, "
+                          "or sample a TI2V-5B or I2V-A14B model")
+    if (args.image or spec.needs_image_latent) and len(args.image) != len(args.prompt):
+        need = f" (model={model} is image-to-video)" if spec.needs_image_latent else ""
+        raise ConfigError(f"--image given {len(args.image)} time(s) for {len(args.prompt)} --prompt(s){need}: pass "
+                          "one --image per --prompt, in the same order")
+    try:
+        return [condition_image(p, height, width) for p in args.image]
+    except MediaError as e:
+        raise ConfigError(f"--image {e}") from None
 
 
 def _lora_expert(path: Path, header: dict, modules: dict) -> str:
@@ -107,14 +170,10 @@ def main(argv=None) -> dict:
 
 
 def _main(args) -> dict:
-    from diffusers import DiffusionPipeline
-
-    from wanexp.data.media import write_video
-
     s = _settings(args)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pipe = DiffusionPipeline.from_pretrained(s["model_path"], torch_dtype=dtype).to(device)
+    pipe = pipeline_class(s["pipeline"]).from_pretrained(s["model_path"], dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     modules = pipeline_experts(pipe)
     distilled, trained = None, []
@@ -139,21 +198,26 @@ def _main(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seeds = args.seed or [0]
     results = {"model_path": str(s["model_path"]), "loras": [str(p) for p in s["loras"]],
-               "distilled": bool(distilled), "steps": steps, "guidance": guidance,
-               "routing": dataclasses.asdict(routing), "samples": []}
+               "distilled": bool(distilled), "steps": steps, "guidance": guidance, "fps": s["fps"],
+               "negative_prompt": s["negative_prompt"], "routing": dataclasses.asdict(routing), "samples": []}
+    if args.teacher:
+        results["teacher"] = {"steps": args.teacher_steps, "guidance": s["teacher_guidance"]}
     # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), and the expert that served
     # it with its adapter on or off
     with recorded_timesteps(pipe) as record, recorded_experts(modules) as served:
         for i, prompt in enumerate(args.prompt):
+            image = s["images"][i] if s["images"] else None
             for seed in seeds:
                 served.clear()
                 with use_routing(pipe, routing, modules):
-                    lat, video, used = _generate(pipe, prompt, seed, s, steps, guidance, args.negative_prompt,
-                                                 device, record)
+                    lat, video, used = _generate(pipe, prompt, seed, s, steps, guidance, s["negative_prompt"],
+                                                 device, record, image)
                 name = f"p{i}_s{seed}"
-                write_video(out / f"{name}.mp4", (video.numpy() * 255).round().astype("uint8"), fps=args.fps)
+                write_mp4(out / f"{name}.mp4", video, s["fps"])
                 entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used,
                          "experts": [list(x) for x in served], "latents": lat}
+                if image is not None:
+                    entry["image"] = args.image[i]
                 if args.teacher:
                     if s["loras"]:
                         pipe.disable_lora()
@@ -161,9 +225,9 @@ def _main(args) -> dict:
                         pipe.scheduler = default_scheduler
                     with use_routing(pipe, teacher_routing, modules):
                         t_lat, t_video, _ = _generate(pipe, prompt, seed, s, args.teacher_steps,
-                                                      args.teacher_guidance, args.negative_prompt, device, record)
-                    write_video(out / f"{name}_teacher.mp4", (t_video.numpy() * 255).round().astype("uint8"),
-                                fps=args.fps)
+                                                      s["teacher_guidance"], s["negative_prompt"], device, record,
+                                                      image)
+                    write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"])
                     entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
                                  latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),
                                  ssim=ssim(video, t_video))

@@ -123,6 +123,7 @@ def check_rules(cfg: DictConfig) -> None:
             if not switched_off(node):
                 _check_target(f"{group}.{name}", node)
     check_objective(cfg)
+    check_validation_images(cfg)
 
 
 def check_objective(cfg: DictConfig) -> None:
@@ -135,6 +136,20 @@ def check_objective(cfg: DictConfig) -> None:
     if schema is not None and not dataclasses.is_dataclass(OmegaConf.get_type(cfg.objective)):
         cfg.objective = typed_node(cfg.objective, schema, "objective")
     cls.check(cfg)
+
+
+def check_validation_images(cfg: DictConfig) -> None:
+    """``callbacks.validation.images`` needs a model that samples image-to-video (its spec's image conditioning)."""
+    from hydra.utils import get_class
+
+    v = (cfg.callbacks or {}).get("validation")
+    if switched_off(v) or not v.get("images"):
+        return
+    spec = get_class(str(cfg.model._target_))
+    if not (spec.needs_image_latent or spec.draws_first_frame):
+        raise ConfigError(f"callbacks.validation.images with model={cfg.model.name}: the model has no image "
+                          "conditioning (text-to-video only); set callbacks.validation.images=null, or train a "
+                          "TI2V-5B or I2V-A14B model")
 
 
 def objective_class(node: DictConfig) -> type:

@@ -376,6 +376,7 @@ class ValidationConfig:
     prompts: List[str] = knob(MISSING)  # sampled with every seed; empty: no videos
     seeds: List[int] = knob(MISSING)
     first_frame: bool = knob(MISSING, doc="TI2V: sample image-to-video from held-out clips' first frames (I2V always)")
+    images: Optional[List[str]] = knob(MISSING, doc="image-to-video from these images, one per prompt; null: clips")
     shapes: Any = knob(MISSING, doc="null: the first bucket; buckets: every bucket; or [[h, w], [h, w, frames], ...]")
     fps: int = knob(MISSING, ge=1)
     steps: int = knob(MISSING, ge=1, doc="sampling steps of the base model and of a LoRA that is not distilled")
