@@ -280,7 +280,7 @@ def test_validation_images_condition_every_video_cropped_as_training_crops(share
 
 def test_validation_images_are_checked_before_the_run_starts(shared_dir, tmp_path):
     """One image per prompt, each a readable image file, on a model that samples image-to-video: else one line at
-    start (the callback is built, and the config checked, before the run folder is touched)."""
+    start (the config is checked, and the callback built, before any weights load)."""
     from tests.conftest import compose_cfg
     from wanexp.config import check_config
     from wanexp.errors import ConfigError
