@@ -292,10 +292,8 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
         if r.get("rejected") or r.get("warnings"):
             print(f"wanexp: data: {r['rejected']} of {r['rows']} rows rejected, {r['warnings']} warnings "
                   f"(reasons in {r['rejects_file']})", flush=True)
-        if len(r.get("datasets") or {}) > 1:  # data.datasets: what each dataset gives an epoch
-            from wanexp.data.datamodule import samples_per_epoch_line
-
-            print("wanexp: data: samples per epoch: " + samples_per_epoch_line(r["datasets"]), flush=True)
+        for note in r.get("notes") or ():  # media cropped into a shape of the other orientation (one line a dataset)
+            print(f"wanexp: data: {note}", flush=True)
         c = r.get("cache") or {}
         if c.get("used"):
             print(f"wanexp: data: training from the cache {c['dir']} (the VAE and text encoder are not loaded)")
@@ -329,6 +327,9 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
             f"{trainer.world_size} device(s)"
         print(f"wanexp: effective batch {effective} = {cfg.data.batch_size} per device x {ranks} x "
               f"{cfg.trainer.accumulate_grad_batches} accumulation; {lrs}", flush=True)
+        epoch = dm.epoch_line(dp_size)  # each dataset's samples per epoch, a bucket's last step filled on these ranks
+        if epoch:
+            print(f"wanexp: data: samples per epoch: {epoch}", flush=True)
     module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,

@@ -21,6 +21,10 @@ BAD_ROWS = {  # metadata row -> the reason it is rejected with
     "bad/tiny.png,": "empty prompt",
 }
 
+# the bad files are written at write_video's 16 fps: the runs train at that rate (model=tiny's own is 24), so a clip
+# needs the frames the probe finds missing in them
+AT_THEIR_RATE = "data.fps=16"
+
 LONG_CAPTION = " ".join(["a long caption"] * 6)  # 89 characters: the demo's own captions fit the tiny model's 64 tokens
 
 
@@ -42,7 +46,7 @@ def messy_data(shared_dir, tmp_path) -> Path:
 
 def test_a_run_skips_every_bad_row_and_lists_it(shared_dir, tmp_path, messy_data):
     r = tiny_run(shared_dir, tmp_path / "run", [
-        "model=tiny", f"data.metadata={messy_data}/metadata.csv", "data.generate=null",
+        "model=tiny", f"data.metadata={messy_data}/metadata.csv", "data.generate=null", AT_THEIR_RATE,
         "data.max_reject_fraction=0.6", "trainer.max_steps=2"])
     assert r["global_step"] == 2
     out = Path(r["output_dir"])
@@ -71,7 +75,7 @@ def test_mostly_broken_data_stops_before_training(shared_dir, tmp_path, messy_da
     with pytest.raises(MetadataError, match=r"9 of 21 samples rejected, more than data.max_reject_fraction=0.05 "
                                             r"\(first: .*; all in .*rejects.jsonl\)"):
         tiny_run(shared_dir, tmp_path / "run", ["model=tiny", f"data.metadata={messy_data}/metadata.csv",
-                                                "data.generate=null"])
+                                                "data.generate=null", AT_THEIR_RATE])
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

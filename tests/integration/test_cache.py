@@ -76,6 +76,7 @@ def test_a_change_invalidates_exactly_the_entries_it_affects(shared_dir, tmp_pat
     assert missing() == 0
     assert missing("data.height=96") == 10  # every latent, no text
     assert missing("data.frame_stride=2") == 8  # the 8 videos; an image has one frame at any stride
+    assert missing("data.fps=12") == 8  # the videos, resampled to another rate; an image is one frame at any rate
     assert missing("model.text_len=32") == 10  # every text, no latent
     assert missing("data.cache_dtype=bf16") == 10  # every latent, no text
     meta = data / "synthetic" / "metadata.csv"
@@ -126,6 +127,26 @@ def test_an_interrupted_cache_resumes_where_it_stopped(shared_dir, tmp_path, mon
     # each latent line names its clip (the keys are hashes): the file and the window's first frame
     latent = [e for e in CacheIndex(cache).entries.values() if e["kind"] == "latent"]
     assert latent and all(Path(e["media"]).is_file() and isinstance(e["start"], int) for e in latent)
+
+
+def test_the_summary_counts_the_rows_the_reader_and_the_probe_rejected(shared_dir, tmp_path, capsys):
+    """3 files the probe drops and a row without a caption: the cache says 4 of 6 rows rejected, as a run does."""
+    from wanexp.cli.cache import cache_cli
+    from wanexp.data.synthetic import make_demo_dataset
+
+    meta = make_demo_dataset(tmp_path / "data", num_videos=2, num_images=0, num_frames=9, height=64, width=64)
+    (meta.parent / "zero.mp4").write_bytes(b"")
+    (meta.parent / "noise.mp4").write_bytes(bytes(range(256)) * 8)
+    with open(meta, "a") as f:
+        f.write("zero.mp4,empty\nnoise.mp4,random bytes\nmissing.mp4,gone\nvideos/clip_000.mp4,\n")
+    cfg = _cfg(shared_dir, tmp_path / "cache", f"data.metadata={meta}", "data.generate=null",
+               "data.max_reject_fraction=0.9")
+    cache_cli(cfg)
+    out = capsys.readouterr().out
+    assert f"4 of 6 rows rejected (reasons in {tmp_path / 'cache'}/rejects*.jsonl)" in out, out
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "cache" / "rejects.jsonl").read_text().splitlines()]
+    assert len(reasons) == 4 and "file not found" in reasons
+    assert build_cache(cfg)["rejected"] == 4  # and again once all is cached
 
 
 def test_the_overlapped_cache_writes_the_bytes_of_the_sequential_one(shared_dir, tmp_path, capsys):

@@ -63,7 +63,9 @@ def test_two_datasets_of_different_shapes_and_repeats_train_in_one_run(shared_di
     assert (out / "rejects-a.jsonl").is_file() and (out / "rejects-b.jsonl").is_file()  # each its own
     logged = next(x for x in csv.DictReader(open(out / "logs" / "version_0" / "metrics.csv")) if x["data/a/samples"])
     assert (float(logged["data/a/samples"]), float(logged["data/b/samples"])) == (6, 6)  # W&B gets the same metrics
-    assert "wanexp: data: samples per epoch: a 6 (4 x1 x weight 1.5), b 6 (3 x2)" in capsys.readouterr().out
+    assert status["data"]["buckets"] == {"9x64x64": {"samples": 6, "fill": 0, "batches": 3},
+                                         "5x64x96": {"samples": 6, "fill": 0, "batches": 3}}
+    assert "wanexp: data: samples per epoch: a 6 (4 x1 x weight 1.5), b 6 (3 x2)\n" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,28 @@ def test_weighted_epochs_split_over_ranks_and_resume_exactly(weighted):
         resumed = BucketBatchSampler(shapes, 2, seed=0, subsets=pools)
         resumed.follow(lambda: steps, 1)
         assert list(resumed) == _epoch(one, steps // 8)[steps % 8:]
+
+
+def test_the_report_says_what_an_epoch_trains_on_the_ranks_fill_included(weighted):
+    """4 ranks x batch 2 (steps of 8): a's 8 samples make one step, b's 6 and c's 2 are filled to 8 with repeats from
+    their own buckets; the loader the run builds puts that in the report (status.json) and the start line."""
+    from types import SimpleNamespace
+
+    dm = weighted
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=4, global_step=0, accumulate_grad_batches=1)
+    try:
+        loader = dm.train_dataloader()
+    finally:
+        dm.trainer = None
+    assert len(loader) == 3
+    assert {n: (d["samples"], d["fill"]) for n, d in dm.report["datasets"].items()} == \
+        {"a": (8, 0), "b": (8, 2), "c": (8, 6)}
+    assert dm.report["buckets"] == {"9x64x64": {"samples": 8, "fill": 0, "batches": 1},
+                                    "9x64x96": {"samples": 6, "fill": 2, "batches": 1},
+                                    "9x96x64": {"samples": 2, "fill": 6, "batches": 1}}
+    assert dm.epoch_line(4) == ("a 8 (4 x1 x weight 2), b 8 (3 x2 + 2 to fill), c 8 (4 x1 x weight 0.5 + 6 to fill); "
+                                "filled: 9x64x96 6 + 2, 9x96x64 2 + 6")
+    assert dm.epoch_line(1).startswith("a 8 (4 x1 x weight 2), b 6 (3 x2), c 2 (4 x1 x weight 0.5)")  # one rank
 
 
 def test_the_progress_bar_shows_each_datasets_samples_of_the_epoch(weighted):

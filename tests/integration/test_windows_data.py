@@ -20,7 +20,7 @@ def long_clips(tmp_path):
     rows = ["video,prompt"]
     for k, n in enumerate((40, 20)):
         frames = np.stack([np.full((64, 64, 3), 5 * i, dtype=np.uint8) for i in range(n)])
-        write_video(data / f"clip{k}.mp4", frames, fps=16)
+        write_video(data / f"clip{k}.mp4", frames, fps=24)  # the tiny model's rate: trained frame for frame
         rows.append(f"clip{k}.mp4,a gray clip {k}")
     (data / "meta.csv").write_text("\n".join(rows) + "\n")
     return data

@@ -33,15 +33,15 @@ class _Clips(Dataset):
     """Decodes the clips to encode; a clip that fails to decode comes back as its error (listed, then skipped)."""
 
     def __init__(self, todo):
-        self.todo = todo  # (key, sample, shape, first frame, frame stride)
+        self.todo = todo  # (key, sample, shape, first frame, frame stride, frame rate)
 
     def __len__(self) -> int:
         return len(self.todo)
 
     def __getitem__(self, i):
-        key, sample, (frames, height, width), start, stride = self.todo[i]
+        key, sample, (frames, height, width), start, stride, fps = self.todo[i]
         try:
-            return key, sample, start, load_clip(sample, frames, height, width, stride, start=start)
+            return key, sample, start, load_clip(sample, frames, height, width, stride, start=start, fps=fps)
         except (MediaError, OSError, ValueError) as e:
             return key, sample, start, str(e).strip().splitlines()[-1]
 
@@ -176,7 +176,8 @@ def extra_prompts(cfg: DictConfig) -> list[str]:
 
 
 def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float = PROGRESS_EVERY_S) -> dict:
-    """Fill ``data.cache_dir`` for this config. Returns counts (written, skipped, rejected, bytes) and times.
+    """Fill ``data.cache_dir`` for this config. Returns counts (written, skipped, rows, rejected: the rows the reader
+    and the probe left out plus the samples that failed to encode, bytes) and times.
 
     ``overlap``: the loader's workers decode and resize clips ahead (from before the text encoder starts), the VAE
     encodes on the main thread and a writer thread saves the shards (ShardQueue); False runs each part in turn (the
@@ -204,12 +205,13 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
                           "cache can hold; cache window=uniform or chunks, or train online")
     samples, shapes, starts, _ = dm.items()
     strides = dm.item_stride or [dm.frame_stride] * len(samples)  # each dataset's own (data.datasets)
-    keys = dm.cache_keys(samples, shapes, starts, strides)
+    rates = dm.item_fps or [dm.fps] * len(samples)
+    keys = dm.cache_keys(samples, shapes, starts, strides, rates)
     index = CacheIndex(dm.cache_dir)
     latents, texts = {}, {}
-    for sample, shape, start, stride, (lkey, tkey) in zip(samples, shapes, starts, strides, keys):
+    for sample, shape, start, stride, fps, (lkey, tkey) in zip(samples, shapes, starts, strides, rates, keys):
         if lkey is not None and lkey not in index:  # None: a prompt alone (no media)
-            latents.setdefault(lkey, (lkey, sample, shape, start, stride))
+            latents.setdefault(lkey, (lkey, sample, shape, start, stride, fps))
         if tkey not in index:
             texts.setdefault(tkey, (tkey, sample.prompt))
     wanted = {k for pair in keys for k in pair if k is not None}
@@ -228,7 +230,10 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats()
     total = len(todo_latents) + len(todo_texts)
-    stats = {"written": 0, "skipped": skipped, "rejected": 0, "bytes": 0, "rank": rank, "world": world}
+    # rejected: the rows the metadata reader and the probe left out (dm.report, as a run counts them), then the
+    # samples that fail to decode while encoding
+    stats = {"written": 0, "skipped": skipped, "rows": dm.report.get("rows", 0),
+             "rejected": dm.report.get("rejected", 0), "bytes": 0, "rank": rank, "world": world}
     if total == 0:
         return stats
     encoders = spec.load_encoders().to(device)
@@ -260,7 +265,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
         with open(os.path.join(dm.cache_dir, f"rejects-r{rank:03d}-encode.jsonl"), "a") as f:
             for path, reason in rejects:
                 f.write(json.dumps({"kind": "reject", "source": path, "path": path, "reason": reason}) + "\n")
-    stats.update(written=text_writer.written + latent_writer.written, rejected=len(rejects),
+    stats.update(written=text_writer.written + latent_writer.written, rejected=stats["rejected"] + len(rejects),
                  bytes=text_writer.written_bytes + latent_writer.written_bytes,
                  latent_bytes=latent_writer.written_bytes, latents=latent_writer.written, texts=text_writer.written,
                  **progress.summary(),
@@ -280,8 +285,10 @@ def cache_cli(cfg: DictConfig) -> None:
         per = (f"; per sample {s['latent_bytes'] / s['latents'] / 2**20:.2f} MiB latents + "
                f"{(s['bytes'] - s['latent_bytes']) / max(1, s['texts']) / 2**20:.2f} MiB text")
     peak = f"; peak GPU memory {s['peak_gib']:.1f} GiB" if s.get("peak_gib") is not None else ""
+    rejected = f"{s['rejected']} of {s['rows']} rows rejected" + (
+        f" (reasons in {cfg.data.cache_dir}/rejects*.jsonl)" if s["rejected"] else "")
     print(f"wanexp: cache rank {s['rank']}/{s['world']}: wrote {s['written']} entries "
-          f"({s['bytes'] / 2**20:.1f} MiB{per}), {s['skipped']} already cached, {s['rejected']} rejected{peak} "
+          f"({s['bytes'] / 2**20:.1f} MiB{per}), {s['skipped']} already cached, {rejected}{peak} "
           f"-> {cfg.data.cache_dir}", flush=True)
     if s.get("samples_per_s"):
         print(f"wanexp: cache rank {s['rank']}: {rate_line(s)}", flush=True)

@@ -14,9 +14,10 @@ those waiting for the writer thread, ShardQueue), and a rerun encodes exactly th
 line cut short by a kill is skipped when read, and the next append starts on a new line.
 
 Keys: a latent entry is keyed by the VAE (its config, weight files and dtype), the media file (path, size, mtime),
-the bucket shape (frames, height, width), the frame stride and the window start; a text entry by the text encoder,
-the tokenizer, the text length and the prompt. A change of any of these invalidates exactly the entries it affects
-(a new prompt re-encodes that prompt's text, not its video; a new resolution re-encodes latents, not text).
+the bucket shape (frames, height, width), the frame rate the clip is resampled to, the frame stride and the window
+start; a text entry by the text encoder, the tokenizer, the text length and the prompt. A change of any of these
+invalidates exactly the entries it affects (a new prompt re-encodes that prompt's text, not its video; a new
+resolution or frame rate re-encodes latents, not text).
 Text is stored at its real length; the reader pads zeros back to the text length, which is exactly what online
 encoding feeds the DiT (zeros after each prompt's length).
 """
@@ -49,8 +50,9 @@ def file_identity(path: str | os.PathLike) -> list:
 
 
 def latent_key(vae_id: str, media: str, shape: tuple[int, int, int], stride: int, start: int,
-               image_latent: bool) -> str:
-    return _digest(["latent", vae_id, file_identity(media), list(shape), stride, start, image_latent])
+               image_latent: bool, fps: int | None = None) -> str:
+    """``fps``: the rate the clip is resampled to (None: its own frames; an image's is None at any rate)."""
+    return _digest(["latent", vae_id, file_identity(media), list(shape), stride, start, image_latent, fps])
 
 
 def text_key(text_id: str, text_len: int, prompt: str) -> str:

@@ -6,7 +6,8 @@ resolution whose aspect ratio is closest to its own and is resized to cover it a
 
 The batch sampler shards over ranks itself: each optimizer step takes ``world_size x batch`` samples of one bucket and
 gives each rank its own slice, so ranks draw disjoint samples and the same number of batches (no collective waits on
-a rank that ran out). Per rank an epoch is sum over buckets of floor(n_bucket / (world_size x batch)) batches.
+a rank that ran out). A bucket's last step is filled with repeats of that bucket's own samples, so every sample of an
+epoch trains in it: per rank an epoch is sum over buckets of ceil(n_bucket / (world_size x batch)) batches.
 
 Exact resume: the order of an epoch is a pure function of (seed, epoch), so the data position is two numbers, both
 derived from the optimizer steps done (the trainer's global step, which every checkpoint restores) when each pass over
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import random
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,8 +45,8 @@ from wanexp.data.windows import RANDOM_START, expand, random_start
 Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
 
 # what each entry of data.datasets may set (the rest comes from the data group's own keys)
-PART_KEYS = ("name", "metadata", "root", "repeat", "weight", "num_frames", "height", "width", "buckets", "frame_stride",
-             "window", "windows_per_clip", "caption_prefix")
+PART_KEYS = ("name", "metadata", "root", "repeat", "weight", "num_frames", "height", "width", "buckets", "fps",
+             "frame_stride", "window", "windows_per_clip", "caption_prefix")
 
 
 @dataclasses.dataclass
@@ -64,6 +66,7 @@ class Part:
     windows_per_clip: int
     caption_prefix: str = ""
     weight: float = 1.0  # samples per epoch: items x repeat x weight (see epoch_share)
+    fps: int | None = None  # the frame rate its clips are resampled to (None: their own frames)
 
     @property
     def base(self) -> Path:
@@ -101,6 +104,10 @@ def _part(entry, name: str, top: dict) -> Part:
             raise ConfigError(f"{where}.{key}={v[key]!r}: must be an integer >= {low}")
     if (v["num_frames"] - 1) % 4:
         raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be 4k+1 (e.g. {v['num_frames'] // 4 * 4 + 1})")
+    fps = v.get("fps")
+    if fps is not None and (not isinstance(fps, int) or isinstance(fps, bool) or fps < 1):
+        raise ConfigError(f"{where}.fps={fps!r}: must be an integer >= 1 (the frame rate its clips are resampled "
+                          "to), or null for data.fps")
     if v["window"] not in ("first", "uniform", "chunks", "random"):
         raise ConfigError(f"{where}.window={v['window']!r}: one of first, uniform, chunks, random")
     buckets = v["buckets"]
@@ -108,7 +115,7 @@ def _part(entry, name: str, top: dict) -> Part:
                 repeat=v["repeat"], num_frames=v["num_frames"], height=v["height"], width=v["width"],
                 resolutions=[tuple(r) for r in buckets] if buckets else None, frame_stride=v["frame_stride"],
                 window=v["window"], windows_per_clip=v["windows_per_clip"],
-                caption_prefix=str(v.get("caption_prefix") or ""), weight=_weight(v.get("weight", 1), where))
+                caption_prefix=str(v.get("caption_prefix") or ""), weight=_weight(v.get("weight", 1), where), fps=fps)
 
 
 def parse_datasets(datasets, top: dict) -> list[Part]:
@@ -161,13 +168,17 @@ def epoch_items(item_part: list[int], shapes: list[Shape], held: list[bool], par
     return train, pools, counts
 
 
-def samples_per_epoch_line(datasets: dict) -> str:
-    """``clips 120 (120 x1), stills 200 (100 x4 x weight 0.5)``: each dataset's samples per epoch (a report's
-    ``datasets``) and where they come from."""
+def samples_per_epoch_line(datasets: dict, buckets: dict | None = None) -> str:
+    """``clips 121 (120 x1 + 1 to fill), stills 200 (100 x4 x weight 0.5)``: each dataset's samples per epoch (a
+    report's ``datasets``) and where they come from; with a report's ``buckets``, each bucket that repeats samples
+    to fill its last step: ``; filled: 9x704x1280 120 + 1``."""
     def one(name: str, d: dict) -> str:
-        weight = d.get("weight", 1)
-        return f"{name} {d['samples']} ({d['items']} x{d['repeat']}{'' if weight == 1 else f' x weight {weight:g}'})"
-    return ", ".join(one(n, d) for n, d in datasets.items())
+        weight, fill = d.get("weight", 1), d.get("fill", 0)
+        return (f"{name} {d['samples']} ({d['items']} x{d['repeat']}{'' if weight == 1 else f' x weight {weight:g}'}"
+                f"{f' + {fill} to fill' if fill else ''})")
+    filled = [f"{key} {b['samples']} + {b['fill']}" for key, b in (buckets or {}).items() if b["fill"]]
+    parts = [", ".join(one(n, d) for n, d in datasets.items()), f"filled: {', '.join(filled)}" if filled else ""]
+    return "; ".join(part for part in parts if part)
 
 
 def _largest_remainder(fraction: float, shapes: list[Shape]) -> dict[Shape, int]:
@@ -175,12 +186,23 @@ def _largest_remainder(fraction: float, shapes: list[Shape]) -> dict[Shape, int]
     sizes: dict[Shape, int] = {}
     for shape in shapes:
         sizes[shape] = sizes.get(shape, 0) + 1
-    exact = {shape: fraction * n for shape, n in sizes.items()}
-    keep = {shape: math.floor(x) for shape, x in exact.items()}
-    short = math.floor(fraction * len(shapes) + 0.5) - sum(keep.values())
-    for shape in sorted(sizes, key=lambda s: (keep[s] - exact[s], s))[:max(0, short)]:
-        keep[shape] += 1
+    return _apportion({shape: fraction * n for shape, n in sizes.items()}, math.floor(fraction * len(shapes) + 0.5))
+
+
+def _apportion(exact: dict, total: int) -> dict:
+    """``total`` split into whole counts near ``exact`` (key -> share): each share's whole part, then one more for the
+    largest remainders (ties: the smaller key)."""
+    keep = {key: math.floor(x) for key, x in exact.items()}
+    for key in sorted(exact, key=lambda k: (keep[k] - exact[k], k))[:max(0, total - sum(keep.values()))]:
+        keep[key] += 1
     return keep
+
+
+def crop_share(src_w: int, src_h: int, height: int, width: int) -> float:
+    """The share of a ``src_w x src_h`` picture that resizing to cover ``height x width`` (aspect kept) and a center
+    crop cut away (``media.resize_crop``): 1 - the narrower aspect ratio over the wider one."""
+    src, dst = src_w / src_h, width / height
+    return 1 - min(src, dst) / max(src, dst)
 
 
 def dit_tokens(shape: Shape, vae_stride: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
@@ -232,13 +254,14 @@ class ClipDataset(Dataset):
     ``starts``: each sample's first frame (``RANDOM_START``: a window drawn per epoch, then indexes are
     ``(index, epoch)`` pairs and ``available`` holds each clip's frame count). ``caption_dropout``: the share of
     samples per epoch trained with the empty prompt (indexes are ``(index, epoch)`` pairs too). ``frame_stride``: one
-    for all samples, or each sample's (several datasets).
+    for all samples, or each sample's (several datasets); ``fps``: the frame rate each sample's clip is resampled to
+    (None: its own frames), one for all or each sample's.
     """
 
     def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int | list[int] = 1,
                  starts: list[int] | None = None, available: list[int] | None = None, seed: int = 0,
-                 caption_dropout: float = 0.0):
-        self.samples, self.shapes, self.frame_stride = samples, shapes, frame_stride
+                 caption_dropout: float = 0.0, fps: int | None | list[int | None] = None):
+        self.samples, self.shapes, self.frame_stride, self.fps = samples, shapes, frame_stride, fps
         self.starts = starts or [0] * len(samples)
         self.available, self.seed, self.caption_dropout = available, seed, caption_dropout
         self.same_shape: dict[Shape, list[int]] = {}
@@ -253,9 +276,10 @@ class ClipDataset(Dataset):
         frames, height, width = self.shapes[i]
         start = self.starts[i]
         stride = self.frame_stride if isinstance(self.frame_stride, int) else self.frame_stride[i]
+        fps = self.fps[i] if isinstance(self.fps, list) else self.fps
         if start == RANDOM_START:
             start = random_start(self.available[i], frames, stride, self.seed, epoch, i)
-        pixels = load_clip(s, frames, height, width, stride, start=start)
+        pixels = load_clip(s, frames, height, width, stride, start=start, fps=fps)
         prompt = "" if caption_dropped(self.seed, epoch, i, self.caption_dropout) else s.prompt
         return {"pixels": pixels, "prompt": prompt, "index": i}
 
@@ -337,6 +361,11 @@ class EpochTagged(Sampler[list[tuple[int, int]]]):
 class BucketBatchSampler(Sampler[list[int]]):
     """Batches of one bucket, sharded over ranks; the order is a pure function of (seed, epoch).
 
+    Each optimizer step takes world x batch samples of one bucket. A bucket whose samples do not fill its last step
+    is filled with repeats of its own samples (the first of the epoch's shuffled order), so every sample of the epoch
+    trains in it and every rank gets the same number of whole batches. ``owners``: each index's dataset; the fill of
+    a bucket that several datasets share is split over them in proportion to their samples in it, so each dataset
+    trains the same count every epoch (``trained``).
     ``batch_sizes`` maps a bucket to its per-rank batch size (token-budget batching), else ``batch_size`` for all.
     ``subsets``: (indexes of one bucket, how many of them an epoch keeps) for fractional dataset weights
     (``epoch_items``): which ones is drawn per (seed, epoch), the same on every rank; how many is fixed.
@@ -344,11 +373,12 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __init__(self, keys: list, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, batch_sizes: dict | None = None,
-                 subsets: list[tuple[list[int], int]] | None = None):
+                 subsets: list[tuple[list[int], int]] | None = None, owners: list[int] | None = None):
         self.keys, self.batch_size, self.rank, self.world = keys, batch_size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.batch_sizes = batch_sizes or {}
         self.subsets = subsets or []
+        self.owners = owners or [0] * len(keys)
         self.sampler = _Epoch()
         self.steps_done: Callable[[], int] | None = None  # the data position (see ``follow``)
         self.accumulate = 1
@@ -391,17 +421,50 @@ class BucketBatchSampler(Sampler[list[int]]):
                 groups.setdefault(k, []).append(i)
         return groups
 
+    def _per_step(self, key) -> int:
+        return self.batch_sizes.get(key, self.batch_size) * self.world
+
+    def _fill_shares(self, key, idx: list[int]) -> dict[int, int]:
+        """How many repeats of each dataset's samples fill this bucket's last step (none when it is whole)."""
+        counts = Counter(self.owners[i] for i in idx)
+        short = -len(idx) % self._per_step(key)
+        return _apportion({o: short * n / len(idx) for o, n in counts.items()}, short) if short else {}
+
     def _global_batches(self, epoch: int) -> list[list[int]]:
         rng = random.Random(self.seed + epoch)
         steps = []
         for key, idx in sorted(self._groups(epoch).items()):
-            per_step = self.batch_sizes.get(key, self.batch_size) * self.world
+            per_step = self._per_step(key)
             if self.shuffle:
                 rng.shuffle(idx)
-            steps += [idx[s * per_step:(s + 1) * per_step] for s in range(len(idx) // per_step)]
+            fill = []
+            for owner, k in sorted(self._fill_shares(key, idx).items()):
+                own = [i for i in idx if self.owners[i] == owner]
+                fill += [own[j % len(own)] for j in range(k)]
+            idx += fill
+            steps += [idx[s:s + per_step] for s in range(0, len(idx), per_step)]
         if self.shuffle:
             rng.shuffle(steps)
         return steps
+
+    def bucket_counts(self) -> dict:
+        """Each bucket's (samples an epoch holds, repeats that fill its last step, batches per rank): the same in
+        every epoch."""
+        out = {}
+        for key, idx in self._groups().items():
+            fill = sum(self._fill_shares(key, idx).values())
+            out[key] = (len(idx), fill, (len(idx) + fill) // self._per_step(key))
+        return out
+
+    def trained(self) -> dict[int, tuple[int, int]]:
+        """Each dataset's (``owners``) samples per epoch, all ranks, and how many of them are repeats that fill a
+        bucket's last step: (samples, fill)."""
+        samples: Counter = Counter()
+        fill: Counter = Counter()
+        for key, idx in self._groups().items():
+            samples.update(self.owners[i] for i in idx)
+            fill.update(self._fill_shares(key, idx))
+        return {o: (n + fill[o], fill[o]) for o, n in sorted(samples.items())}
 
     def epoch_batches(self):
         """This rank's batches from the current position on, each with its epoch: ``(epoch, batch)``."""
@@ -415,8 +478,7 @@ class BucketBatchSampler(Sampler[list[int]]):
             yield batch
 
     def __len__(self) -> int:
-        return sum(len(idx) // (self.batch_sizes.get(k, self.batch_size) * self.world)
-                   for k, idx in self._groups().items())
+        return sum(batches for _, _, batches in self.bucket_counts().values())
 
 
 def heldout_rows(paths: list[str], fraction: float) -> list[bool]:
@@ -456,16 +518,18 @@ class WanDataModule(L.LightningDataModule):
                  buckets: list | None, probe: bool, max_reject_fraction: float, rejects: str | None,
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
                  generate: dict | None, seed: int, val_fraction: float = 0.0, caption_dropout: float = 0.0,
-                 datasets: list | dict | None = None, encoders: object | None = None,
+                 datasets: list | dict | None = None, fps: int | None = None, encoders: object | None = None,
                  context: RunContext | None = None):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
-        identifies the model's VAE and text encoder for cache keys, and its latent grid
-        (``ModelSpec.encoder_info()``: an EncoderInfo, read by attribute; None: no cache), and
+        identifies the model's VAE and text encoder for cache keys, its latent grid and its native frame rate, which
+        clips are resampled to unless ``fps`` says otherwise
+        (``ModelSpec.encoder_info()``: an EncoderInfo, read by attribute; None: no cache, clips at their own rate), and
         the run ``context`` (wanexp/context.py; its ``sp_size``: every bucket's tokens must split into that many parts,
         and the ranks of a sequence-parallel group share batches; None: one process)."""
         super().__init__()
         self.name, self.metadata, self.root = name, Path(metadata), root
         self.num_frames, self.height, self.width, self.frame_stride = num_frames, height, width, frame_stride
+        self.fps = fps if fps is not None else getattr(encoders, "fps", None)  # the rate clips are resampled to
         self.batch_size, self.num_workers, self.max_samples = batch_size, num_workers, max_samples
         self.dataset_repeat = dataset_repeat
         self.caption_dropout = float(caption_dropout)  # share of samples per epoch trained with the empty prompt
@@ -492,6 +556,7 @@ class WanDataModule(L.LightningDataModule):
         self.several = datasets is not None
         self.item_part: list[int] = []  # each item's dataset (an index into parts), set by items()
         self.item_stride: list[int] = []  # each item's frame stride
+        self.item_fps: list[int | None] = []  # the frame rate each item's clip is resampled to
         self.dataset_part: list[int] = []  # each training sample's dataset (repeats included), set by setup()
         self.val_part: list[int] = []  # each held-out sample's dataset, set by setup()
         self.epoch_pools: list[tuple[list[int], int]] = []  # fractional weights: part of each pool trains per epoch
@@ -504,7 +569,7 @@ class WanDataModule(L.LightningDataModule):
         if datasets is not None and OmegaConf.is_config(datasets):
             datasets = OmegaConf.to_container(datasets, resolve=True)
         top = {"metadata": None, "root": self.root, "repeat": self.dataset_repeat, "num_frames": self.num_frames,
-               "height": self.height, "width": self.width, "buckets": self.resolutions,
+               "height": self.height, "width": self.width, "buckets": self.resolutions, "fps": self.fps,
                "frame_stride": self.frame_stride, "window": self.window, "windows_per_clip": self.windows_per_clip,
                "caption_prefix": ""}
         if datasets is None:  # the single-dataset keys: one dataset
@@ -537,7 +602,8 @@ class WanDataModule(L.LightningDataModule):
         warnings = []
         if self.probe:
             good, bad, warnings = probe_samples(samples, self.num_frames, self.frame_stride, self.height, self.width,
-                                                workers=max(1, self.num_workers), resolutions=self.resolutions)
+                                                workers=max(1, self.num_workers), resolutions=self.resolutions,
+                                                fps=self.fps)
             samples, rejects = [r.sample for r in good], rejects + bad
             sizes, frames = [(r.width, r.height) for r in good], [r.frames for r in good]
         warnings += self._long_captions(samples)
@@ -566,11 +632,12 @@ class WanDataModule(L.LightningDataModule):
         if not self.several:  # the single-dataset keys
             out = self._part_items()
             self.item_part, self.item_stride = [0] * len(out[0]), [self.frame_stride] * len(out[0])
-            counts = {k: self.report.get(k) for k in ("rows", "rejected")}
+            self.item_fps = [self.fps] * len(out[0])
+            counts = {k: self.report.get(k) for k in ("rows", "rejected", "cropped", "other_orientation")}
             self.report["datasets"] = {self.name: dict(self._part_report(0, out[0]), **counts)}
             return out
         out: tuple[list, list, list, list] = ([], [], [], [])
-        self.item_part, self.item_stride, reports = [], [], {}
+        self.item_part, self.item_stride, self.item_fps, reports, notes = [], [], [], {}, []
         for p, part in enumerate(self.parts):
             child = self._child(part)
             samples, shapes, starts, available = child._part_items()
@@ -583,13 +650,16 @@ class WanDataModule(L.LightningDataModule):
                 lst += values
             self.item_part += [p] * len(samples)
             self.item_stride += [part.frame_stride] * len(samples)
+            self.item_fps += [part.fps] * len(samples)
+            notes += [f"{part.name}: {note}" for note in child.report.pop("notes", ())]
             reports[part.name] = dict(child.report, **self._part_report(p, samples))
         self.report = {"rows": sum(r["rows"] for r in reports.values()),
                        "rejected": sum(r["rejected"] for r in reports.values()),
                        "warnings": sum(r["warnings"] for r in reports.values()),
                        "long_captions": sum(r["long_captions"] for r in reports.values()),
+                       "cropped": sum(r.get("cropped") or 0 for r in reports.values()),
                        "rejects_file": str(self.rejects_path.parent) if self.rejects_path else None,
-                       "datasets": reports}
+                       "notes": notes, "datasets": reports}
         return out
 
     def _part_report(self, p: int, items: list) -> dict:
@@ -603,6 +673,7 @@ class WanDataModule(L.LightningDataModule):
         child.metadata, child.root, child.num_frames = part.metadata, part.root, part.num_frames
         child.height, child.width, child.resolutions = part.height, part.width, part.resolutions
         child.frame_stride, child.window, child.windows_per_clip = part.frame_stride, part.window, part.windows_per_clip
+        child.fps = part.fps
         if self.rejects_path is not None:
             r = self.rejects_path
             child.rejects_path = r.with_name(f"{r.stem}-{part.name}{r.suffix}")
@@ -617,6 +688,7 @@ class WanDataModule(L.LightningDataModule):
         samples, sizes, frames = self.samples()
         out: tuple[list, list, list, list] = ([], [], [], [])
         shapes = bucket_shapes(samples, self.num_frames, self.height, self.width, self.resolutions, sizes)
+        self.report.update(self._crops(sizes, shapes))
         for sample, shape, available in zip(samples, shapes, frames):
             starts = [0] if self.window == "first" else [
                 start for _, start in expand([sample], [available], self.num_frames, self.frame_stride, self.window,
@@ -624,6 +696,26 @@ class WanDataModule(L.LightningDataModule):
             for start in starts:
                 for lst, value in zip(out, (sample, shape, start, available)):
                     lst.append(value)
+        return out
+
+    def _crops(self, sizes: list[tuple[int, int] | None], shapes: list[Shape]) -> dict:
+        """Of the probed media (``sizes``: (width, height), None where not probed), how many are cropped by more than
+        a third of their picture into their shape (``cropped``) and how many are of the other orientation than their
+        shape, portrait in a landscape shape or the reverse (``other_orientation``); ``notes``: one line for the log
+        when any is."""
+        measured = [(size, shape[1:]) for size, shape in zip(sizes, shapes) if size is not None]
+        if not measured:
+            return {"cropped": None, "other_orientation": None, "notes": []}
+        cropped = sum(crop_share(w, h, height, width) > 1 / 3 for (w, h), (height, width) in measured)
+        other = sum((w - h) * (width - height) < 0 for (w, h), (height, width) in measured)
+        out = {"cropped": cropped, "other_orientation": other, "notes": []}
+        if cropped or other:
+            into, fix = ((f"{self.height}x{self.width} (height x width)", "data.buckets trains each at the resolution "
+                          "nearest its aspect ratio") if not self.resolutions else
+                         ("their buckets", "add buckets nearer their aspect ratios to data.buckets"))
+            out["notes"] = [f"of {len(measured)} samples cropped into {into}, {other} have the other orientation "
+                            f"(portrait in a landscape shape or the reverse) and {cropped} lose more than a third of "
+                            f"their picture; {fix}"]
         return out
 
     def _long_captions(self, samples: list[Sample]) -> list[Reject]:
@@ -679,17 +771,17 @@ class WanDataModule(L.LightningDataModule):
         # each dataset's samples, repeat x weight times over (one dataset: the samples, repeated)
         train, self.epoch_pools, counts = epoch_items(self.item_part, shapes, held, self.parts)
         self.train_items = train  # each training sample's item (repeats and weights share items; wanexp-plan counts)
-        strides = self.item_stride
-        val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available, strides)]
-        samples, shapes, starts, available, strides = ([lst[i] for i in train]
-                                                       for lst in (samples, shapes, starts, available, strides))
+        strides, rates = self.item_stride, self.item_fps
+        val_items = [[lst[i] for i in val] for lst in (samples, shapes, starts, available, strides, rates)]
+        samples, shapes, starts, available, strides, rates = (
+            [lst[i] for i in train] for lst in (samples, shapes, starts, available, strides, rates))
         self.dataset_part = [self.item_part[i] for i in train]
         self.val_part = [self.item_part[i] for i in val]  # each held-out sample's dataset
         self.report["heldout"] = len(val)
         for part, count in zip(self.parts, counts):  # samples per epoch, repeat and weight included
             self.report["datasets"][part.name].update(samples=count, weight=part.weight)
         cacheable = self.encoders and self.cache_dir and all(p.window != "random" for p in self.parts)  # random
-        self.keys = self.cache_keys(samples, shapes, starts, strides) if cacheable else []  # windows change
+        self.keys = self.cache_keys(samples, shapes, starts, strides, rates) if cacheable else []  # windows change
         index = CacheIndex(self.cache_dir) if self.keys and self.use_cache else None
         empty_key = self.text_cache_key("") if self.keys and self.caption_dropout > 0 else None
         needed = {k for pair in self.keys for k in pair} | ({empty_key} if empty_key else set())
@@ -702,14 +794,14 @@ class WanDataModule(L.LightningDataModule):
             self.dataset = CachedDataset(samples, shapes, self.keys, index, self.encoders.text_len, p, empty_key,
                                          self.seed)
         else:
-            self.dataset = ClipDataset(samples, shapes, strides, starts, available, self.seed, p)
+            self.dataset = ClipDataset(samples, shapes, strides, starts, available, self.seed, p, fps=rates)
         if val:
-            vs, vsh, vst, vav, vstr = val_items
-            vkeys = self.cache_keys(vs, vsh, vst, vstr) if cacheable else []
+            vs, vsh, vst, vav, vstr, vfps = val_items
+            vkeys = self.cache_keys(vs, vsh, vst, vstr, vfps) if cacheable else []
             if self.cached and all(k in index for pair in vkeys for k in pair):
                 self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders.text_len)
             else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
-                self.val_dataset = ClipDataset(vs, vsh, vstr, vst, vav, self.seed)
+                self.val_dataset = ClipDataset(vs, vsh, vstr, vst, vav, self.seed, fps=vfps)
         sp = self.run_context.sp_size
         if sp > 1 and self.encoders:
             check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, sp)
@@ -731,15 +823,19 @@ class WanDataModule(L.LightningDataModule):
         return frames
 
     def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int],
-                   strides: list[int] | None = None) -> list[tuple[str, str]]:
-        """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers); ``strides``: each
-        sample's frame stride (default data.frame_stride)."""
+                   strides: list[int] | None = None, rates: list[int | None] | None = None) -> list[tuple[str, str]]:
+        """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers); ``strides``, ``rates``:
+        each sample's frame stride and the frame rate its clip is resampled to (default data.frame_stride, data.fps;
+        an image's are 1 and None at any setting)."""
         e = self.encoders
         vae_id = folder_identity(e.vae, [e.vae_dtype, e.layout, self.cache_dtype])
         strides = strides or [self.frame_stride] * len(samples)
+        rates = rates or [self.fps] * len(samples)
         return [(None if s.kind == PROMPT_KIND else  # a prompt alone has text only
-                 latent_key(vae_id, s.path, shape, stride if shape[0] > 1 else 1, start, e.image_latent),
-                 self.text_cache_key(s.prompt)) for s, shape, start, stride in zip(samples, shapes, starts, strides)]
+                 latent_key(vae_id, s.path, shape, stride if shape[0] > 1 else 1, start, e.image_latent,
+                            fps if shape[0] > 1 else None),
+                 self.text_cache_key(s.prompt))
+                for s, shape, start, stride, fps in zip(samples, shapes, starts, strides, rates)]
 
     def text_cache_key(self, prompt: str) -> str:
         """The cache key of a prompt's UMT5 embedding (training captions and validation prompts alike)."""
@@ -766,6 +862,28 @@ class WanDataModule(L.LightningDataModule):
         (st, sh, sw), (pt, ph, pw) = self.encoders.vae_stride, self.encoders.patch
         return {shape: max(1, self.token_budget // dit_tokens(shape, (st, sh, sw), (pt, ph, pw)))
                 for shape in set(self.dataset.shapes)}
+
+    def _sampler(self, rank: int, world: int) -> BucketBatchSampler:
+        return BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed,
+                                  batch_sizes=self.bucket_batch_sizes(), subsets=self.epoch_pools,
+                                  owners=self.dataset_part)
+
+    def epoch_line(self, world: int) -> str:
+        """What an epoch trains on ``world`` data-parallel ranks, each bucket's last step filled with repeats of its
+        own samples (BucketBatchSampler), into the report (status.json): each dataset's ``samples`` (fill included)
+        and ``fill``, and ``buckets``: each bucket's ``samples``, ``fill`` and ``batches`` per rank. Returns the start
+        line's text (``samples_per_epoch_line``), empty for one dataset that repeats nothing."""
+        sampler = self._sampler(0, world)
+        self.report["buckets"] = {"x".join(map(str, key)): {"samples": n, "fill": fill, "batches": batches}
+                                  for key, (n, fill, batches) in sorted(sampler.bucket_counts().items())}
+        datasets = self.report.get("datasets") or {}
+        trained = sampler.trained()
+        for p, part in enumerate(self.parts):
+            if part.name in datasets:
+                datasets[part.name]["samples"], datasets[part.name]["fill"] = trained.get(p, (0, 0))
+        if len(datasets) < 2 and not any(b["fill"] for b in self.report["buckets"].values()):
+            return ""
+        return samples_per_epoch_line(datasets, self.report["buckets"])
 
     def samples_seen(self, steps: int) -> dict[str, tuple[int, int]]:
         """Each dataset's (samples trained so far in the epoch of optimizer step ``steps``, samples that epoch trains),
@@ -796,14 +914,12 @@ class WanDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # data-parallel rank and size: the ranks of one sequence-parallel group (parallel.sp_size) share batches
         rank, world = self.run_context.dp_rank(self.trainer), self.run_context.dp_size(self.trainer)
-        sampler = BucketBatchSampler(self.dataset.shapes, self.batch_size, rank, world, seed=self.seed,
-                                     batch_sizes=self.bucket_batch_sizes(), subsets=self.epoch_pools)
+        sampler = self._sampler(rank, world)
         if len(sampler) == 0:
-            n = sum(len(idx) for idx in sampler._groups().values())
-            raise MetadataError(
-                f"data={self.name}: {n} samples give no full batch of {self.batch_size} per rank on "
-                f"{world} ranks; lower data.batch_size or add samples"
-            )
+            raise MetadataError(f"data={self.name}: the epoch holds no sample to train (data.val_fraction holds out "
+                                "every media file, or the datasets' weights keep none); lower data.val_fraction or "
+                                "raise a weight")
+        self.epoch_line(world)  # what an epoch trains on these ranks, in the report (status.json)
         self.sampler = sampler
         if self.trainer is not None:  # the position is the trainer's step: a restored checkpoint's, then each pass's
             sampler.follow(lambda: self.trainer.global_step, self.trainer.accumulate_grad_batches)

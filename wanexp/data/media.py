@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from wanexp.data.metadata import Sample, media_kind
-from wanexp.data.windows import fit_window
+from wanexp.data.probe import stream_fps
+from wanexp.data.windows import fit_window, resampled_frames, source_frame
 from wanexp.errors import MediaError
 
 __all__ = ["MediaError", "load_clip", "resize_crop", "write_video"]
@@ -75,61 +76,69 @@ def _reason(exc: BaseException) -> str:
 
 
 class _TooShort(Exception):
-    """Internal: the video ended after ``count`` frames."""
+    """Internal: the video ended after ``count`` frames (``available`` of them at the rate it is resampled to)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, available: int, source_fps) -> None:
         super().__init__(count)
-        self.count = count
+        self.count, self.available, self.source_fps = count, available, source_fps
 
 
 def _decode_video(
-    path: str, num_frames: int, stride: int, height: int, width: int, *, start: int = 0, trust_header: bool
+    path: str, num_frames: int, stride: int, height: int, width: int, *, start: int = 0, trust_header: bool,
+    fps: int | None = None,
 ) -> torch.Tensor:
-    """Decode frames start, start + stride, ...; stop as soon as ``num_frames`` are collected.
+    """Decode frames start, start + stride, ... of the clip resampled to ``fps`` (``wanexp.data.windows``; None: the
+    source frames themselves); stop as soon as the last one is decoded.
 
     Frames before ``start`` and between the taken ones are decoded (the codec needs them) but never
     converted to arrays. With ``trust_header`` the window is first fitted (``fit_window``: stride
     lowered, then start shifted back) to the frame count stored in the container, when there is one.
     Raises ``_TooShort`` with the number of frames decoded if the stream ends early.
     """
-    frames: list[np.ndarray] = []
+    taken: dict[int, np.ndarray] = {}
     index = -1
     with av.open(path, mode="r") as container:
         if not container.streams.video:
             raise MediaError(f"{path}: no video stream found")
         stream = container.streams.video[0]
+        src = stream_fps(stream)
         if trust_header and stream.frames:
-            start, stride = fit_window(int(stream.frames), num_frames, stride, start) or (start, stride)
-        needed_last = start + (num_frames - 1) * stride
+            available = resampled_frames(int(stream.frames), src, fps)
+            start, stride = fit_window(available, num_frames, stride, start) or (start, stride)
+        wanted = [source_frame(start + i * stride, src, fps) for i in range(num_frames)]
         for index, frame in enumerate(container.decode(stream)):
-            if index >= start and (index - start) % stride == 0:
-                frames.append(frame.to_ndarray(format="rgb24"))
-                if index >= needed_last:
+            if index in wanted:
+                taken[index] = frame.to_ndarray(format="rgb24")
+                if index >= wanted[-1]:
                     break
-    if len(frames) < num_frames:
-        raise _TooShort(index + 1)
-    return _to_clip(frames, height, width)
+    if wanted[-1] not in taken:
+        raise _TooShort(index + 1, resampled_frames(index + 1, src, fps), src)
+    return _to_clip([taken[i] for i in wanted], height, width)  # a frame taken twice (a low rate) is repeated
 
 
-def _load_video(path: str, num_frames: int, height: int, width: int, stride: int, start: int = 0) -> torch.Tensor:
+def _load_video(path: str, num_frames: int, height: int, width: int, stride: int, start: int = 0,
+                fps: int | None = None) -> torch.Tensor:
     try:
         try:
-            return _decode_video(path, num_frames, stride, height, width, start=start, trust_header=True)
+            return _decode_video(path, num_frames, stride, height, width, start=start, trust_header=True, fps=fps)
         except _TooShort as short:  # header missing or wrong: retry with the real count
-            total = short.count
-            fitted = fit_window(total, num_frames, stride, start)
+            too_short = short
+            fitted = fit_window(short.available, num_frames, stride, start)
             if fitted:
                 return _decode_video(
-                    path, num_frames, fitted[1], height, width, start=fitted[0], trust_header=False
+                    path, num_frames, fitted[1], height, width, start=fitted[0], trust_header=False, fps=fps
                 )
     except _TooShort as short:  # pragma: no cover - only if the file changed between passes
-        total = short.count
+        too_short = short
     except MediaError:
         raise
     except _DECODE_ERRORS as exc:
         raise MediaError(f"{path}: cannot decode video ({_reason(exc)})") from None
+    count, rate, have = too_short.count, too_short.source_fps, f"{too_short.count} frames"
+    if too_short.available != count:  # resampled to another rate than the clip's own
+        have += f" at {float(rate):g} fps ({float(count / rate):.2f} s), {too_short.available} at {fps} fps,"
     raise MediaError(
-        f"{path}: video has {total} frames but {num_frames} are needed (even at stride 1); "
+        f"{path}: video has {have} but {num_frames} are needed (even at stride 1); "
         "use a longer clip or lower num_frames"
     )
 
@@ -142,14 +151,17 @@ def load_clip(
     stride: int = 1,
     *,
     start: int = 0,
+    fps: int | None = None,
 ) -> torch.Tensor:
     """Load a clip as float32 ``(3, T, height, width)`` in [-1, 1].
 
-    Videos give ``T == num_frames`` frames ``start, start + stride, ..., start + (num_frames - 1) * stride``.
+    Videos give ``T == num_frames`` frames ``start, start + stride, ..., start + (num_frames - 1) * stride`` of the
+    clip resampled to ``fps`` (each the source frame nearest to its time, ``wanexp.data.windows``; None: the source
+    frames).
     When the video is too short for that window, the stride is lowered (down to 1) and, if even
     stride 1 does not fit from ``start``, the window shifts back to end at the last frame
     (``wanexp.data.windows.fit_window``); only a video with fewer than ``num_frames`` frames fails.
-    Decoding stops after the window's last frame. Images give ``T == 1`` (``start`` is ignored).
+    Decoding stops after the window's last frame. Images give ``T == 1`` (``start`` and ``fps`` are ignored).
     Frames are resized to cover ``height x width`` and center-cropped.
     """
     if num_frames < 1 or height < 1 or width < 1 or stride < 1:
@@ -166,7 +178,7 @@ def load_clip(
     if kind == "image":
         return _load_image(path, height, width)
     if kind == "video":
-        return _load_video(path, num_frames, height, width, stride, start)
+        return _load_video(path, num_frames, height, width, stride, start, fps)
     raise MediaError(f"{path}: unknown media type {Path(path).suffix or '(no extension)'!r}")
 
 

@@ -17,7 +17,9 @@ Reject reasons (``ProbeResult.reason`` / ``Reject.reason``):
   stream just ends before the frame count in its header, ``truncated video: only <n> of <header> frames decode``
 * ``too few frames: <n>, needs <f> (num_frames=<f>, at frame_stride 1)`` (a video with fewer frames than
   ``(num_frames - 1) * frame_stride + 1`` but at least ``num_frames`` trains at a lower stride, as ``load_clip`` does,
-  with the warning ``short video: <n> frames, so frame_stride <s> is lowered to <t>``)
+  with the warning ``short video: <n> frames, so frame_stride <s> is lowered to <t>``). With ``fps`` (the rate clips
+  are resampled to, ``wanexp.data.windows``) frames are counted at that rate, and a clip of another rate too short for
+  ``num_frames`` there is ``too few frames: <n> at <r> fps (<s> s) are <m> at <fps> fps, needs <f> (...)``
 * ``cannot read image (<error>)``
 * ``unknown media type '<kind>'``
 
@@ -25,7 +27,9 @@ Warnings (the sample stays usable): ``small <image|video> <w>x<h>: upscaled <f>x
 when the media must be enlarged more than ``UPSCALE_WARN`` times to cover the size it trains at (with ``resolutions``,
 the aspect bucket the datamodule assigns it; else ``width`` x ``height``);
 ``damaged after frame <n> (<error>); only the first <n> frames are readable`` for a video without a frame
-count in its header whose tail, past the frames a clip needs, does not read.
+count in its header whose tail, past the frames a clip needs, does not read; with ``fps``:
+``low frame rate: <r> fps, resampled to <fps> fps by repeating frames`` (a video below 90 % of that rate) and
+``no frame rate in the file: its frames are taken as <fps> fps``.
 """
 
 from __future__ import annotations
@@ -35,15 +39,18 @@ import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 
 import av
 from PIL import Image
 
 from wanexp.data.metadata import Reject, Sample
+from wanexp.data.windows import resampled_frames, source_frame, window_span
 
-__all__ = ["UPSCALE_WARN", "ProbeResult", "ProbeWarning", "probe_sample", "probe_samples"]
+__all__ = ["UPSCALE_WARN", "ProbeResult", "ProbeWarning", "probe_sample", "probe_samples", "stream_fps"]
 
 UPSCALE_WARN = 2.0  # warn when the media must be enlarged more than this to cover height x width
+LOW_RATE_WARN = Fraction(9, 10)  # warn when a video's rate is below this share of the rate it is resampled to
 
 _VIDEO_ERRORS: tuple[type[BaseException], ...] = (av.error.FFmpegError, OSError, ValueError, EOFError, RuntimeError)
 _IMAGE_ERRORS: tuple[type[BaseException], ...] = (
@@ -57,7 +64,8 @@ class ProbeResult:
 
     ``frames`` is the number of frames available: 1 for an image; for a video the container's frame
     count when it has one (checked by decoding up to the last needed frame), else the frames decoded
-    plus the packets left after them.
+    plus the packets left after them, counted at the rate clips are resampled to (``fps``, when given).
+    ``source_fps``: the video's own frame rate (None: an image, or a file that states none).
     """
 
     sample: Sample
@@ -66,6 +74,7 @@ class ProbeResult:
     frames: int = 0
     reason: str | None = None
     warnings: tuple[str, ...] = ()
+    source_fps: Fraction | None = None
 
     @property
     def ok(self) -> bool:
@@ -85,6 +94,12 @@ def _one_line(exc: BaseException) -> str:
     """The error text on one line, without the file name FFmpeg errors repeat."""
     text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
     return " ".join(str(text).split())
+
+
+def stream_fps(stream) -> Fraction | None:
+    """A PyAV video stream's frame rate: its average rate, else the rate FFmpeg guesses; None if it states none."""
+    rate = stream.average_rate or stream.guessed_rate
+    return Fraction(rate) if rate else None
 
 
 def nearest_resolution(width: int, height: int, resolutions: list[tuple[int, int]]) -> tuple[int, int]:
@@ -116,17 +131,16 @@ def _probe_image(sample: Sample, width: int, height: int, resolutions=None) -> P
     return ProbeResult(sample, src_w, src_h, 1, warnings=warnings)
 
 
+def _rate_warnings(src: Fraction | None, fps: int | None) -> tuple[str, ...]:
+    if fps and src is None:
+        return (f"no frame rate in the file: its frames are taken as {fps} fps",)
+    if fps and src < fps * LOW_RATE_WARN:
+        return (f"low frame rate: {float(src):g} fps, resampled to {fps} fps by repeating frames",)
+    return ()
+
+
 def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int, height: int,
-                 resolutions=None) -> ProbeResult:
-    needed = (num_frames - 1) * frame_stride + 1  # frames 0 .. (num_frames - 1) * frame_stride
-    # The loader lowers the stride (down to 1) for a short video, as load_clip does: below num_frames it is unusable.
-
-    def too_few(count: int) -> ProbeResult:
-        return ProbeResult(
-            sample,
-            reason=f"too few frames: {count}, needs {num_frames} (num_frames={num_frames}, at frame_stride 1)",
-        )
-
+                 resolutions=None, fps: int | None = None) -> ProbeResult:
     try:
         container = av.open(sample.path, mode="r")
     except _VIDEO_ERRORS as exc:
@@ -135,6 +149,27 @@ def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int,
         if not container.streams.video:
             return ProbeResult(sample, reason="no video stream")
         stream = container.streams.video[0]
+        src = stream_fps(stream)
+
+        def at_fps(count: int) -> int:  # source frames -> frames at the rate the clip trains at
+            return resampled_frames(count, src, fps)
+
+        # source frames 0 .. the window's last: (num_frames - 1) * frame_stride frames after the first, at fps
+        needed = source_frame(window_span(num_frames, frame_stride) - 1, src, fps) + 1
+        least = source_frame(num_frames - 1, src, fps) + 1  # at frame_stride 1
+        # The loader lowers the stride (down to 1) for a short video, as load_clip does: below num_frames it is
+        # unusable.
+
+        def too_few(count: int) -> ProbeResult:
+            if at_fps(count) == count:
+                return ProbeResult(
+                    sample,
+                    reason=f"too few frames: {count}, needs {num_frames} (num_frames={num_frames}, at frame_stride 1)",
+                )
+            return ProbeResult(sample, reason=f"too few frames: {count} at {float(src):g} fps ({float(count / src):.2f}"
+                                              f" s) are {at_fps(count)} at {fps} fps, needs {num_frames} (num_frames="
+                                              f"{num_frames}, at frame_stride 1)")
+
         header = int(stream.frames or 0)  # 0: the container does not say (mkv, webm, some avi)
         decoded, packets, src_w, src_h, damage = 0, 0, 0, 0, ""
         try:
@@ -145,7 +180,7 @@ def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int,
                 for frame in stream.decode(packet):
                     if decoded == 0:
                         src_w, src_h = frame.width, frame.height
-                        if 0 < header < num_frames:  # the first frame shows the file decodes; the header: too short
+                        if 0 < header < least:  # the first frame shows the file decodes; the header: too short
                             return too_few(header)
                     decoded += 1
                 if decoded >= needed and header:
@@ -153,7 +188,7 @@ def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int,
         except _VIDEO_ERRORS as exc:
             if decoded == 0:
                 return ProbeResult(sample, reason=f"cannot decode first frame ({_one_line(exc)})")
-            if decoded < min(needed, max(header, num_frames)):
+            if decoded < min(needed, max(header, least)):
                 return ProbeResult(
                     sample,
                     reason=f"truncated or corrupt video: decoding failed at frame {decoded} of {header or '?'} "
@@ -165,20 +200,21 @@ def _probe_video(sample: Sample, num_frames: int, frame_stride: int, width: int,
             return ProbeResult(sample, reason="video has no frames")
         if decoded < needed and header > decoded:
             return ProbeResult(sample, reason=f"truncated video: only {decoded} of {header} frames decode")
-        if decoded < num_frames:
+        if decoded < least:
             return too_few(decoded)
-        frames = header or max(packets, decoded)
+        frames = at_fps(header or max(packets, decoded))
         if decoded < needed:
-            stride = (decoded - 1) // (num_frames - 1) if num_frames > 1 else frame_stride
-            damage = f"short video: {decoded} frames, so frame_stride {frame_stride} is lowered to {stride}"
+            stride = (at_fps(decoded) - 1) // (num_frames - 1) if num_frames > 1 else frame_stride
+            damage = f"short video: {at_fps(decoded)} frames, so frame_stride {frame_stride} is lowered to {stride}"
     warnings = _upscale_warning("video", src_w, src_h, width, height, resolutions) + ((damage,) if damage else ())
-    return ProbeResult(sample, src_w, src_h, frames, warnings=warnings)
+    return ProbeResult(sample, src_w, src_h, frames, warnings=warnings + _rate_warnings(src, fps), source_fps=src)
 
 
 def probe_sample(sample: Sample, num_frames: int, frame_stride: int, height: int, width: int,
-                 resolutions: Sequence[tuple[int, int]] | None = None) -> ProbeResult:
+                 resolutions: Sequence[tuple[int, int]] | None = None, fps: int | None = None) -> ProbeResult:
     """Check that ``sample`` can give a ``num_frames`` clip at ``frame_stride`` (an image: one frame).
-    ``resolutions``: the aspect buckets as (height, width) (``data.buckets``), for the upscale warning.
+    ``resolutions``: the aspect buckets as (height, width) (``data.buckets``), for the upscale warning. ``fps``: the
+    rate clips are resampled to (None: their own frames as they are).
 
     Never raises for a bad file: problems come back as ``ProbeResult.reason`` (see the module doc).
     """
@@ -200,7 +236,7 @@ def probe_sample(sample: Sample, num_frames: int, frame_stride: int, height: int
     if sample.kind == "image":
         return _probe_image(sample, width, height, resolutions)
     if sample.kind == "video":
-        return _probe_video(sample, num_frames, frame_stride, width, height, resolutions)
+        return _probe_video(sample, num_frames, frame_stride, width, height, resolutions, fps)
     return ProbeResult(sample, reason=f"unknown media type {sample.kind!r}")
 
 
@@ -212,21 +248,22 @@ def probe_samples(
     width: int,
     workers: int | None = None,
     resolutions: Sequence[tuple[int, int]] | None = None,
+    fps: int | None = None,
 ) -> tuple[list[ProbeResult], list[Reject], list[ProbeWarning]]:
     """Probe ``samples`` on ``workers`` threads (default: CPU count, at most 16).
 
-    ``resolutions``: the aspect buckets, as ``probe_sample`` takes them. Returns the results of the usable samples
+    ``resolutions``, ``fps``: as ``probe_sample`` takes them. Returns the results of the usable samples
     (with their size and frame count), the rejects (``source`` and ``path`` are the media path) and the warnings of
     the usable samples, each in input order.
     """
     items = list(samples)
     workers = workers or min(16, os.cpu_count() or 1)
     if workers <= 1 or len(items) <= 1:
-        results = [probe_sample(s, num_frames, frame_stride, height, width, resolutions) for s in items]
+        results = [probe_sample(s, num_frames, frame_stride, height, width, resolutions, fps) for s in items]
     else:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probe") as pool:
-            results = list(pool.map(lambda s: probe_sample(s, num_frames, frame_stride, height, width, resolutions),
-                                    items))
+            results = list(pool.map(
+                lambda s: probe_sample(s, num_frames, frame_stride, height, width, resolutions, fps), items))
     good: list[ProbeResult] = []
     rejects: list[Reject] = []
     warnings: list[ProbeWarning] = []

@@ -176,10 +176,11 @@ def make_demo_dataset(
     num_frames: int = 17,
     height: int = 128,
     width: int = 128,
-    fps: int = 16,
+    fps: int = 24,
     seed: int = 0,
 ) -> Path:
-    """Build the demo dataset in ``out_dir`` (if needed) and return its ``metadata.csv`` path.
+    """Build the demo dataset in ``out_dir`` (if needed) and return its ``metadata.csv`` path. The clips are written
+    at ``fps`` (default: the tiny model's native rate, model.fps, so the demo trains them without resampling).
 
     Idempotent: an existing ``out_dir/metadata.csv`` is returned untouched, whatever the
     arguments. Crash- and race-safe: files are built in a temporary sibling folder that is

@@ -1,7 +1,8 @@
 """Frame windows: which frames of a long clip a training sample takes. Pure functions, no I/O.
 
 A window is ``num_frames`` frames ``start, start + stride, ..., start + (num_frames - 1) * stride``; it spans
-``span = (num_frames - 1) * stride + 1`` consecutive source frames. ``load_clip(..., start=...)`` decodes one.
+``span = (num_frames - 1) * stride + 1`` consecutive frames (of the clip at its dataset's frame rate, below).
+``load_clip(..., start=...)`` decodes one.
 
 Modes (``WINDOW_MODES``), for a clip of ``frames_available`` frames:
 
@@ -16,17 +17,25 @@ Modes (``WINDOW_MODES``), for a clip of ``frames_available`` frames:
 
 A clip too short for one window at ``stride`` gives the single start 0: ``load_clip`` lowers the stride (down to 1),
 see ``fit_window``.
+
+Frame rate: frame indexes here count frames of the clip resampled to the dataset's rate (``data.fps``): frame ``k`` is
+the source frame nearest to time ``k / fps`` (``source_frame``), so a 60 fps and a 15 fps clip give the same seconds
+of motion per window; a clip below that rate repeats frames, one above it skips frames. ``resampled_frames`` counts a
+clip's frames at that rate. The stride then takes every ``stride``-th frame of the resampled clip.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Sequence
+from fractions import Fraction
 
 from wanexp.data.metadata import Sample
 
-__all__ = ["RANDOM_START", "WINDOW_MODES", "expand", "fit_window", "random_start", "window_span", "window_starts"]
+__all__ = ["RANDOM_START", "WINDOW_MODES", "expand", "fit_window", "random_start", "resampled_frames", "source_frame",
+           "window_span", "window_starts"]
 
 from wanexp.config.schema import WINDOW_MODES  # ("first", "uniform", "chunks", "random")
 
@@ -39,6 +48,29 @@ def _check(frames_available: int, num_frames: int, stride: int) -> None:
             "num_frames and stride must be >= 1 and frames_available >= 0, "
             f"got num_frames={num_frames}, stride={stride}, frames_available={frames_available}"
         )
+
+
+def _ratio(source_fps, fps) -> Fraction | None:
+    """Source frames per resampled frame (exact), None when no resampling applies (no target or no source rate)."""
+    if not fps or not source_fps:
+        return None
+    return Fraction(source_fps) / Fraction(fps)
+
+
+def source_frame(k: int, source_fps, fps) -> int:
+    """The source frame that resampled frame ``k`` takes: the one nearest to time ``k / fps`` (halves round up).
+    ``fps`` or ``source_fps`` None: frame ``k`` itself."""
+    ratio = _ratio(source_fps, fps)
+    return k if ratio is None else math.floor(k * ratio + Fraction(1, 2))
+
+
+def resampled_frames(total: int, source_fps, fps) -> int:
+    """Frames of a clip of ``total`` source frames at ``source_fps`` when resampled to ``fps``: the times ``k / fps``
+    whose nearest source frame is in the clip (``source_frame(k) <= total - 1``). None for either rate: ``total``."""
+    ratio = _ratio(source_fps, fps)
+    if ratio is None or total <= 0:
+        return total
+    return math.ceil((total - Fraction(1, 2)) / ratio)
 
 
 def window_span(num_frames: int, stride: int) -> int:

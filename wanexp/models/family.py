@@ -43,6 +43,7 @@ class EncoderInfo:
     image_latent: bool  # samples also carry the first frame's latent (image-to-video conditioning)
     vae_stride: tuple[int, int, int]  # pixels per latent (frames, height, width)
     patch: tuple[int, int, int]  # latents per DiT token (frames, height, width)
+    fps: int | None = None  # the native frame rate: training clips are resampled to it unless data.fps says otherwise
 
 
 def load_class(dotted: str) -> type:
@@ -231,7 +232,7 @@ class ModelSpec:
                            text_encoder=str(self.path / "text_encoder"), text_dtype=str(self.text_encoder_dtype),
                            tokenizer=str(self.path / "tokenizer"), text_len=self.text_len,
                            image_latent=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
-                           patch=tuple(self.patch))
+                           patch=tuple(self.patch), fps=self.fps)
 
     def load_encoders(self):
         """The frozen VAE + text encoder + tokenizer as one module (see wanexp.models.encode.Encoders)."""
