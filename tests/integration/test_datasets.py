@@ -20,7 +20,8 @@ def test_two_datasets_of_different_shapes_and_repeats_train_in_one_run(shared_di
     """Shapes, repeats and a fractional weight; the progress bar shows each dataset's samples of the epoch."""
     from wanexp.data.synthetic import make_demo_dataset
 
-    a = make_demo_dataset(tmp_path / "a", num_videos=4, num_images=0, num_frames=9, height=64, width=64)
+    # a's clips are 2:1, cropped into its 64x64 (half of each picture): the start says so once, for a only
+    a = make_demo_dataset(tmp_path / "a", num_videos=4, num_images=0, num_frames=9, height=64, width=128)
     b = make_demo_dataset(tmp_path / "b", num_videos=3, num_images=0, num_frames=9, height=64, width=96)
     datasets = (f"data.datasets={{a:{{metadata:'{a}',weight:1.5}},b:{{metadata:'{b}',repeat:2,num_frames:5,"
                 f"frame_stride:2,height:64,width:96,caption_prefix:'style b, '}}}}")
@@ -29,6 +30,7 @@ def test_two_datasets_of_different_shapes_and_repeats_train_in_one_run(shared_di
     r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny", datasets, "data.use_cache=false", "trainer.max_steps=12",
                                                 "+callbacks.recorder._target_=tests.helpers.BatchRecorder",
                                                 "+callbacks.bar._target_=wanexp.callbacks.progress.StepProgressBar"])
+    start = capsys.readouterr().out  # the run's start lines
     dm = r["trainer"].datamodule
     batches = next(c for c in r["trainer"].callbacks if type(c).__name__ == "BatchRecorder").batches
     assert len(batches) == 12 and r["trainer"].num_training_batches == 6
@@ -65,7 +67,11 @@ def test_two_datasets_of_different_shapes_and_repeats_train_in_one_run(shared_di
     assert (float(logged["data/a/samples"]), float(logged["data/b/samples"])) == (6, 6)  # W&B gets the same metrics
     assert status["data"]["buckets"] == {"9x64x64": {"samples": 6, "fill": 0, "batches": 3},
                                          "5x64x96": {"samples": 6, "fill": 0, "batches": 3}}
-    assert "wanexp: data: samples per epoch: a 6 (4 x1 x weight 1.5), b 6 (3 x2)\n" in capsys.readouterr().out
+    assert (per["a"]["cropped"], per["b"]["cropped"]) == (4, 0)
+    assert "wanexp: data: samples per epoch: a 6 (4 x1 x weight 1.5), b 6 (3 x2)\n" in start
+    assert start.count("wanexp: data: a: of 4 samples cropped into 64x64 (height x width), 0 have the other "
+                       "orientation (portrait in a landscape shape or the reverse) and 4 lose more than a third") == 1
+    assert "wanexp: data: b:" not in start
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 
 ``probe_sample`` opens one file and returns a ``ProbeResult``: the media's size and frame count, or a
 one-line reject reason, plus warnings. A video is decoded only up to the last frame a clip needs,
-frame ``(num_frames - 1) * frame_stride``, so a truncated file whose header promises more frames is
-caught while a long video costs no more than one clip. An image is verified and decoded.
+frame ``(num_frames - 1) * frame_stride`` (of the clip at the rate it is resampled to, ``fps``), so a truncated
+file whose header promises more frames is caught while a long video costs no more than one clip. An image is
+verified and decoded.
 
 ``probe_samples`` probes many samples on a thread pool (PyAV and PIL release the GIL while decoding)
 and returns ``(good samples, rejects, warnings)`` in input order.
