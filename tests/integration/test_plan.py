@@ -208,6 +208,13 @@ def test_several_datasets_count_each_item_once(shared_dir, tmp_path):
     assert d["samples"] == 4 + 2 + 3
     clips = {k: (v["clips"], v["images"]) for k, v in d["buckets"].items()}
     assert sorted(clips.values()) == [(0, 2), (3, 0), (4, 0)], clips
+    # the report's header gives each dataset's repeat and weight, as the run's start line does, and every bucket
+    text = plan.report({"run_name": "x", "device": "CPU", "data": d, "cache": {"note": "no cache"},
+                        "calibration": None, "memory": {}, "disk": {"filesystems": {}}, "problems": []})
+    assert "9 samples; per epoch: a 10 (6 x1 x weight 1.5 + 1 to fill), b 6 (3 x2); filled: 1x64x64 3 + 1" in text
+    assert "          3 buckets:" in text and "repeat" not in text
+    for key in d["buckets"]:
+        assert f"  bucket {key} " in text
 
 
 def test_calibration_reads_each_dataset_s_relative_paths_as_the_run_does(shared_dir, tmp_path, monkeypatch):

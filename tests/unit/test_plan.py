@@ -256,3 +256,27 @@ def test_the_docs_give_each_default_once_and_as_the_code_has_it():
     assert f"--steps-per-bucket N optimizer steps the calibration times per bucket (default {default})" in plan.OPTIONS
     lines = [line for line in text.splitlines() if line.strip()]
     assert not [a for a, b in zip(lines, lines[1:]) if a == b]  # no line said twice in a row
+
+
+def test_the_report_lists_every_bucket_and_says_which_were_not_timed():
+    """Nine buckets, the calibration out of memory in the sixth: the data part lists all nine, the time part times
+    five and says of the other four that the calibration stopped, and where."""
+    keys = [f"{f}x64x64" for f in (1, 5, 9, 13, 17, 21, 25, 29, 33)]
+    data = {"rows": 9, "rejected": 0, "warnings": 0, "heldout": 0, "samples": 9, "dataset_repeat": 2,
+            "per_epoch": "clips 18 (9 x2)",
+            "world_size": 1, "data_parallel_size": 1, "batch_size": 1, "accumulate_grad_batches": 1,
+            "effective_batch": 1, "batches_per_epoch": 18, "steps_per_epoch": 18, "total_steps": 18, "epochs": 1.0,
+            "buckets": {k: {"clips": 1, "images": 0, "samples_per_epoch": 2, "batch_per_rank": 1,
+                            "batches_per_epoch": 2} for k in keys}}
+    timed = {k: {"steady_s": 0.5, "once_s": 0.0, "peak_gib": 1.0} for k in keys[:5]}
+    p = {"run_name": "x", "device": "1 x GPU", "data": data, "cache": {"note": "no cache"},
+         "calibration": {"oom": "CUDA out of memory", "failed": {"shape": [21, 64, 64], "error": "OutOfMemoryError"}},
+         "eta": {"buckets": timed}, "memory": {"peak_gib": 1.0}, "disk": {"filesystems": {}},
+         "problems": ["bucket 21x64x64 runs out of GPU memory on this card; try ..."]}
+    lines = plan.report(p).splitlines()
+    assert "          9 buckets:" in lines and "clips 18 (9 x2)" in lines[2]
+    assert sum(line.startswith("  bucket ") and "samples per epoch" in line for line in lines) == 9
+    assert sum(line.startswith("  bucket ") and "s per batch" in line for line in lines) == 5
+    untimed = [line for line in lines if "not timed" in line]
+    assert len(untimed) == 4 and untimed[0] == ("  bucket 21x64x64       not timed: the calibration stopped in bucket "
+                                                "21x64x64 (OutOfMemoryError)")

@@ -131,6 +131,7 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
     """Rows, rejects, samples and batches per bucket, steps per epoch and the run's optimizer steps for ``world``
     processes: the datamodule's own loader for rank 0 of that world, and the progress bar's total."""
     from wanexp.callbacks.progress import optimizer_steps_per_epoch, total_optimizer_steps
+    from wanexp.data.datamodule import samples_per_epoch_line
 
     sp = int(cfg.parallel.sp_size)
     accumulate = int(cfg.trainer.accumulate_grad_batches)
@@ -150,15 +151,16 @@ def data_plan(cfg: DictConfig, dm, world: int) -> dict:
         b = buckets.setdefault(bucket_key(dm.dataset.shapes[pos]), {"clips": 0, "images": 0})
         b["images" if dm.dataset.samples[pos].kind == "image" else "clips"] += 1
     unique = len(first)
-    for key, idx in sampler._groups().items():
-        per_rank = sampler.batch_sizes.get(key, sampler.batch_size)
+    for key, (n, fill, batches) in sampler.bucket_counts().items():  # a bucket's last step filled from itself
         b = buckets[bucket_key(key)]
-        b.update(batch_per_rank=per_rank, samples_per_epoch=len(idx),
-                 batches_per_epoch=len(idx) // (per_rank * sampler.world))
+        b.update(batch_per_rank=sampler.batch_sizes.get(key, sampler.batch_size), samples_per_epoch=n + fill,
+                 batches_per_epoch=batches)
     total = total_optimizer_steps(trainer)
+    dm.epoch_line(world // sp)  # each dataset's samples per epoch on these ranks, into its report, as the run's
     r = dm.report
     return {"rows": r.get("rows"), "rejected": r.get("rejected"), "warnings": r.get("warnings"),
             "heldout": r.get("heldout", 0), "samples": unique, "dataset_repeat": repeat,
+            "datasets": r["datasets"], "per_epoch": samples_per_epoch_line(r["datasets"], r["buckets"]),
             "world_size": world, "data_parallel_size": world // sp, "sp_size": sp,
             "batch_size": int(cfg.data.batch_size),
             "token_budget": cfg.data.token_budget, "accumulate_grad_batches": accumulate,
@@ -527,7 +529,7 @@ def _hms(s) -> str:
 def report(plan: dict) -> str:
     d, lines = plan["data"], [f"wanexp plan: {plan['run_name']}  ({plan['device']})", ""]
     lines += [f"data      {d['rows']} rows, {d['rejected']} rejected, {d['warnings']} warnings, {d['heldout']} held "
-              f"out; {d['samples']} samples x {d['dataset_repeat']} repeat",
+              f"out; {d['samples']} samples; per epoch: {d['per_epoch']}",
               f"          {d['world_size']} process(es) ({d['data_parallel_size']} data-parallel), batch "
               f"{d['batch_size']} per device x {d['accumulate_grad_batches']} accumulation = effective "
               f"{d['effective_batch']}",
@@ -542,9 +544,11 @@ def report(plan: dict) -> str:
         lines.append(f"resume    from {rs['checkpoint']} at step {rs['steps_done']} (epoch {rs['data_epoch']}, "
                      f"{rs['batches_done_in_epoch']} batches of it done): {rs['remaining_steps']} steps "
                      f"({rs['remaining_batches']} batches) to go")
+    lines.append(f"          {len(d['buckets'])} buckets:")
     for key, b in d["buckets"].items():
-        lines.append(f"  bucket {key:<14} {b['clips']} clips, {b['images']} images, batch {b.get('batch_per_rank')} "
-                     f"per rank, {b.get('batches_per_epoch', 0)} batches per epoch")
+        lines.append(f"  bucket {key:<14} {b['clips']} clips, {b['images']} images, {b.get('samples_per_epoch', 0)} "
+                     f"samples per epoch, batch {b.get('batch_per_rank')} per rank, {b.get('batches_per_epoch', 0)} "
+                     "batches per epoch")
     c = plan["cache"]
     if c.get("note"):
         lines.append(f"cache     {c['note']}")
@@ -559,7 +563,11 @@ def report(plan: dict) -> str:
         lines.append("time      not calibrated (--no-calibrate, or no GPU): no ETA or peak memory")
     else:
         e = plan["eta"]
-        for key, b in e.get("buckets", {}).items():
+        for key in d["buckets"]:
+            b = e.get("buckets", {}).get(key)
+            if b is None:
+                lines.append(f"  bucket {key:<14} not timed: {untimed(cal)}")
+                continue
             lines.append(f"  bucket {key:<14} {b['steady_s']:.3f} s per batch (once {b.get('once_s', 0.0):.1f} s: "
                          f"compilation), peak "
                          + ("-" if b["peak_gib"] is None else f"{b['peak_gib']:.2f} GiB"))
@@ -599,6 +607,15 @@ def report(plan: dict) -> str:
         lines.append(f"gpus      {comm.get('note')}")
     lines += ["", verdict(plan)] + [f"  {p}" for p in plan["problems"]]
     return "\n".join(lines)
+
+
+def untimed(calibration: dict) -> str:
+    """Why the calibration timed no batch of a bucket: it stopped before (out of memory, an error), or it ran none."""
+    failed = calibration.get("failed") or {}
+    if calibration.get("oom") or failed:
+        where = f" in bucket {bucket_key(failed['shape'])}" if failed.get("shape") else ""
+        return f"the calibration stopped{where} ({failed.get('error') or 'OutOfMemoryError'})"
+    return "the calibration trained no batch of it"
 
 
 def verdict(plan: dict) -> str:
