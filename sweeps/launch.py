@@ -4,7 +4,10 @@ Hydra's multirun runs points inside one process, which cannot host a multi-GPU p
 whole sweep in every rank). This launcher expands the same grid (the sweep config's ``hydra.sweeper.params`` plus
 any ``key=a,b`` on the command line) and starts one ``torchrun ... train.py`` per point, with explicit run names and
 folders (``outputs/sweeps/<sweep>/<n>``), the sweep config applied to every point (its name: the W&B group; alpha
-tied to rank) and, at the end, the same summary (summary.csv/.md, loss.png, heatmap.png) as a Hydra multirun.
+tied to rank) and, at the end, the same summary (summary.csv/.md, loss.png, heatmap.png) as a Hydra multirun. A point
+that does not finish (refused, or failed once started) does not stop the others (``--stop-on-failure`` does): its
+state and its ``wanexp: error:`` line go to the sweep folder's points.jsonl and the summary; the launcher then exits
+with the first such point's code.
 For one SLURM job per point use Hydra's launcher instead: ``python train.py -m sweep=rank_lr hydra/launcher=slurm``.
 
     python sweeps/launch.py sweep=rank_lr --nproc 8 model.path=/models/Wan2.2-TI2V-5B-Diffusers
@@ -73,37 +76,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--torchrun-args", default="", help='extra torchrun arguments, e.g. "--rdzv-endpoint=host:29500"')
     ap.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
-    ap.add_argument("--keep-going", action="store_true", help="run the remaining points when one fails")
+    ap.add_argument("--stop-on-failure", action="store_true",
+                    help="stop at the first point that does not finish (by default the other points still run)")
     args, overrides = ap.parse_known_args(argv)
-    failed = []
-    for cmd in commands(overrides, args.nproc, args.nnodes, args.torchrun_args):
+    if args.dry_run:
+        for cmd in commands(overrides, args.nproc, args.nnodes, args.torchrun_args):
+            print(shlex.join(cmd), flush=True)
+        return 0
+    from wanexp.callbacks.sweep import record_point
+
+    sweep, _, points = expand(overrides)
+    folder, codes = sweep_folder(sweep, overrides), []
+    for i, (cmd, point) in enumerate(zip(commands(overrides, args.nproc, args.nnodes, args.torchrun_args), points)):
         print(shlex.join(cmd), flush=True)
-        if args.dry_run:
-            continue
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
-        if rc:
-            failed.append(cmd)
-            if not args.keep_going:
-                print(f"sweep point failed (exit {rc}); stopping (use --keep-going to run the rest)", file=sys.stderr)
-                return rc
-    if not args.dry_run:
-        _summarize(overrides)
-    if failed:
-        print(f"{len(failed)} sweep point(s) failed", file=sys.stderr)
-        return 1
-    return 0
+        config = folder / str(i) / "config.yaml"  # written once a run starts: a refused point leaves it as it was
+        before = config.stat().st_mtime_ns if config.exists() else None
+        rc, line = run_point(cmd)
+        codes.append(rc)
+        after = config.stat().st_mtime_ns if config.exists() else None
+        state = "finished" if rc == 0 else "refused" if after == before else "failed"
+        folder.mkdir(parents=True, exist_ok=True)
+        record_point(folder, str(i), point, state, None if rc == 0 else line or f"exit code {rc}")
+        if rc and args.stop_on_failure:
+            print(f"sweep point {i} {state} (exit {rc}); stopping (--stop-on-failure)", file=sys.stderr)
+            break
+    _summarize(folder, points)
+    stopped = [c for c in codes if c]
+    if stopped:
+        print(f"{len(stopped)} of {len(codes)} sweep point(s) did not finish; their reasons: {folder}/summary.md",
+              file=sys.stderr)
+    return stopped[0] if stopped else 0
 
 
-def _summarize(overrides: list[str]) -> None:
-    """summary.csv/.md and the plots in the sweep folder, as a Hydra multirun writes them."""
-    from wanexp.callbacks.sweep import write_summary
+def run_point(cmd: list[str]) -> tuple[int, str | None]:
+    """Run one point's command, its stderr passed through as it comes (a progress bar too): (its exit code, the last
+    ``wanexp: error:`` line it printed, without the prefix; None when it printed none)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
+    tail = b""
+    while chunk := proc.stderr.read1(65536):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+        tail = (tail + chunk)[-65536:]
+    said = [ln for ln in tail.decode(errors="replace").splitlines() if ln.startswith("wanexp: error: ")]
+    return proc.wait(), said[-1][len("wanexp: error: "):] if said else None
+
+
+def sweep_folder(sweep: str, overrides: list[str]) -> Path:
+    """outputs/sweeps/<sweep> under the command line's paths.root_dir: where the points' folders are."""
     from wanexp.config import compose
 
-    sweep = expand(overrides)[0]
     cfg = compose([o for o in overrides if o.startswith("paths.")] + ["run_name=x"])
     folder = Path(cfg.paths.root_dir)
-    folder = (folder if folder.is_absolute() else ROOT / folder) / "outputs" / "sweeps" / sweep
-    written = write_summary(folder) if folder.is_dir() else {}
+    return (folder if folder.is_absolute() else ROOT / folder) / "outputs" / "sweeps" / sweep
+
+
+def _summarize(folder: Path, points: list[list[str]]) -> None:
+    """summary.csv/.md and the plots in the sweep folder, as a Hydra multirun writes them (every point listed)."""
+    from wanexp.callbacks.sweep import write_summary
+
+    written = write_summary(folder, points) if folder.is_dir() else {}
     if written:
         print(f"sweep summary: {', '.join(str(p) for p in written.values())}", flush=True)
 

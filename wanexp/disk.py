@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from wanexp.errors import ConfigError
+from wanexp.errors import ConfigError, UserError
 from wanexp.lora import AdapterSize, adapter_size, adapter_tensor_shapes  # noqa: F401 (sizes per adapter kind)
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -32,15 +32,51 @@ RETENTION_KEYS = "callbacks.lora_export.keep_last / callbacks.checkpoint.save_to
 
 
 # ---- a full disk ---------------------------------------------------------------------------------------------------
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it wraps or was raised while handling) is a full disk or quota."""
+def _chain(exc: BaseException | None):
+    """``exc``, then what it wraps or was raised while handling, innermost last."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS or FULL_TEXT.search(str(exc)):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it wraps or was raised while handling) is a full disk or quota."""
+    return any(isinstance(e, OSError) and e.errno in FULL_ERRNOS or FULL_TEXT.search(str(e)) for e in _chain(exc))
+
+
+class DiskFullError(UserError):
+    """A write found the disk full: the run stops with one line; what was written before is intact."""
+
+
+@contextlib.contextmanager
+def saving(what: str, path: str | Path, intact: str = "the last checkpoint is intact", **message):
+    """Around a write: a full disk, in whichever form the writer raises it, becomes a DiskFullError naming ``what``,
+    the mount and its free space, and what is ``intact`` (``message``: the rest of :func:`disk_full_message`'s
+    words); any other error stays the writer's."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(disk_full_message(what, path, intact, **message)) from None
+
+
+def stop_line(exc: BaseException, out: str | Path, intact: str = "the last checkpoint is intact",
+              **message) -> str | None:
+    """The one line of an error that stops a command for its user's input or disk, None for a bug: a UserError's
+    message (its last line: a loader worker's carries the worker's traceback), also where a later error wraps it (a
+    logger's last write on the same full disk), else a full disk met by a writer that does not say it itself (a
+    logger's file, a reject list), naming the file where the error does (``out``: the command's folder; ``intact``
+    and ``message``: the rest of :func:`disk_full_message`'s words)."""
+    user = next((e for e in _chain(exc) if isinstance(e, UserError)), None)
+    if user is not None:
+        return (str(user).strip().splitlines() or [type(user).__name__])[-1]
+    if not is_disk_full(exc):
+        return None
+    name = next((str(e.filename) for e in _chain(exc) if getattr(e, "filename", None)), None)
+    return disk_full_message(name or f"a file in {out}", name or out, intact, **message)
 
 
 def mount_point(path: str | Path) -> Path:
@@ -70,14 +106,16 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def disk_full_message(what: str, path: str | Path, intact: str) -> str:
-    """One line for a save that hit a full disk: what, where, and the two ways out."""
+def disk_full_message(what: str, path: str | Path, intact: str, then: str = "continue with resume=last",
+                      retention: bool = True) -> str:
+    """One line for a save that hit a full disk: what, where, the ways out (``retention``: a run's, which keeps
+    checkpoints and exports), what is intact, and how to go on once there is room."""
     try:
         where = f"{mount_point(path)} ({human(free_bytes(path))} free)"
     except OSError:
         where = str(existing_parent(path))
-    return (f"disk full while saving {what}: free space on {where}, or lower retention ({RETENTION_KEYS}); "
-            f"{intact}; then continue with resume=last")
+    lower = f", or lower retention ({RETENTION_KEYS})" if retention else ""
+    return f"disk full while saving {what}: free space on {where}{lower}; {intact}; then {then}"
 
 
 # ---- what a run keeps --------------------------------------------------------------------------------------------

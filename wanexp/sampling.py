@@ -139,8 +139,11 @@ def write_strip(path: Path, rows: list[tuple], labels: list[str] | None = None) 
     width = max(x.shape[1] for x in lines)
     grid = np.concatenate([np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0))) for x in lines], axis=0)
     tmp = path.with_name(path.name + ".tmp")
-    Image.fromarray(grid).save(tmp, format="PNG")
-    tmp.replace(path)
+    try:
+        Image.fromarray(grid).save(tmp, format="PNG")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed save (a full disk) leaves no temporary file
 
 
 def label_band(shape: tuple, label: str):

@@ -366,9 +366,17 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
 
 
 def cli(cfg: DictConfig) -> None:
-    """Run a composed config, print where the LoRA files are; bad input exits 2 with one line."""
+    """Run a composed config, print where the LoRA files are; bad input or a full disk exits 2 with one line, a bug
+    1 with its traceback. A point of a multirun that does not finish raises PointStopped instead of exiting: Hydra
+    records it and the sweep goes on to its next point."""
     try:
         _adopt_sweep_folder(cfg)
+    except UserError as e:  # the sweep's own settings: every point would be refused alike
+        say_error(str(e))
+        sys.exit(2)
+    config = Path(cfg.paths.output_dir) / "config.yaml"  # written once a run starts: a refused run leaves it as it was
+    written = _mtime(config)
+    try:
         result = run(cfg)
     except Interrupted as e:
         _finish_wandb(failed=True)
@@ -377,19 +385,44 @@ def cli(cfg: DictConfig) -> None:
         print(f"wanexp: interrupted by {signal.Signals(e.signum).name} at step {e.step}; saved {e.checkpoint}; "
               "continue with resume=last", file=sys.stderr, flush=True)
         sys.exit(e.code)
-    except UserError as e:
+    except Exception as e:
+        from wanexp.disk import stop_line
+
         _finish_wandb(failed=True)
-        # Raised in a DataLoader worker, the message carries the worker's traceback: its last line is the error.
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        print(f"wanexp: error: {lines[-1]}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except Exception:
-        _finish_wandb(failed=True)
-        traceback.print_exc()
-        sys.exit(1)
+        line = stop_line(e, cfg.paths.output_dir)  # the user's input or disk: one line; a bug: its traceback
+        if line is None:
+            traceback.print_exc()
+        else:
+            say_error(line)
+        code = 1 if line is None else 2
+        if _in_multirun():
+            from wanexp.callbacks.sweep import PointStopped
+
+            state = "refused" if _mtime(config) == written else "failed"
+            raise PointStopped(state, line or f"{type(e).__name__}: {e}", code) from None
+        sys.exit(code)
     _finish_wandb(failed=False)  # the next point of a sweep starts its own W&B run
     if result["rank"] == 0:
         print("\n".join(end_lines(cfg, result)))
+
+
+def say_error(line: str) -> None:
+    """The one line of a refusal, on stderr. Under torchrun also in this rank's error file (TORCHELASTIC_ERROR_FILE):
+    torchrun reports a worker that exits non-zero with its own ChildFailedError traceback whatever the exit code,
+    and shows that file's text as the root cause (without it: a pointer to its docs)."""
+    print(f"wanexp: error: {line}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+
+        message = {"message": line, "extraInfo": {"py_callstack": f"wanexp: error: {line}",
+                                                  "timestamp": str(int(time.time()))}}  # torch's ErrorHandler's form
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": message}, f)
+        except OSError:  # the line on stderr is what matters
+            pass
 
 
 def end_lines(cfg: DictConfig, result: dict) -> list[str]:
@@ -453,6 +486,8 @@ def main(task=None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from wanexp.callbacks.sweep import PointStopped
+
     register()
     skip_exit_collection()
     if {"--help", "-h"} & set(sys.argv[1:]):  # usage, examples and groups first; Hydra then prints the config
@@ -467,11 +502,24 @@ def main(task=None) -> None:
     entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(task or cli)
     try:
         entry()
+    except PointStopped as e:  # every point ran; the sweep exits with the first stopped point's code
+        sys.exit(e.code)
     except (HydraException, OmegaConfBaseException) as e:
         if keep_traceback:
             raise
-        print(f"wanexp: error: {one_line_error(e)}", file=sys.stderr, flush=True)
+        say_error(one_line_error(e))
         sys.exit(2)
+
+
+def _mtime(path: Path) -> int | None:
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _adopt_sweep_folder(cfg: DictConfig) -> None:

@@ -165,7 +165,9 @@ def test_rank_lr_sweep_runs_every_point_in_its_own_folder(shared_dir, tmp_path, 
     assert [(r["adapter.rank"], r["optim.lr"], r["state"]) for r in rows] == [
         ("4", "0.0001", "finished"), ("4", "0.001", "finished"), ("8", "0.0001", "finished"), ("8", "0.001", "finished")]
     assert all(float(r["final_train_loss"]) > 0 and float(r["samples_per_s"]) > 0 and r["val_loss"] == "" for r in rows)
-    assert len([ln for ln in (sweep_dir / "summary.md").read_text().splitlines() if "finished" in ln]) == 4
+    md = (sweep_dir / "summary.md").read_text()
+    assert md.startswith("# Sweep rank_lr: 4 points (4 finished)")
+    assert len([ln for ln in md.splitlines() if ln.startswith("|") and "finished" in ln]) == 4
     for png in ("loss.png", "heatmap.png"):
         assert (sweep_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -64,14 +64,14 @@ def test_launcher_runs_the_points_in_turn(shared_dir, tmp_path, monkeypatch, cap
 
     started = []
 
-    def point(cmd, cwd):
-        assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=1"] and cwd == ROOT
+    def point(cmd):
+        assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=1"]
         args = cmd[cmd.index(str(ROOT / "train.py")) + 1:]
         started.append(args)
         _main_ends(monkeypatch, capsys, args)
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0, None
 
-    monkeypatch.setattr(launch.subprocess, "run", point)
+    monkeypatch.setattr(launch, "run_point", point)
     assert launch.main(["sweep=rank_lr", "experiment=demo", "adapter.rank=4,8", "optim.lr=1e-3",
                         "trainer.max_steps=1", "callbacks.progress=null", f"paths.root_dir={tmp_path}",
                         f"paths.tiny_model_dir={shared_dir}/models", f"paths.data_dir={shared_dir}/data"]) == 0
@@ -93,3 +93,40 @@ def _assert_point(root, i: int, rank: int, world_size: int) -> None:
     assert status["run_name"] == f"rank_lr/{i}_adapter.rank={rank},optim.lr=1e-3"
     config = (run / "config.yaml").read_text()
     assert f"rank: {rank}" in config and f"alpha: {rank}" in config
+
+
+def test_a_point_that_does_not_finish_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
+    """Three points: 0 refused (its one line, nothing written), 1 finished, 2 failed once started: all three run,
+    the summary lists each with its state and reason, and the launcher exits with the first stopped point's code;
+    --stop-on-failure stops at point 0 and the summary still lists the grid."""
+    import csv
+
+    ran = []
+
+    def point(cmd):  # what each point's torchrun leaves (its run is not trained here)
+        i = int(cmd[-2].rpartition("/")[2])
+        ran.append(i)
+        run = tmp_path / "outputs" / "sweeps" / "rank_lr" / str(i)
+        if i == 0:
+            return 2, f"paths.output_dir={run} is in use by a live run (pid 1 on h, started t); wait for it"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(f"overrides:\n- adapter.rank={(4, 8, 16)[i]}\n")
+        (run / "status.json").write_text(json.dumps({"state": ("finished", "failed")[i - 1], "step": 1}))
+        return (0, None) if i == 1 else (1, None)
+
+    monkeypatch.setattr(launch, "run_point", point)
+    args = ["sweep=rank_lr", "adapter.rank=4,8,16", "optim.lr=1e-3", f"paths.root_dir={tmp_path}"]
+    assert launch.main(args) == 2 and ran == [0, 1, 2]
+    folder = tmp_path / "outputs" / "sweeps" / "rank_lr"
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert [(r["point"], r["adapter.rank"], r["state"]) for r in rows] == [("0", "4", "refused"), ("1", "8", "finished"),
+                                                                          ("2", "16", "failed")]
+    assert "is in use by a live run" in rows[0]["reason"] and rows[2]["reason"] == "exit code 1"
+    assert "2 of 3 sweep point(s) did not finish" in capsys.readouterr().err
+    ran.clear()
+    import shutil
+
+    shutil.rmtree(folder)
+    assert launch.main([*args, "--stop-on-failure"]) == 2 and ran == [0]
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert [(r["point"], r["state"]) for r in rows] == [("0", "refused"), ("1", "not started"), ("2", "not started")]

@@ -34,7 +34,8 @@ def test_plain_multirun_grid_then_a_refused_rerun_writes_nothing(shared_dir, tmp
     assert len([ln for ln in md.splitlines() if "| finished |" in ln or "**finished**" in ln]) == 2
     assert (sweep_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
-    kept = ["multirun.yaml", "summary.csv", "summary.md", "loss.png", "0/.hydra/overrides.yaml", "1/status.json"]
+    kept = ["multirun.yaml", "points.jsonl", "summary.csv", "summary.md", "loss.png", "0/config.yaml",
+            "1/status.json"]
     before = {f: ((sweep_dir / f).read_bytes(), (sweep_dir / f).stat().st_mtime_ns) for f in kept}
     # another command line (multirun.yaml would differ); overwrite=false: the demo experiment sets it true
     # refused before any point starts
@@ -44,3 +45,46 @@ def test_plain_multirun_grid_then_a_refused_rerun_writes_nothing(shared_dir, tmp
     assert "points 0, 1 already hold" in err[0]
     assert "resume=last" in err[0] and "overwrite=true" in err[0]
     assert {f: ((sweep_dir / f).read_bytes(), (sweep_dir / f).stat().st_mtime_ns) for f in kept} == before
+
+
+def test_a_refused_point_does_not_stop_the_sweep_and_the_summary_lists_every_point(shared_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """A 2x2 grid whose point 1 is held by a live run (its folder locked): point 1 is refused with one line, writes
+    nothing into that run's folder (no .hydra/ either), and points 2 and 3 still run; summary.csv/.md and
+    wanexp-status list the 4 points with their states and point 1's reason; the sweep exits 2."""
+    import json
+
+    from wanexp.cli import status as status_cli
+    from wanexp.runfolder import RunLock
+
+    sweep_dir = tmp_path / "outputs" / "sweeps" / "multirun"
+    live = sweep_dir / "1"
+    live.mkdir(parents=True)
+    (live / "status.json").write_text(json.dumps({"state": "running", "step": 7, "run_name": "another command"}))
+    lock = RunLock(live, 600)
+    lock.acquire()  # a live run of another command holds the folder (this process: its OS lock is held)
+    try:
+        before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in live.iterdir()}
+        code, err = _main(monkeypatch, capsys, [
+            "-m", "experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
+            f"paths.data_dir={shared_dir}/data", f"paths.root_dir={tmp_path}", "trainer.max_steps=1",
+            "callbacks.progress=null", "callbacks.validation=null", "adapter.rank=4,8", "optim.lr=1e-4,1e-3"])
+        after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in live.iterdir()}
+    finally:
+        lock.release()
+    assert code == 2, err
+    errors = [line for line in err if line.startswith("wanexp: error:")]
+    assert len(errors) == 1 and "is in use by a live run" in errors[0], err
+    assert after == before  # the live run's folder: nothing added (no .hydra/), nothing rewritten
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [(r["point"], r["adapter.rank"], r["optim.lr"], r["state"]) for r in rows] == [
+        ("0", "4", "0.0001", "finished"), ("1", "4", "0.001", "refused"), ("2", "8", "0.0001", "finished"),
+        ("3", "8", "0.001", "finished")]
+    assert "is in use by a live run" in rows[1]["reason"] and rows[1]["step"] == "" and rows[0]["reason"] == ""
+    md = (sweep_dir / "summary.md").read_text()
+    assert "4 points (3 finished, 1 refused)" in md
+    assert "- 1 (rank=4 lr=0.001): refused: paths.output_dir=" in md
+    assert not list(sweep_dir.glob("*/.hydra"))
+    assert status_cli.main([str(sweep_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "4 points (3 finished, 1 refused)" in shown and "is in use by a live run" in shown, shown

@@ -515,9 +515,36 @@ def test_torchrun_sets_the_device_count_or_says_what_to_set():
     assert decide(nodes, "trainer.num_nodes=4") == (2, 4)
 
 
+def test_a_refusal_under_torchrun_is_the_root_cause_of_torchruns_report(tmp_path, monkeypatch, capsys):
+    """torchrun prints its own ChildFailedError report (a traceback) for any worker that exits non-zero, whatever the
+    code; the rank's error file (TORCHELASTIC_ERROR_FILE) makes wanexp's one line that report's root cause, not a
+    pointer to torch's docs. python train.py's entry in this process, with a rank's torchrun environment."""
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from wanexp.train import main
+
+    error_file = tmp_path / "attempt_0" / "0" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    for k, v in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0",
+                 "LOCAL_RANK": "0", "TORCHELASTIC_ERROR_FILE": str(error_file), "HYDRA_FULL_ERROR": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("HYDRA_FULL_ERROR")  # main sets it: unset again after the test
+    monkeypatch.setattr(sys, "argv", ["train.py", "experiment=demo", f"paths.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "trainer.devices=1 under torchrun" in err[0], err
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    report = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert f"traceback : {err[0]}" in report and "To enable traceback" not in report, report
+
+
 def test_hydra_writes_no_run_folder_of_a_single_run():
     """A single run: Hydra's job folder is the working folder and it writes no .hydra/ (wanexp makes the run folder
-    after its checks); a multirun point keeps its .hydra/ (the sweep summary reads it)."""
+    after its checks); nor into a multirun point's folder, which may be a live run's (the sweep folder records each
+    point: points.jsonl)."""
     run = compose(["model.path=/m"], return_hydra_config=True).hydra
     assert run.run.dir == "." and run.output_subdir is None and not run.job.chdir
-    assert compose(["model.path=/m", "sweep=rank_lr"], return_hydra_config=True).hydra.output_subdir == ".hydra"
+    assert compose(["model.path=/m", "sweep=rank_lr"], return_hydra_config=True).hydra.output_subdir is None

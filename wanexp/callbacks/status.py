@@ -22,12 +22,19 @@ from lightning.pytorch.profilers import Profiler
 from wanexp.callbacks import quiet  # noqa: F401  (imported before the Trainer exists: Lightning's adverts off)
 from wanexp.callbacks.progress import optimizer_steps_per_epoch, total_optimizer_steps
 from wanexp.context import RunContext, TakesRunContext
+from wanexp.disk import DiskFullError, saving, stop_line
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` as ``path``, through a temporary file renamed over it: a failed write (a full disk) leaves neither a
+    temporary file nor a partial file under the name."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def replicas_in_sync(trainer, pl_module) -> bool | None:
@@ -164,7 +171,13 @@ class RunStatus(TakesRunContext, Callback):
         self.state.update(extra, run_name=self.run_name, step=trainer.global_step, epoch=trainer.current_epoch,
                           max_steps=trainer.max_steps, world_size=trainer.world_size, updated=time.time())
         self._t_written = time.monotonic()
-        write_json_atomic(self.path, self.state)
+        with saving(f"the run status ({self.path})", self.path):  # a full disk: the run stops with one line
+            write_atomic(self.path, json.dumps(self.state, indent=2, default=str))
+
+    def _append(self, path: Path, entries: list[dict]) -> None:
+        """JSON lines appended to ``path`` (status.jsonl, the online rejects)."""
+        with saving(f"the run status ({path})", path), open(path, "a") as f:
+            f.write("".join(json.dumps(e) + "\n" for e in entries))
 
     def _progress(self, trainer, read_device: bool = True) -> dict:
         """Step of total, ETA (from the last steps' pace), throughput, loss, the lr of the last step, memory,
@@ -339,8 +352,7 @@ class RunStatus(TakesRunContext, Callback):
         val = trainer.callback_metrics.get("val/loss")
         if val is not None:
             line["val_loss"] = _number(val)
-        with open(self.history, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        self._append(self.history, [line])
 
     def validated(self, trainer, metrics: dict) -> None:
         """Called by the Validation callback (rank 0) with its ``val/*`` numbers: one status.jsonl line for the step
@@ -352,8 +364,7 @@ class RunStatus(TakesRunContext, Callback):
         if "loss" in vals:
             line["val_loss"] = vals["loss"]
         self.history.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.history, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        self._append(self.history, [line])
         extra = {"val_loss": vals["loss"]} if "loss" in vals else {}
         self._write(trainer, **extra, validation={"step": trainer.global_step, **vals})
 
@@ -368,9 +379,8 @@ class RunStatus(TakesRunContext, Callback):
                     keep.append(raw)
             except (ValueError, KeyError, TypeError):
                 continue
-        tmp = self.history.with_name(f".{self.history.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.history)
+        with saving(f"the run status ({self.history})", self.history):
+            write_atomic(self.history, "".join(line + "\n" for line in keep))
 
     def _reject_online(self, trainer, rejected: list) -> None:
         """Samples that failed to decode during training (each replaced in its batch): listed per rank; past the
@@ -378,10 +388,9 @@ class RunStatus(TakesRunContext, Callback):
         from wanexp.errors import MetadataError
 
         self.rejected += len(rejected)
-        with open(self.path.with_name(f"rejects-online-r{trainer.global_rank:03d}.jsonl"), "a") as f:
-            for path, reason in rejected:
-                f.write(json.dumps({"kind": "reject", "source": path, "path": path, "reason": reason,
-                                    "step": trainer.global_step}) + "\n")
+        self._append(self.path.with_name(f"rejects-online-r{trainer.global_rank:03d}.jsonl"),
+                     [{"kind": "reject", "source": path, "path": path, "reason": reason, "step": trainer.global_step}
+                      for path, reason in rejected])
         limit = getattr(trainer.datamodule, "max_reject_fraction", 1.0)
         if self.rejected / max(1, self.seen + self.rejected) > limit:
             raise MetadataError(f"{self.rejected} samples failed to decode during training, more than "
@@ -407,4 +416,8 @@ class RunStatus(TakesRunContext, Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.state.get("state") == "interrupted":
             return
-        self._write(trainer, state="failed", error=f"{type(exception).__name__}: {exception}")
+        why = stop_line(exception, self.path.parent) or f"{type(exception).__name__}: {exception}"
+        try:
+            self._write(trainer, state="failed", error=why)
+        except DiskFullError:  # the disk is still full: status.json keeps its last state (the run's line says why)
+            pass

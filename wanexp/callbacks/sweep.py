@@ -6,12 +6,14 @@
 - at the start, the grid's points (BasicSweeper) or the search space (other sweepers); a sweep whose point folders
   hold checkpoints of an earlier sweep (and neither resume nor overwrite) is refused here, before anything is written;
 - after each point, its loss, named: ``val/loss`` when the run logs it, else the train loss averaged over its last
-  logged steps; for sweepers that optimise (Optuna) that value is the point's objective;
-- at the end (also when a point stopped the sweep), in the sweep folder: ``summary.csv`` and ``summary.md`` (one row
-  per point: swept values, state, steps, final train loss, validation loss when present, samples/s, time, folder;
-  the metric it ranks by named), ``loss.png`` (train loss vs step, one line per point) and, for a rank x lr grid,
-  ``heatmap.png`` (the ranking loss, green = lower = better). A sweep whose every point was refused writes no
-  summary and puts its multirun.yaml back.
+  logged steps; for sweepers that optimise (Optuna) that value is the point's objective. A point that does not
+  finish (refused: its one line, nothing written; or failed once started) does not stop the sweep: its state and
+  reason go to ``points.jsonl`` in the sweep folder, and the next point runs;
+- after each point and at the end, in the sweep folder: ``summary.csv`` and ``summary.md`` (one row per point of the
+  grid, run or not: swept values, state and reason, steps, final train loss, validation loss when present, samples/s,
+  time, folder; the metric it ranks by named), ``loss.png`` (train loss vs step, one line per point) and, for a rank
+  x lr grid, ``heatmap.png`` (the ranking loss, green = lower = better). A sweep whose every point was refused puts
+  the sweep folder's files back as they were (a new sweep folder goes).
 
 The swept keys are the sweep config's ``hydra.sweeper.params`` (``sweep=rank_lr``) and the command line's sweep
 overrides (``adapter.rank=16,32``), read from the sweep folder's multirun.yaml. The same summary is rewritten by
@@ -32,9 +34,11 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+RECORDS = "points.jsonl"  # in the sweep folder: each point's outcome (state, reason), one line per point run
+SWEEP_FILES = ("multirun.yaml", RECORDS, "summary.csv", "summary.md", "loss.png", "heatmap.png")
 FINAL_WINDOW = 5  # the final train loss is the mean of the last this-many logged values (one value is noisy)
-COLUMNS = ("point", "overrides", "state", "step", "total_steps", "final_train_loss", "val_loss", "best_val_loss",
-           "samples_per_s", "elapsed_s", "run_dir")
+COLUMNS = ("point", "overrides", "state", "reason", "step", "total_steps", "final_train_loss", "val_loss",
+           "best_val_loss", "samples_per_s", "elapsed_s", "run_dir")
 # The names the console, summary.md and the plots give the two losses a point has (a run's status.json "loss" is a
 # third: the train loss of the last logged step, shown by wanexp-status as such).
 TRAIN_LOSS = f"train loss (mean of last {FINAL_WINDOW} logged steps)"
@@ -81,6 +85,39 @@ def _overrides(run: Path) -> list[str]:
     return []
 
 
+class PointStopped(Exception):
+    """A sweep point that did not finish, raised by wanexp.train.cli in a multirun instead of exiting, so that Hydra
+    records it (a failed job) and runs the next point: ``state`` refused (nothing written) or failed (it had
+    started), ``line`` its one line, ``code`` its exit code (the sweep's, once every point ran)."""
+
+    def __init__(self, state: str, line: str, code: int):
+        super().__init__(line)
+        self.state, self.line, self.code = state, line, code
+
+
+def record_point(sweep_dir: Path, point: str, overrides: list[str], state: str, reason: str | None) -> None:
+    """One point's outcome, appended to the sweep folder's points.jsonl."""
+    entry = {"point": point, "overrides": overrides, "state": state, "reason": reason, "time": time.time()}
+    with open(Path(sweep_dir) / RECORDS, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def point_records(sweep_dir: Path) -> dict[str, dict]:
+    """Each point's last recorded outcome (points.jsonl: a point run again counts as its last run)."""
+    try:
+        lines = (Path(sweep_dir) / RECORDS).read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            out[str(entry["point"])] = entry
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def _finite(values) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
@@ -93,18 +130,62 @@ def point_row(run: Path) -> dict:
     speeds = _finite(h.get("samples_per_s") for h in history)
     final = statistics.fmean(losses[-FINAL_WINDOW:]) if losses else (_finite([status.get("loss")]) or [None])[0]
     state = status.get("state") or "not started"
-    return {"point": run.name, "overrides": _overrides(run), "state": state, "step": status.get("step"),
+    return {"point": run.name, "overrides": _overrides(run), "state": state,
+            "reason": status.get("error") if state == "failed" else None, "step": status.get("step"),
             "total_steps": status.get("total_steps"), "final_train_loss": final,
             "val_loss": vals[-1] if vals else None, "best_val_loss": min(vals) if vals else None,
             "samples_per_s": statistics.median(speeds) if speeds else status.get("samples_per_s"),
             "elapsed_s": status.get("elapsed_s"), "run_dir": str(run), "history": history}
 
 
+def _point_order(name: str):
+    return not name.isdigit(), int(name) if name.isdigit() else 0, name
+
+
 def sweep_points(sweep_dir: Path) -> list[Path]:
     """The run folders of a sweep (Hydra's job folders 0, 1, ...; or any child folder that holds a run)."""
     runs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and
             ((p / "status.json").exists() or (p / "config.yaml").exists() or (p / ".hydra").exists())]
-    return sorted(runs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+    return sorted(runs, key=lambda p: _point_order(p.name))
+
+
+def sweep_grid(sweep_dir: Path) -> list[list[str]] | None:
+    """Every point of the grid the sweep folder's multirun.yaml describes (BasicSweeper), its swept values, in
+    Hydra's order; None for a search (Optuna) or a folder without a readable multirun.yaml."""
+    from omegaconf import OmegaConf
+
+    try:
+        multirun = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
+        if "BasicSweeper" not in str(multirun.hydra.sweeper.get("_target_", "")):
+            return None
+        return grid_points(sweeper_params(multirun.hydra), list(multirun.hydra.overrides.task))
+    except Exception:  # noqa: BLE001 - a missing or foreign file: the points are the folders and the records
+        return None
+
+
+def sweep_rows(sweep_dir: Path, grid: list[list[str]] | None = None) -> list[dict]:
+    """One row per point: every point of the grid (``grid``, else multirun.yaml's), run or not, and every point
+    folder or recorded point besides (a search's trials). A point the sweep recorded as refused shows its reason and
+    nothing of its folder (which may hold another run: e.g. a live run that held its lock); one that has not run yet
+    is "not started"."""
+    sweep_dir = Path(sweep_dir)
+    folders = {p.name: p for p in sweep_points(sweep_dir)}
+    records = point_records(sweep_dir)
+    grid = {str(i): point for i, point in enumerate(grid if grid is not None else sweep_grid(sweep_dir) or [])}
+    rows = []
+    for name in sorted({*grid, *folders, *records}, key=_point_order):
+        record = records.get(name) or {}
+        state = record.get("state")
+        if name in folders and state != "refused":
+            row = point_row(folders[name])
+        else:
+            row = dict.fromkeys(COLUMNS, None)
+            row.update(point=name, overrides=[], state="not started", run_dir=str(sweep_dir / name), history=[])
+        row["overrides"] = row["overrides"] or record.get("overrides") or grid.get(name) or []
+        if state in ("refused", "failed"):
+            row["state"], row["reason"] = state, record.get("reason")
+        rows.append(row)
+    return rows
 
 
 def _swept(rows: list[dict], known: list[str] | None = None) -> list[str]:
@@ -154,10 +235,11 @@ def ranking_key(rows: list[dict]) -> str:
     return "val_loss" if trained and all(r["val_loss"] is not None for r in trained) else "final_train_loss"
 
 
-def write_summary(sweep_dir: Path) -> dict[str, Path]:
-    """summary.csv, summary.md, loss.png and (rank x lr) heatmap.png in the sweep folder; returns what it wrote."""
+def write_summary(sweep_dir: Path, grid: list[list[str]] | None = None) -> dict[str, Path]:
+    """summary.csv, summary.md, loss.png and (rank x lr) heatmap.png in the sweep folder (``grid``: its points, when
+    no multirun.yaml there lists them); returns what it wrote."""
     sweep_dir = Path(sweep_dir)
-    rows = [point_row(p) for p in sweep_points(sweep_dir)]
+    rows = sweep_rows(sweep_dir, grid)
     if not rows:
         return {}
     keys = _swept(rows, sweep_folder_keys(sweep_dir))
@@ -173,7 +255,9 @@ def write_summary(sweep_dir: Path) -> dict[str, Path]:
     best = min((r for r in rows if r[rank_by] is not None), key=lambda r: r[rank_by], default=None)
     shown = ("point", *keys, "state", "step", "final_train_loss", "val_loss", "samples_per_s", "elapsed_s")
     header = [METRIC_NAMES.get(c, c) for c in shown]
-    lines = [f"# Sweep {sweep_dir.name}: {len(rows)} points", "",
+    states = [r["state"] for r in rows]
+    counts = ", ".join(f"{states.count(x)} {x}" for x in sorted(set(states)))
+    lines = [f"# Sweep {sweep_dir.name}: {len(rows)} points ({counts})", "",
              f"Ranked by {METRIC_NAMES[rank_by]}, lower is better; the best point in bold.", "",
              f"- {TRAIN_LOSS} (CSV: final_train_loss): the training loss averaged over the last {FINAL_WINDOW} logged "
              "steps (wanexp-status shows the last logged step's alone).",
@@ -186,6 +270,10 @@ def write_summary(sweep_dir: Path) -> dict[str, Path]:
         if row is best:
             cells = [f"**{c}**" if c else c for c in cells]
         lines.append("| " + " | ".join(cells) + " |")
+    stopped = [r for r in rows if r["reason"]]
+    if stopped:
+        lines += ["", "Points that did not finish:", ""]
+        lines += [f"- {r['point']} ({_label(r, keys)}): {r['state']}: {r['reason']}" for r in stopped]
     written["md"].write_text("\n".join(lines) + "\n")
     written.update(_plots(sweep_dir, rows, keys))
     return written
@@ -290,7 +378,7 @@ def grid_points(sweeper_params: dict, command_line: list[str]) -> list[list[str]
             keys.pop(key, None)  # one value on the command line: no longer swept
     import itertools
 
-    return [list(p) for p in itertools.product(*keys.values())] if keys else []
+    return [list(p) for p in itertools.product(*keys.values())]  # no swept key: one point
 
 
 def sweeper_params(hydra_cfg) -> dict:
@@ -366,19 +454,24 @@ def _refuse_taken_points(config, sweep_dir: Path, points: list[list[str]] | None
 
 
 def _snapshot(sweep_dir: Path) -> dict:
-    """What a refused sweep puts back: whether the sweep folder existed, and its multirun.yaml."""
-    try:
-        before = (sweep_dir / "multirun.yaml").read_bytes()
-    except OSError:
-        before = None
-    return {"time": time.time(), "existed": sweep_dir.exists(), "multirun": before}
+    """What a refused sweep puts back: whether the sweep folder existed, and the sweep's own files there."""
+    files = {}
+    for name in SWEEP_FILES:
+        try:
+            files[name] = (sweep_dir / name).read_bytes()
+        except OSError:
+            files[name] = None
+    return {"time": time.time(), "existed": sweep_dir.exists(), "files": files}
 
 
 def _ran_since(sweep_dir: Path, start: float) -> bool:
-    """Whether a point of this sweep got as far as training (a run writes status.json once it starts)."""
+    """Whether a point of this sweep got as far as training (a run writes status.json once it starts); a point it
+    recorded as refused did not, whatever its folder holds (a live run of another command)."""
+    refused = {p for p, r in point_records(sweep_dir).items() if r.get("state") == "refused" and
+               r.get("time", 0) >= start - 1}
     for run in sweep_points(sweep_dir) if sweep_dir.is_dir() else []:
         try:
-            if (run / "status.json").stat().st_mtime >= start - 1:
+            if run.name not in refused and (run / "status.json").stat().st_mtime >= start - 1:
                 return True
         except OSError:
             continue
@@ -386,16 +479,18 @@ def _ran_since(sweep_dir: Path, start: float) -> bool:
 
 
 def _restore(sweep_dir: Path, keep: dict) -> None:
-    """Undo what the sweeper wrote for a sweep whose points were all refused: a new sweep folder goes (nothing in
-    it trained), an existing one gets its multirun.yaml back; the summary is left as it was."""
+    """Undo what a sweep whose points were all refused wrote: a new sweep folder goes (nothing in it trained), an
+    existing one gets its own files back as they were (multirun.yaml, points.jsonl, the summary)."""
     import shutil
 
     if not keep["existed"]:
         shutil.rmtree(sweep_dir, ignore_errors=True)
-    elif keep["multirun"] is not None:
-        (sweep_dir / "multirun.yaml").write_bytes(keep["multirun"])
-    else:
-        (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+        return
+    for name, before in keep["files"].items():
+        if before is None:
+            (sweep_dir / name).unlink(missing_ok=True)
+        elif (sweep_dir / name).read_bytes() != before:
+            (sweep_dir / name).write_bytes(before)
 
 
 class SweepSummary(Callback):
@@ -412,7 +507,8 @@ class SweepSummary(Callback):
         sweeper = str(config.hydra.sweeper.get("_target_", ""))
         points = grid_points(params, list(config.hydra.overrides.task)) if "BasicSweeper" in sweeper else None
         if points is not None:
-            print(f"wanexp: sweep: {len(points)} points, run folders {self.sweep_dir}/<n>", flush=True)
+            print(f"wanexp: sweep: {len(points)} point{'s' * (len(points) != 1)}, run folders {self.sweep_dir}/<n>",
+                  flush=True)
             for i, point in enumerate(points):
                 print(f"wanexp: sweep:   {i}: {' '.join(point) or '(no swept values)'}", flush=True)
         else:
@@ -425,15 +521,25 @@ class SweepSummary(Callback):
     def on_job_end(self, config, job_return, **kwargs) -> None:
         if not str(config.hydra.mode).endswith("MULTIRUN") or self.sweep_dir is None:
             return
-        row = point_row(Path(config.hydra.runtime.output_dir))
+        run = Path(config.hydra.runtime.output_dir)
+        status = getattr(getattr(job_return, "status", None), "name", "COMPLETED")
+        error = getattr(job_return, "_return_value", None) if status == "FAILED" else None
+        stopped = isinstance(error, PointStopped)
+        state = error.state if stopped else "failed" if status == "FAILED" else "finished"
+        reason = None if status != "FAILED" else error.line if stopped else f"{type(error).__name__}: {error}"
+        record_point(self.sweep_dir, run.name, list(config.hydra.overrides.task), state, reason)
         self.done += 1
-        value = objective(row)
-        key = objective_key(row)
-        loss = f"{METRIC_NAMES[key]} {_fmt(value)}" if key else "no loss logged"
-        print(f"wanexp: sweep: point {row['point']} {row['state']} at step {row['step']}: {loss}", flush=True)
-        if getattr(job_return, "status", None) is not None and job_return.status.name == "COMPLETED" \
-                and job_return.return_value is None:
-            job_return.return_value = value  # the objective of an optimising sweeper (Optuna)
+        if state == "refused":  # nothing of it was written; its folder may hold another run
+            print(f"wanexp: sweep: point {run.name} refused: {reason}", flush=True)
+        else:
+            row = point_row(run)
+            value, key = objective(row), objective_key(row)
+            loss = f"{METRIC_NAMES[key]} {_fmt(value)}" if key else "no loss logged"
+            print(f"wanexp: sweep: point {row['point']} {row['state']} at step {row['step']}: {loss}", flush=True)
+            if status == "COMPLETED" and job_return.return_value is None:
+                job_return.return_value = value  # the objective of an optimising sweeper (Optuna)
+        if self._keep is None or _ran_since(self.sweep_dir, self._keep["time"]):
+            write_summary(self.sweep_dir)  # the summary so far: a sweep stopped later (a signal) still has it
 
     def on_multirun_end(self, config, **kwargs) -> None:
         self._summarize()
@@ -443,7 +549,7 @@ class SweepSummary(Callback):
             return
         sweep_dir, self.sweep_dir = self.sweep_dir, None  # once
         if self._keep is not None and not _ran_since(sweep_dir, self._keep["time"]):
-            _restore(sweep_dir, self._keep)  # every point it tried was refused: a refused sweep writes nothing
+            _restore(sweep_dir, self._keep)  # every point it tried was refused: a refused sweep leaves no trace
             return
         written = write_summary(sweep_dir)
         if written:

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from wanexp.callbacks.progress import total_optimizer_steps
+from wanexp.disk import saving  # a full disk while a video or the strip is written: one line
 from wanexp.errors import ConfigError, MediaError
 
 
@@ -317,7 +318,8 @@ class Validation(Callback):
                             if base and write:
                                 self._before[name] = strip_frames(video)
                                 f = folder / f"{name}_base.mp4"
-                                write_mp4(f, video, self.fps)
+                                with saving(f"the validation video {f}", f):
+                                    write_mp4(f, video, self.fps)
                                 out["videos"][f"val/base/{name}"] = (str(f), f"base: {prompt}")
                     if student is not None:
                         self._teacher = teacher
@@ -338,7 +340,8 @@ class Validation(Callback):
                         out["timesteps"][name] = used
                         if write:
                             f = folder / f"{name}.mp4"
-                            write_mp4(f, video, self.fps)
+                            with saving(f"the validation video {f}", f):
+                                write_mp4(f, video, self.fps)
                             out["videos"][f"val/video/{name}"] = (str(f), prompt)
                             after[name] = (strip_frames(video), f"{name}: {prompt}")
                         if student is not None:
@@ -366,7 +369,8 @@ class Validation(Callback):
                 if name in self._before]
         if rows:
             self.strip = self.dir / "strip.png"
-            write_strip(self.strip, [r for r, _ in rows], [label for _, label in rows])
+            with saving(f"the validation strip {self.strip}", self.strip):
+                write_strip(self.strip, [r for r, _ in rows], [label for _, label in rows])
 
     def _first_frames(self, dm, sizes: list[dict]) -> dict | None:
         """(prompt index, shape tag) -> the first frame (PIL) of an image-to-video sample: ``images`` resized and

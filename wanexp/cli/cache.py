@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from wanexp.data.cache import CacheIndex, CacheWriter, ShardQueue
 from wanexp.data.media import load_clip
-from wanexp.errors import ConfigError, MediaError, UserError
+from wanexp.errors import ConfigError, MediaError
 from wanexp.models.encode import encode_image_condition, encode_text, encode_video, tokenize
 
 
@@ -274,11 +274,16 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
 
 
 def cache_cli(cfg: DictConfig) -> None:
+    from wanexp.data.cache import DISK_FULL
+    from wanexp.disk import stop_line
+
     try:
         s = build_cache(cfg)
-    except UserError as e:
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        print(f"wanexp: error: {lines[-1]}", file=sys.stderr, flush=True)
+    except Exception as e:
+        line = stop_line(e, cfg.data.cache_dir, **DISK_FULL)  # bad input or a full disk: one line; a bug: raised
+        if line is None:
+            raise
+        print(f"wanexp: error: {line}", file=sys.stderr, flush=True)
         sys.exit(2)
     per = ""
     if s.get("latents"):

@@ -124,24 +124,34 @@ def run_view(run: Path, s: dict) -> str:
     return out
 
 
-def sweep_points(folder: Path) -> list[Path]:
-    runs = [p for p in folder.iterdir() if p.is_dir() and (p / "status.json").exists()]
-    return sorted(runs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+def sweep_view(folder: Path) -> tuple[str, bool]:
+    """One row per point of a sweep folder: every point of its grid, run or not, with its state
+    (wanexp.callbacks.sweep.sweep_rows), and below the table why each point that did not finish stopped; and
+    whether a point shown is still running. An empty string when the folder holds no sweep."""
+    from wanexp.callbacks.sweep import sweep_rows
 
-
-def sweep_view(folder: Path, runs: list[Path]) -> str:
-    rows = []
-    for run in runs:
-        s = read_status(run)
-        name = str(s.get("run_name", run.name)).rpartition("/")[2]
-        rows.append([run.name, name, live_state(s), f"{_num(s.get('step'))}/{_num(s.get('total_steps'))}",
-                     _num(s.get("loss")), _num(s.get("val_loss")), _num(s.get("samples_per_s"), ".3g"),
-                     _hms(s.get("eta_s")), _hms(run_seconds(s))])
+    rows, reasons, running = [], [], False
+    for point in sweep_rows(folder):
+        run = Path(point["run_dir"])
+        if point["state"] in ("refused", "not started") or not (run / "status.json").exists():
+            rows.append([point["point"], "-", point["state"], *["-"] * 6])  # nothing of it ran (its folder: not its)
+        else:
+            s = read_status(run)
+            name = str(s.get("run_name", run.name)).rpartition("/")[2]
+            rows.append([run.name, name, live_state(s), f"{_num(s.get('step'))}/{_num(s.get('total_steps'))}",
+                         _num(s.get("loss")), _num(s.get("val_loss")), _num(s.get("samples_per_s"), ".3g"),
+                         _hms(s.get("eta_s")), _hms(run_seconds(s))])
+            running = running or rows[-1][2] == "running"
+        if point["reason"]:
+            reasons.append(f"point {point['point']} {point['state']}: {point['reason']}")
+    if not rows:
+        return "", False
     states = [r[2] for r in rows]
     head = f"sweep {folder}: {len(rows)} points (" + ", ".join(f"{states.count(x)} {x}" for x in sorted(set(states))) + ")"
     # status.json's loss is one step's train loss; the sweep summary's is a mean over several steps: named apart
-    return head + "\n" + table(rows, ["point", "run", "state", "step", "train loss (last step)", "val/loss",
+    text = head + "\n" + table(rows, ["point", "run", "state", "step", "train loss (last step)", "val/loss",
                                       "samples/s", "eta", "elapsed"])
+    return text + "".join(f"\n{line}" for line in reasons), running
 
 
 def render(folder: Path) -> tuple[str, bool]:
@@ -149,11 +159,11 @@ def render(folder: Path) -> tuple[str, bool]:
     if (folder / "status.json").exists():
         s = read_status(folder)
         return run_view(folder, s), live_state(s) == "running"
-    runs = sweep_points(folder)
-    if not runs:
+    text, running = sweep_view(folder)
+    if not text:
         raise UserError(f"{folder}: no status.json here or in its subfolders; give a run folder (outputs/<run_name>, "
                         "written once training starts) or a sweep folder (outputs/sweeps/<name>)")
-    return sweep_view(folder, runs), any(live_state(read_status(r)) == "running" for r in runs)
+    return text, running
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from wanexp.config.messages import one_line_error  # noqa: F401  (the package's API)
 from wanexp.config.rules import check_boundary, check_paths, check_rules
@@ -23,15 +23,6 @@ CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 if not CONF_DIR.is_dir():  # a checkout whose link was lost (e.g. copied without symlinks)
     CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
-
-def _multirun_only(mode, value):
-    """``${wanexp.multirun_only:${hydra.mode},VALUE}``: VALUE in a multirun, else null (conf/hydra/default.yaml)."""
-    return value if str(mode).endswith("MULTIRUN") else None
-
-
-# Registered on import: every process that composes or runs a config imports this package (a cluster launcher's
-# worker too, through the task function).
-OmegaConf.register_new_resolver("wanexp.multirun_only", _multirun_only, replace=True)
 
 __all__ = ["CONF_DIR", "ConfigError", "check_config", "check_paths", "compose", "one_line_error", "register"]
 

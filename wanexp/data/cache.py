@@ -37,7 +37,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from wanexp.disk import saving
+
 INDEX_GLOB = "index-r*.jsonl"
+# what the line of a full disk says of a cache (wanexp.disk.disk_full_message's words)
+DISK_FULL = {"intact": "the entries written before it are kept", "retention": False,
+             "then": "run the same cache command again (it encodes only what is missing)"}
 
 
 def _digest(parts) -> str:
@@ -196,15 +201,19 @@ class CacheWriter:
     def _save(self, name: str, entries: list) -> None:
         tensors = {f"{key}.{n}": t for key, ts, _ in entries for n, t in ts.items()}
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        # one metadata key: safetensors writes several in a varying order, and a shard's bytes would then differ from
-        # run to run (the kind is in the shard's name and in the index)
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        # safetensors creates its file 0600; a shard is as readable as the cache folder the umask made (shared caches)
-        os.chmod(tmp, stat.S_IMODE(self.root.stat().st_mode) & 0o666)
-        os.replace(tmp, self.root / name)
-        _append_lines(self.root / f"index-r{self.rank:03d}.jsonl",
-                      [json.dumps({"key": key, "kind": self.kind, "shard": name, "tensors": sorted(ts), **meta})
-                       for key, ts, meta in entries])
+        with saving(f"the cache shard {self.root / name}", self.root, **DISK_FULL):
+            try:
+                # one metadata key: safetensors writes several in a varying order, and a shard's bytes would then
+                # differ from run to run (the kind is in the shard's name and in the index)
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+                # safetensors creates its file 0600; a shard is as readable as the cache folder the umask made
+                os.chmod(tmp, stat.S_IMODE(self.root.stat().st_mode) & 0o666)
+                os.replace(tmp, self.root / name)
+            finally:
+                tmp.unlink(missing_ok=True)  # a failed save (a full disk) leaves no temporary shard
+            _append_lines(self.root / f"index-r{self.rank:03d}.jsonl",
+                          [json.dumps({"key": key, "kind": self.kind, "shard": name, "tensors": sorted(ts), **meta})
+                           for key, ts, meta in entries])
         self.written_bytes += (self.root / name).stat().st_size
         self.written += len(entries)
 
