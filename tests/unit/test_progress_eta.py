@@ -47,3 +47,19 @@ def test_the_step0_validation_is_not_in_the_pace_or_the_eta(monkeypatch, start):
     left = 30 - start - 2  # steps, at 1 s each
     assert f"{start + 2}/30 [00:29<{left // 60:02d}:{left % 60:02d}, 1.00step/s" in line, line
     assert d["elapsed"] == pytest.approx(29.0)  # the session's wall time, validation included
+
+
+def test_a_disabled_bar_of_another_rank_takes_the_hooks(monkeypatch):
+    """Ranks other than 0 hold a disabled bar (tqdm gives it no clock): the pace hook must leave it alone."""
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    trainer = fake_trainer(0)
+    trainer.is_global_zero = False
+    bar = StepProgressBar()
+    bar._trainer = trainer
+    bar.disable()
+    bar.on_train_start(trainer, None)
+    assert bar.train_progress_bar.disable
+    bar.on_train_batch_start(trainer, None, {}, 0)
+    trainer.global_step += 1
+    bar.on_train_batch_end(trainer, None, None, {}, 0)
+    assert bar.train_progress_bar.pace_from is None

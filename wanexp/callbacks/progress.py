@@ -95,7 +95,8 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         bar = self.train_progress_bar
-        if bar.pace_from is None:  # the session's first batch: after the step-0 validation
+        if bar.pace_from is None and not bar.disable:  # the session's first batch: after the step-0 validation
+            # (a disabled bar, every rank but 0, has no clock)
             bar.pace_from = (bar._time(), trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
