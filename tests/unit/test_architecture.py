@@ -21,6 +21,7 @@ ALLOWED = {
     "config": {"errors", "runfolder"},  # runfolder is a leaf (errors only): check_paths reads a resume= file's bytes
     "perf": set(),
     "rng": set(),
+    "gpu_check": {"errors"},  # whether the installed torch has kernels for this GPU (run start)
     "runfolder": {"errors"},
     "lightning_compat": set(),  # the one reader of Lightning's private parts
     "context": {"lightning_compat"},  # the run context (ranks, sp_size, log steps) handed to module, data, callbacks
@@ -29,13 +30,13 @@ ALLOWED = {
     "optim": {"config"},
     "models": {"errors", "config", "perf", "text", "lora"},  # lora: the adapter's size in block swap's fit estimate
     "objectives": {"config", "errors", "lora"},
-    "data": {"errors", "config", "text", "context"},
+    "data": {"errors", "config", "text", "context", "disk"},  # disk: a full disk while caching is one line
     "parallel": {"config", "errors"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora", "context", "lightning_compat"},
     "sampling": {"errors", "models", "data", "lora", "objectives"},
     "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
-              "data"},  # data: the prompts-only check
+              "data", "gpu_check"},  # data: the prompts-only check
     "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
             "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
 }
