@@ -18,10 +18,17 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from wanexp.errors import ConfigError, UserError
-from wanexp.lora import AdapterSize, adapter_size, adapter_tensor_shapes  # noqa: F401 (sizes per adapter kind)
+
+if TYPE_CHECKING:  # wanexp.lora (peft, torch) is imported where an adapter is sized: a full disk's line needs neither
+    from wanexp.lora import AdapterSize
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# a full disk while caching: what it keeps and how to go on (disk_full_message's words)
+CACHE_DISK_FULL = {"intact": "the entries written before it are kept", "retention": False,
+                   "then": "run the same cache command again (it encodes only what is missing)"}
 # Writers that do not raise OSError say it in their message: safetensors' Rust writer ("No space left on device (os
 # error 28)"), torch.save's zip writer only "unexpected pos" / "file write failed" (its OSError is the __context__).
 FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded|os error (28|122)\b", re.IGNORECASE)
@@ -173,6 +180,8 @@ def trained_parameters(spec, adapter, objective, boundary: str) -> tuple[int, in
     """(parameters a checkpoint holds, bytes per parameter there without the moments, bytes of one export) for this
     run, counted on the meta device from the transformer configs: nothing is loaded."""
     import torch
+
+    from wanexp.lora import adapter_size
 
     experts = spec.trained_experts(boundary)
     with torch.device("meta"):

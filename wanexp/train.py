@@ -220,7 +220,7 @@ def run(cfg: DictConfig) -> dict:
     """Train one run described by a composed config. Returns paths of what it wrote."""
     # Checks and light components first: a bad run fails in seconds, before Lightning or any weight loads.
     launcher_devices(cfg)
-    check_config(cfg)
+    check_config(cfg, model_folder=True)
     for key, value in (cfg.parallel.env or {}).items():  # before CUDA/NCCL start; children inherit it
         os.environ.setdefault(str(key), str(value))
     from wanexp.gpu_check import check_torch_build  # a GPU this torch build has no kernels for (V100 under CUDA 13)
@@ -479,6 +479,22 @@ def skip_exit_collection() -> None:
     atexit.register(gc.freeze)
 
 
+def print_help(task=None) -> None:
+    """``--help``: the usage, examples and config groups, then the config the other arguments compose (what Hydra's
+    own help would print, without the config-group listing that makes it take seconds)."""
+    from wanexp.config import compose
+
+    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+    print((USAGE if task is None else f"usage: {Path(sys.argv[0]).name} [group=option ...] [key=value ...] "
+           "(the same overrides as python train.py)\n") + "\nconfig groups (group=option):\n" +
+          "".join(f"  {g.name:<11} {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}\n" for g in groups) +
+          "  (top level)  run_name, seed, tags, resume (null|last|auto|PATH), overwrite, allow_resume_changes, "
+          "guard.*\n", flush=True)
+    print("== Config (override any key with key=value; python train.py --cfg job [overrides] prints it resolved) ==\n"
+          + OmegaConf.to_yaml(compose(overrides)) + "Hydra's own flags: --hydra-help.", flush=True)
+
+
 def main(task=None) -> None:
     """``python train.py`` (or another entry with the same overrides, e.g. the cache command): compose with Hydra,
     then run ``task`` (default :func:`cli`). Composition errors are one line, exit 2."""
@@ -490,17 +506,13 @@ def main(task=None) -> None:
 
     register()
     skip_exit_collection()
-    if {"--help", "-h"} & set(sys.argv[1:]):  # usage, examples and groups first; Hydra then prints the config
-        groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
-        print((USAGE if task is None else f"usage: {Path(sys.argv[0]).name} [group=option ...] [key=value ...] "
-               "(the same overrides as python train.py)\n") + "\nconfig groups (group=option):\n" +
-              "".join(f"  {g.name:<11} {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}\n" for g in groups) +
-              "  (top level)  run_name, seed, tags, resume (null|last|auto|PATH), overwrite, allow_resume_changes, "
-              "guard.*\n", flush=True)
     keep_traceback = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing its report
     entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(task or cli)
     try:
+        if {"--help", "-h"} & set(sys.argv[1:]):
+            print_help(task)
+            return
         entry()
     except PointStopped as e:  # every point ran; the sweep exits with the first stopped point's code
         sys.exit(e.code)

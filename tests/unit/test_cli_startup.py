@@ -16,3 +16,55 @@ def test_bench_with_a_missing_model_folder_is_one_line(tmp_path, monkeypatch, ca
     assert e.value.code == 2
     assert err == [f"wanexp: error: --model-path {tmp_path / 'nowhere'}: no transformer/config.json there; point it "
                    "at a local diffusers-format ti2v5b folder"]
+
+
+# Each command's entry point, its arguments, the exit code and what the first line of its output starts with.
+LIGHT = [
+    ("wanexp.train:main", ["--help"], 0, "usage: python train.py"),
+    ("wanexp.cli.cache:main", ["--help"], 0, "usage: "),
+    ("wanexp.cli.plan:main", ["--help"], 0, "wanexp-plan options"),
+    ("wanexp.cli.sample:entry", ["--help"], 0, "usage: python -m wanexp.cli.sample"),
+    ("wanexp.cli.status:main", ["--help"], 0, "usage: wanexp-status"),
+    ("wanexp.cli.merge:entry", ["--help"], 0, "usage: wanexp-merge"),
+    ("wanexp.train:main", ["optim.lr=abc"], 2, "wanexp: error: optim.lr=abc: must be a number"),
+    ("wanexp.cli.cache:main", ["optim.lr=abc"], 2, "wanexp: error: optim.lr=abc: must be a number"),
+    ("wanexp.cli.plan:main", ["optim.lr=abc"], 2, "wanexp: error: optim.lr=abc: must be a number"),
+    ("wanexp.train:main", ["model.path=/nowhere"], 2, "wanexp: error: model.path=/nowhere: folder not found"),
+    ("wanexp.cli.cache:main", ["model.path=/nowhere"], 2, "wanexp: error: model.path=/nowhere: folder not found"),
+    ("wanexp.cli.plan:main", ["model.path=/nowhere"], 2, "wanexp: error: model.path=/nowhere: folder not found"),
+    ("wanexp.cli.sample:entry", ["--run", "/nowhere", "--prompt", "x"], 2, "wanexp: error: --run /nowhere: no "
+                                                                           "config.yaml there"),
+]
+
+_PROBE = r"""
+import importlib, json, sys
+module, _, name = sys.argv[1].partition(":")
+sys.argv = [sys.argv[1], *json.loads(sys.argv[2])]
+code = 0
+try:
+    getattr(importlib.import_module(module), name)()
+except SystemExit as e:
+    code = e.code or 0
+heavy = sorted(m for m in ("torch", "diffusers", "transformers", "lightning", "peft") if m in sys.modules)
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+def test_help_and_bad_input_answer_before_torch_is_imported():
+    """``--help`` and a refused argument are answered without importing torch, diffusers, transformers, Lightning or
+    peft (each would cost seconds on a 2-core machine before the one line)."""
+    import json
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    wrong = []
+    for entry, args, code, first in LIGHT:
+        r = subprocess.run([sys.executable, "-c", _PROBE, entry, json.dumps(args)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        res = json.loads(lines[-1])
+        out = (r.stdout.strip() or "\n".join(lines[:-1])).splitlines()
+        if res != {"code": code, "heavy": []} or not (out and out[0].startswith(first)):
+            wrong.append(f"{entry} {' '.join(args)}: {res}, first line {out[:1]}")
+    assert not wrong, "\n".join(wrong)

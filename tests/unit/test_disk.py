@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wanexp import disk
+from wanexp import disk, lora
 from wanexp.callbacks.checkpoint import AtomicCheckpointIO, CheckpointWriteError
 from wanexp.callbacks.lora_export import FLAG_FILE, LoraExport
 from wanexp.errors import ConfigError
@@ -74,7 +74,7 @@ def test_each_adapter_kind_is_sized_as_peft_makes_it_and_its_export_writes_it(ki
     adapter = cls(name=kind, rank=rank, alpha=2.0, dropout=0.0, targets=["q", "k", "v", "o", "ffn.0", "ffn.2"],
                   attention=["self", "cross"], init_from=None, use_dora=dora)
     t = WanTransformer3DModel(**SMALL).requires_grad_(False)
-    size = disk.adapter_size(t, adapter)
+    size = lora.adapter_size(t, adapter)
     adapter.apply(t)
     made = [p for n, p in t.named_parameters() if is_adapter_key(n)]
     assert (size.parameters, size.tensors, size.modules) == (sum(p.numel() for p in made), len(made), 10)
@@ -87,13 +87,13 @@ def test_the_kinds_differ_as_their_factors_do():
     """On the 5B's 3072-wide projections at rank 32: LoHa holds twice LoRA's parameters, DoRA LoRA's plus one
     magnitude per output row, LoKr far fewer (factors near the square roots of the sides)."""
     def params(kind, dora=False):
-        return sum(math.prod(s) for s in disk.adapter_tensor_shapes(kind, 32, dora, 3072, 3072))
+        return sum(math.prod(s) for s in lora.adapter_tensor_shapes(kind, 32, dora, 3072, 3072))
 
     assert params("loha") == 2 * params("lora") == 2 * 32 * 6144
     assert params("lora", dora=True) == params("lora") + 3072
     assert params("lokr") == 48 * 48 + 64 * 64  # 3072 = 48 x 64; rank 32 reaches 64 / 2: both factors full
-    assert disk.adapter_tensor_shapes("lokr", 31, False, 3072, 3072) == [(48, 48), (64, 31), (31, 64)]
-    assert disk.adapter_tensor_shapes("lokr", 32, False, 3072, 3072) == [(48, 48), (64, 64)]
+    assert lora.adapter_tensor_shapes("lokr", 31, False, 3072, 3072) == [(48, 48), (64, 31), (31, 64)]
+    assert lora.adapter_tensor_shapes("lokr", 32, False, 3072, 3072) == [(48, 48), (64, 64)]
 
 
 def test_retention_counts():

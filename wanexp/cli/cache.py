@@ -19,18 +19,20 @@ import os
 import sys
 import time
 
-import torch
+from typing import TYPE_CHECKING
+
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
 
-from wanexp.data.cache import CacheIndex, CacheWriter, ShardQueue
-from wanexp.data.media import load_clip
 from wanexp.errors import ConfigError, MediaError
-from wanexp.models.encode import encode_image_condition, encode_text, encode_video, tokenize
+
+if TYPE_CHECKING:  # torch, the encoders and the cache's writers are imported where they are used: --help and a bad
+    # override answer before torch is imported
+    from wanexp.data.cache import CacheWriter, ShardQueue
 
 
-class _Clips(Dataset):
-    """Decodes the clips to encode; a clip that fails to decode comes back as its error (listed, then skipped)."""
+class _Clips:
+    """Decodes the clips to encode (a map-style dataset for the DataLoader); a clip that fails to decode comes back as
+    its error (listed, then skipped)."""
 
     def __init__(self, todo):
         self.todo = todo  # (key, sample, shape, first frame, frame stride, frame rate)
@@ -39,6 +41,8 @@ class _Clips(Dataset):
         return len(self.todo)
 
     def __getitem__(self, i):
+        from wanexp.data.media import load_clip
+
         key, sample, (frames, height, width), start, stride, fps = self.todo[i]
         try:
             return key, sample, start, load_clip(sample, frames, height, width, stride, start=start, fps=fps)
@@ -102,6 +106,8 @@ class Progress:
 
 
 def _encode_texts(encoders, todo: list, writer: CacheWriter, progress: Progress) -> None:
+    from wanexp.models.encode import encode_text, tokenize
+
     for i in range(0, len(todo), TEXT_BATCH):
         t0 = progress.clock()
         chunk = todo[i:i + TEXT_BATCH]
@@ -117,6 +123,10 @@ def _encode_texts(encoders, todo: list, writer: CacheWriter, progress: Progress)
 
 def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, device, progress: Progress) -> list:
     """VAE-encodes the decoded clips in loader order; returns the clips that could not be decoded (path, reason)."""
+    import torch
+
+    from wanexp.models.encode import encode_image_condition, encode_video
+
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cache_dtype]
     rejects = []
     progress.samples_start = progress.clock()
@@ -187,7 +197,12 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
     from wanexp.config import check_config
     from wanexp.train import build, build_datamodule, prepare_model_folder
 
-    check_config(cfg)
+    check_config(cfg, model_folder=True)
+    import torch
+    from torch.utils.data import DataLoader
+
+    from wanexp.data.cache import CacheIndex, CacheWriter, ShardQueue
+
     spec = build(cfg.model)
     prepare_model_folder(spec, cfg.boundary.name)
     if not cfg.data.cache_dir:
@@ -274,13 +289,13 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
 
 
 def cache_cli(cfg: DictConfig) -> None:
-    from wanexp.data.cache import DISK_FULL
-    from wanexp.disk import stop_line
+    from wanexp.disk import CACHE_DISK_FULL, stop_line
 
     try:
         s = build_cache(cfg)
     except Exception as e:
-        line = stop_line(e, cfg.data.cache_dir, **DISK_FULL)  # bad input or a full disk: one line; a bug: raised
+        # bad input or a full disk: one line; a bug: raised
+        line = stop_line(e, cfg.data.cache_dir, **CACHE_DISK_FULL)
         if line is None:
             raise
         print(f"wanexp: error: {line}", file=sys.stderr, flush=True)

@@ -649,13 +649,13 @@ def plan_dir(cfg: DictConfig) -> Path:
 
 def make_plan(cfg: DictConfig, opts: dict) -> dict:
     """Every part of the plan (every rank of a torchrun takes part in the bandwidth and the calibration)."""
-    import torch
-
     from wanexp.config import check_config, check_paths
     from wanexp.train import build, launcher_devices, prepare_model_folder
 
     launcher_devices(cfg)
-    check_config(cfg)
+    check_config(cfg, model_folder=True)
+    import torch
+
     for key, value in (cfg.parallel.env or {}).items():  # as the run sets them, before CUDA and NCCL start
         os.environ.setdefault(str(key), str(value))
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)

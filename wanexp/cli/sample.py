@@ -29,14 +29,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from wanexp.errors import ConfigError, MediaError, UserError
-# The sampling functions live in wanexp.sampling (the validation callback uses them too); these names stay here.
-from wanexp.sampling import condition_image, lora_header, pipeline_class, psnr, ssim, student_scheduler, write_mp4
-from wanexp.sampling import generate as _generate
-from wanexp.sampling import expert_routing, pipeline_experts, recorded_experts, recorded_timesteps, use_routing
-from wanexp.sampling import load_adapter, run_adapter_files
+
+# The sampling functions live in wanexp.sampling (the validation callback uses them too), imported where they are
+# used: --help and a bad argument answer before torch or diffusers is imported.
 
 
 def _parse(argv):
@@ -64,7 +60,7 @@ def _parse(argv):
     ap.add_argument("--teacher-guidance", type=float,
                     help="the teacher's CFG (default: a DMD run's objective.guidance_scale, else 5)")
     ap.add_argument("--out", help="output folder (default: RUN/samples, else outputs/samples)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is present)")
     return ap.parse_args(argv)
 
 
@@ -92,6 +88,8 @@ def _settings(args) -> dict:
             s["teacher_guidance"] = cfg.objective.get("guidance_scale")
         if s["negative_prompt"] is None:
             s["negative_prompt"] = cfg.objective.get("negative_prompt")
+        from wanexp.sampling import run_adapter_files
+
         s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final")  # a LoHa run's: its _comfyui files
         s["out"] = s["out"] or str(run / "samples")
     if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
@@ -145,6 +143,10 @@ def _images(args, spec, model: str, height: int, width: int) -> list:
         need = f" (model={model} is image-to-video)" if spec.needs_image_latent else ""
         raise ConfigError(f"--image given {len(args.image)} time(s) for {len(args.prompt)} --prompt(s){need}: pass "
                           "one --image per --prompt, in the same order")
+    if not args.image:
+        return []
+    from wanexp.sampling import condition_image
+
     try:
         return [condition_image(p, height, width) for p in args.image]
     except MediaError as e:
@@ -171,9 +173,15 @@ def main(argv=None) -> dict:
 
 def _main(args) -> dict:
     s = _settings(args)
-    device = torch.device(args.device)
+    import torch
+
+    from wanexp import sampling
+    from wanexp.sampling import expert_routing, load_adapter, lora_header, pipeline_experts, psnr, recorded_experts
+    from wanexp.sampling import recorded_timesteps, ssim, student_scheduler, use_routing, write_mp4
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pipe = pipeline_class(s["pipeline"]).from_pretrained(s["model_path"], dtype=dtype).to(device)
+    pipe = sampling.pipeline_class(s["pipeline"]).from_pretrained(s["model_path"], dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     modules = pipeline_experts(pipe)
     distilled, trained = None, []
@@ -210,8 +218,8 @@ def _main(args) -> dict:
             for seed in seeds:
                 served.clear()
                 with use_routing(pipe, routing, modules):
-                    lat, video, used = _generate(pipe, prompt, seed, s, steps, guidance, s["negative_prompt"],
-                                                 device, record, image)
+                    lat, video, used = sampling.generate(pipe, prompt, seed, s, steps, guidance,
+                                                         s["negative_prompt"], device, record, image)
                 name = f"p{i}_s{seed}"
                 write_mp4(out / f"{name}.mp4", video, s["fps"])
                 entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used,
@@ -224,9 +232,9 @@ def _main(args) -> dict:
                     if distilled:
                         pipe.scheduler = default_scheduler
                     with use_routing(pipe, teacher_routing, modules):
-                        t_lat, t_video, _ = _generate(pipe, prompt, seed, s, args.teacher_steps,
-                                                      s["teacher_guidance"], s["negative_prompt"], device, record,
-                                                      image)
+                        t_lat, t_video, _ = sampling.generate(pipe, prompt, seed, s, args.teacher_steps,
+                                                              s["teacher_guidance"], s["negative_prompt"], device,
+                                                              record, image)
                     write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"])
                     entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
                                  latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),

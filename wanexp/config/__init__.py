@@ -27,11 +27,12 @@ if not CONF_DIR.is_dir():  # a checkout whose link was lost (e.g. copied without
 __all__ = ["CONF_DIR", "ConfigError", "check_config", "check_paths", "compose", "one_line_error", "register"]
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Every check of the composed config that needs no file: schema constraints, then cross-group rules."""
+def check_config(cfg: DictConfig, model_folder: bool = False) -> None:
+    """Every check of the composed config that needs no file: schema constraints, then cross-group rules.
+    ``model_folder``: also whether ``model.path`` exists, before the rules import the objective's class (and torch)."""
     check_boundary(cfg)
     check_schema(cfg)
-    check_rules(cfg)
+    check_rules(cfg, model_folder)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bool = False) -> DictConfig:

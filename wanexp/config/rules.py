@@ -53,7 +53,9 @@ def command_line(cfg: DictConfig) -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def check_rules(cfg: DictConfig) -> None:
+def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
+    """The rules across groups; ``model_folder``: also whether ``model.path`` exists, before the rules that import the
+    model's or the objective's class (and torch)."""
     check_booleans(cfg, command_line(cfg))
     m, b, d, p = cfg.model, cfg.boundary, cfg.data, cfg.parallel
     if OmegaConf.is_missing(m, "path"):
@@ -122,6 +124,8 @@ def check_rules(cfg: DictConfig) -> None:
         for name, node in (cfg[group] or {}).items():
             if not switched_off(node):
                 _check_target(f"{group}.{name}", node)
+    if model_folder:
+        check_model_path(cfg)
     check_objective(cfg)
     check_validation_images(cfg)
 
@@ -308,6 +312,19 @@ LOGGER_PACKAGES = {
     "CometLogger": (("comet_ml",), "pip install comet-ml"),
     "NeptuneLogger": (("neptune",), "pip install neptune"),
 }
+
+
+def missing_model_folder(path, name: str) -> str:
+    """The one line for a ``model.path`` that does not exist (here, before torch is imported, and in the spec's own
+    folder check)."""
+    return f"model.path={path}: folder not found; point model.path at a local diffusers-format {name} folder"
+
+
+def check_model_path(cfg: DictConfig) -> None:
+    """A ``model.path`` that does not exist, said before the model's classes (and torch) are imported; a tiny model's
+    (``model.build``) is built there."""
+    if not cfg.model.build and not Path(cfg.model.path).is_dir():
+        raise ConfigError(missing_model_folder(cfg.model.path, cfg.model.name))
 
 
 def check_paths(cfg: DictConfig) -> None:

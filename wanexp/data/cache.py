@@ -37,12 +37,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wanexp.disk import saving
+from wanexp.disk import CACHE_DISK_FULL, saving
 
 INDEX_GLOB = "index-r*.jsonl"
-# what the line of a full disk says of a cache (wanexp.disk.disk_full_message's words)
-DISK_FULL = {"intact": "the entries written before it are kept", "retention": False,
-             "then": "run the same cache command again (it encodes only what is missing)"}
 
 
 def _digest(parts) -> str:
@@ -201,7 +198,7 @@ class CacheWriter:
     def _save(self, name: str, entries: list) -> None:
         tensors = {f"{key}.{n}": t for key, ts, _ in entries for n, t in ts.items()}
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        with saving(f"the cache shard {self.root / name}", self.root, **DISK_FULL):
+        with saving(f"the cache shard {self.root / name}", self.root, **CACHE_DISK_FULL):
             try:
                 # one metadata key: safetensors writes several in a varying order, and a shard's bytes would then
                 # differ from run to run (the kind is in the shard's name and in the index)

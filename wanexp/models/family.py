@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from wanexp.config.rules import missing_model_folder
 from wanexp.config.schema import DTYPES
 from wanexp.errors import ConfigError
 
@@ -164,7 +165,7 @@ class ModelSpec:
         p = self.path
         hint = f"point model.path at a local diffusers-format {self.name} folder"
         if not p.is_dir():
-            raise ConfigError(f"model.path={p}: folder not found; {hint}")
+            raise ConfigError(missing_model_folder(p, self.name))
         if not (p / "model_index.json").is_file():
             advice = self.not_diffusers_hint(p)
             if advice:
