@@ -18,7 +18,7 @@ from wanexp.errors import DivergedError
 from wanexp.lightning_compat import attached_trainer, mend_epoch_progress, open_next_epoch_after_resume
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encode import cached_batch
-from wanexp.models.family import ModelSpec
+from wanexp.models.family import ModelSpec, unreadable_weights
 from wanexp.objectives.base import Objective
 from wanexp.optim import build_optimizer, lr_lambda
 
@@ -62,13 +62,7 @@ class WanModule(L.LightningModule):
         rank's turn ends once its copy is sharded or on its GPU, so a node holds at most that many copies."""
         if len(self.transformers):
             return
-        if self.spec.fp8:  # every rank, before any loads (not inside one rank's turn)
-            from wanexp.errors import ConfigError
-            from wanexp.models import fp8
-
-            ok, why = fp8.fp8_supported()
-            if not ok:
-                raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
+        check_fp8(self.spec)  # every rank, before any loads (not inside one rank's turn); the run checked it at start
         sp_size = self.run_context.sp_size
         group = None
         if sp_size > 1:  # a collective: every rank makes the groups, before (not inside) its loading turn
@@ -418,6 +412,19 @@ class WanModule(L.LightningModule):
 
 
 
+def check_fp8(spec: ModelSpec) -> None:
+    """model.fp8=true needs the FP8 GEMM (wanexp/models/fp8.py): one line on a GPU without it (below compute
+    capability 8.9). wanexp.train.run checks it before anything loads or is written."""
+    if not spec.fp8:
+        return
+    from wanexp.errors import ConfigError
+    from wanexp.models import fp8
+
+    ok, why = fp8.fp8_supported()
+    if not ok:
+        raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
+
+
 def _readable(spec: ModelSpec, what: str, load, *args):
     """Load weights; a corrupt or truncated file (what a partial download leaves) is one line, not a traceback."""
     from safetensors import SafetensorError
@@ -425,11 +432,7 @@ def _readable(spec: ModelSpec, what: str, load, *args):
     try:
         return load(*args)
     except (OSError, SafetensorError) as e:
-        from wanexp.errors import ConfigError
-
-        reason = " ".join(str(e).split())[:300]
-        raise ConfigError(f"model.path={spec.path}: cannot read {what} ({reason}); a weight file there is corrupt or "
-                          "incomplete: download (or convert) it again") from None
+        raise unreadable_weights(spec.path, what, e) from None
 
 
 def load_turns(module: WanModule, what: str = "the base") -> tuple[int, int]:

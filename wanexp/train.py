@@ -69,7 +69,8 @@ def build(node: DictConfig, **kwargs):
 
 def prepare_model_folder(spec, boundary: str) -> None:
     """The model folder a run needs: a tiny model is built into it first (only those have ``build``), then every
-    component the run loads is checked (one line naming what is missing)."""
+    component the run loads is checked (one line naming what is missing, or a weight file whose header shows it
+    corrupt or truncated)."""
     if spec.build:
         from wanexp.models.tiny import ensure_tiny_model
 
@@ -141,24 +142,24 @@ def log_config(trainer, cfg: DictConfig) -> None:
 
 def check_resume(module, ckpt: str, parallel: str) -> None:
     """The checkpoint of a resume agrees with this run's settings (the module's own check), read before the run
-    writes anything, so that a refused resume leaves its run folder as it was. A DeepSpeed checkpoint is checked when
-    Lightning loads it."""
-    checkpoint = read_resume_checkpoint(ckpt, parallel)
-    if checkpoint is not None:
-        module.check_resume(checkpoint["wanexp"])
+    writes anything, so that a refused resume leaves its run folder as it was."""
+    module.check_resume(read_resume_checkpoint(ckpt, parallel)["wanexp"])
 
 
-def read_resume_checkpoint(ckpt: str, parallel: str) -> dict | None:
-    """A resume's Lightning checkpoint, memory-mapped (only what is read is read: the settings, the step), or None
-    for a DeepSpeed checkpoint. One line when it cannot be read or is no wanexp checkpoint. wanexp-plan reads the
-    step of a resume through here too."""
-    if checkpoint_kind(ckpt, parallel) != "torch":
-        return None
+def read_resume_checkpoint(ckpt: str, parallel: str) -> dict:
+    """A resume's Lightning checkpoint, memory-mapped (only what is read is read: the settings, the step); of a
+    DeepSpeed checkpoint, its model states file, which holds the same settings and step. One line when it cannot be
+    read or is no wanexp checkpoint. wanexp-plan reads the step of a resume through here too."""
+    path = ckpt
+    if checkpoint_kind(ckpt, parallel) == "deepspeed":
+        from wanexp.parallel.zero import model_states_file
+
+        path = model_states_file(ckpt)
     import torch
 
     fix = "pass another .ckpt of the run's checkpoints/ folder, or resume=last"
     try:
-        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a damaged zip entry, or content torch.load refuses to unpickle
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"resume={ckpt}: cannot read the checkpoint ({reason}); {fix}") from None
@@ -226,7 +227,10 @@ def run(cfg: DictConfig) -> dict:
     from wanexp.gpu_check import check_torch_build  # a GPU this torch build has no kernels for (V100 under CUDA 13)
     check_torch_build(cfg.trainer.accelerator)
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
-    prepare_model_folder(spec, cfg.boundary.name)
+    from wanexp.module import check_fp8  # model.fp8=true on a GPU without the FP8 GEMM
+
+    check_fp8(spec)
+    prepare_model_folder(spec, cfg.boundary.name)  # its weight files' headers too (a truncated download)
     check_paths(cfg)
     if int(cfg.parallel.sp_size) > 1:  # sequence parallel splits the heads: checked before any weight loads
         from wanexp.models.sequence import check_heads

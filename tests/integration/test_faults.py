@@ -74,7 +74,8 @@ def test_k_non_finite_steps_in_a_row_stop_the_run_with_one_line(shared_dir, tmp_
 
 
 def test_a_corrupt_weight_file_is_one_line(shared_dir, tmp_path, capsys):
-    """A truncated download: the run stops with one line naming the folder, no traceback."""
+    """A truncated download: the run stops with one line naming the folder and the file, no traceback, found from
+    the file's header before the run folder is made."""
     import shutil
 
     from wanexp.models.tiny import ensure_tiny_model
@@ -92,7 +93,8 @@ def test_a_corrupt_weight_file_is_one_line(shared_dir, tmp_path, capsys):
     errors = [x for x in err.splitlines() if x.startswith("wanexp: error:")]
     assert e.value.code == 2 and "Traceback" not in err and len(errors) == 1, err[-2000:]
     assert f"model.path={tmp_path / 'models' / 'tiny'}: cannot read the dense transformer" in errors[0]
-    assert "corrupt or incomplete" in errors[0]
+    assert f"({weights.parent.name}/{weights.name}: truncated: it holds " in errors[0]
+    assert "corrupt or incomplete" in errors[0] and not (tmp_path / "run").exists()
 
 
 def test_a_fused_optimizer_skips_on_the_device_without_a_host_sync(shared_dir, tmp_path):

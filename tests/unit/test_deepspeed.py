@@ -159,10 +159,10 @@ sys.path.insert(0, {root!r})
 import wanexp.config as C, wanexp.config.rules as R
 from omegaconf import open_dict
 _rules = R.check_rules
-def check_rules(cfg):  # the CPU refusal is the only rule bypassed: the config claims a GPU for the check
+def check_rules(cfg, *args):  # the CPU refusal is the only rule bypassed: the config claims a GPU for the check
     acc = cfg.trainer.accelerator
     with open_dict(cfg): cfg.trainer.accelerator = "gpu"
-    try: _rules(cfg)
+    try: _rules(cfg, *args)
     finally:
         with open_dict(cfg): cfg.trainer.accelerator = acc
 R.check_rules = C.check_rules = check_rules

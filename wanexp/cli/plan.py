@@ -196,7 +196,7 @@ def resume_point(cfg: DictConfig) -> dict | None:
     """Where a ``resume=`` run continues: the checkpoint the run takes (``resume_path``, as wanexp.train.run finds it)
     and the optimizer steps it had done, read as the run reads it. None: a fresh start (no resume, or resume=auto
     before the first checkpoint). The data position follows from the steps (wanexp/data/datamodule.py). A DeepSpeed
-    checkpoint's step is not read (``steps_done`` None: the whole run is counted, and the report says so)."""
+    checkpoint's step is read from its model states file, as the run reads it."""
     from wanexp.train import checkpoint_kind, read_resume_checkpoint, resume_path
 
     ckpt = resume_path(cfg.resume, Path(cfg.paths.output_dir).resolve())
@@ -538,8 +538,7 @@ def report(plan: dict) -> str:
               + (f" ({d['epochs']:.2f} epochs)" if d.get("epochs") else "")]
     rs = d.get("resume")
     if rs and rs.get("steps_done") is None:
-        lines.append(f"resume    from {rs['checkpoint']}: its step is not read (a DeepSpeed checkpoint): the whole "
-                     "run is counted")
+        lines.append(f"resume    from {rs['checkpoint']}: its step is not read: the whole run is counted")
     elif rs:
         lines.append(f"resume    from {rs['checkpoint']} at step {rs['steps_done']} (epoch {rs['data_epoch']}, "
                      f"{rs['batches_done_in_epoch']} batches of it done): {rs['remaining_steps']} steps "

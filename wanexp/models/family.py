@@ -47,6 +47,56 @@ class EncoderInfo:
     fps: int | None = None  # the native frame rate: training clips are resampled to it unless data.fps says otherwise
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
+SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors' own limit on the JSON header
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a component's folder (safetensors, or torch's .bin/.pth)."""
+    return sorted(f for f in Path(folder).glob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file, found from its header alone, or None: the 8-byte length of the JSON
+    header, the header itself, each tensor's ``data_offsets``, and a data section of exactly the size they span (what
+    safetensors checks when it opens a file; a truncated download holds less)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else None
+        if n is None or n > size - 8:
+            return f"{size:,} bytes, too short for the header it announces (truncated, or not a safetensors file)"
+        if n > SAFETENSORS_MAX_HEADER:
+            return f"a header of {n:,} bytes announced, above safetensors' limit (not a safetensors file)"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:  # bytes that are not JSON (UnicodeDecodeError included)
+            header = None
+    if not isinstance(header, dict):
+        return "its header is not a safetensors header (damaged, or another format)"
+    ends = []
+    for name, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if name != "__metadata__":
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                return f"its header gives tensor {name} no valid data_offsets (damaged)"
+            ends.append(offsets[1])
+    data, need = size - 8 - n, max(ends, default=0)
+    if data < need:
+        return f"truncated: it holds {data:,} of the {need:,} bytes of tensor data its header describes"
+    if data > need:
+        return f"{data - need:,} bytes more than the {need:,} of tensor data its header describes (damaged)"
+    return None
+
+
+def unreadable_weights(path: Path, what: str, reason: str) -> ConfigError:
+    """The one line for weights that cannot be read (corrupt or truncated: what a partial download leaves)."""
+    reason = " ".join(str(reason).split())[:300]
+    return ConfigError(f"model.path={path}: cannot read {what} ({reason}); a weight file there is corrupt or "
+                       "incomplete: download (or convert) it again")
+
+
 def load_class(dotted: str) -> type:
     """The class named ``package.module.Class`` (a spec names its component classes this way: nothing heavy is
     imported before a component loads)."""
@@ -152,8 +202,7 @@ class ModelSpec:
     def load_bytes(self, experts: list[str], encoders: bool) -> int:
         """Bytes of the weight files one rank reads for these experts (and the VAE and text encoder)."""
         folders = [EXPERT_FOLDERS[e] for e in experts] + (["vae", "text_encoder"] if encoders else [])
-        return sum(f.stat().st_size for sub in folders for f in (self.path / sub).glob("*")
-                   if f.suffix in (".safetensors", ".bin", ".pth") and f.is_file())
+        return sum(f.stat().st_size for sub in folders for f in weight_files(self.path / sub))
 
     def not_diffusers_hint(self, path: Path) -> str | None:
         """A family's one-line advice for a folder without model_index.json (e.g. its original release layout and
@@ -185,6 +234,18 @@ class ModelSpec:
                     f"model.path={p}: transformer has in_channels={cfg.get('in_channels')} but model={self.name} "
                     f"expects {self.in_channels}; pick the model group that matches this folder"
                 )
+        self.check_weight_files(experts)
+
+    def check_weight_files(self, experts: list[str]) -> None:
+        """Each safetensors file of the components a run loads, by its header alone (no tensor is read): a corrupt
+        or truncated file (a partial download) is one line naming it, before anything loads or is written."""
+        what = {EXPERT_FOLDERS[e]: f"the {e} transformer" for e in experts} | {"vae": "the VAE",
+                                                                                "text_encoder": "the text encoder"}
+        for sub in self.required_folders(experts):
+            for f in weight_files(self.path / sub):
+                problem = safetensors_problem(f) if f.suffix == ".safetensors" else None
+                if problem:
+                    raise unreadable_weights(self.path, what.get(sub, sub), f"{sub}/{f.name}: {problem}")
 
     def transformer_config(self, expert: str) -> dict:
         """The diffusers config.json of an expert's transformer (read from the folder; nothing loads)."""

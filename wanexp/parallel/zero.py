@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from wanexp.config import ConfigError  # wanexp.errors' (parallel imports config only)
 
 POINTER_FORMAT = "wanexp-deepspeed-checkpoint"
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO 1/2, ZeRO-3
 BUCKET = 200_000_000  # elements per reduce / all-gather bucket (DeepSpeed's default)
 
 # WanModule.configure_gradient_clipping is overridden for the other strategies; under DeepSpeed it lands in
@@ -211,6 +212,22 @@ def checkpoint_folder(path) -> Path:
         raise ConfigError(f"resume={path}: its DeepSpeed folder {target} is missing; resume from another checkpoint "
                           "of the run (pass its .ckpt file)")
     return target
+
+
+def model_states_file(path) -> Path:
+    """The file of a DeepSpeed checkpoint that holds rank 0's model states and the client state (Lightning's
+    checkpoint without its weights and optimizer states: the run's settings, the step):
+    ``TAG/mp_rank_00_model_states.pt`` (ZeRO 1 and 2) or ``TAG/zero_pp_rank_0_mp_rank_00_model_states.pt`` (ZeRO-3),
+    TAG as the folder's ``latest`` file names it. Read before the run starts (wanexp.train.read_resume_checkpoint);
+    one line when it is missing."""
+    folder = checkpoint_folder(path)
+    latest = folder / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    for name in MODEL_STATES:
+        if (folder / tag / name).is_file():
+            return folder / tag / name
+    raise ConfigError(f"resume={path}: its DeepSpeed folder {folder} holds no model states ({tag}/{MODEL_STATES[0]} "
+                      "or its ZeRO-3 name); resume from another checkpoint of the run (pass its .ckpt file)")
 
 
 def remove_orphan_folders(folder: Path) -> list[Path]:
