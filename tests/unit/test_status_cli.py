@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 import types
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from wanexp.callbacks.progress import total_optimizer_steps
 from wanexp.callbacks.sweep import grid_points, write_summary
 from wanexp.cli import status as status_cli
@@ -22,6 +25,22 @@ def _run(folder: Path, **status) -> Path:
     base = {"state": "finished", "run_name": folder.name, "step": 10, "total_steps": 10, "updated": time.time()}
     (folder / "status.json").write_text(json.dumps({**base, **status}))
     return folder
+
+
+@pytest.mark.parametrize("follow", [[], ["--follow"]], ids=["once", "follow"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, follow):
+    """``wanexp-status RUN | head -1``: once the reader has gone, the command exits as Unix tools do (128 + SIGPIPE),
+    with nothing on stderr (no BrokenPipeError traceback, none at exit either)."""
+    run = _run(tmp_path / "run", state="running", step=40, total_steps=100, pid=os.getpid(),
+               host=socket.gethostname())
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write meets a closed pipe
+    try:
+        r = subprocess.run([sys.executable, "-m", "wanexp.cli.status", str(run), *follow], stdout=write,
+                           stderr=subprocess.PIPE, cwd=ROOT, timeout=60)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr.decode()) == (141, "")
 
 
 def test_status_command_prints_a_run_with_its_ranks(tmp_path, capsys):
@@ -344,9 +363,11 @@ class _Clock:
         return self.now
 
 
-def _status_run(monkeypatch, folder: Path, clock: _Clock, step: int = 0, warmup: int = 10):
+def _status_run(monkeypatch, folder: Path, clock: _Clock, step: int = 0, warmup: int = 10, before: float = 0.0,
+                logged: list | None = None):
     """A RunStatus on ``folder`` with a stand-in trainer at ``step``: AdamW at lr 1e-3 under wanexp's schedule with
-    ``warmup`` warm-up steps, status.json rewritten at every step."""
+    ``warmup`` warm-up steps, status.json rewritten at every step. ``before``: seconds between the start of training
+    and its first batch (the step-0 validation); ``logged``: the perf/* metrics of each log step, appended there."""
     import torch
 
     from wanexp.callbacks import status as status_mod
@@ -364,15 +385,19 @@ def _status_run(monkeypatch, folder: Path, clock: _Clock, step: int = 0, warmup:
         datamodule=None, loggers=[], callback_metrics={}, checkpoint_callback=None, profiler=None,
         _logger_connector=types.SimpleNamespace(should_update_logs=False))
     cb = status_mod.RunStatus(output_dir=str(folder), run_name="r", every_s=0.0)
-    cb.on_train_start(trainer, None)
+    module = types.SimpleNamespace(log_dict=lambda metrics, **kw: logged.append(metrics))
+    cb.on_train_start(trainer, module)
+    clock.now += before
 
-    def step_once(seconds: float) -> dict:
-        cb.on_before_optimizer_step(trainer, None, opt)
+    def step_once(seconds: float, log: bool = False) -> dict:
+        cb.on_train_batch_start(trainer, module, {"prompt": ["a"]}, 0)
+        cb.on_before_optimizer_step(trainer, module, opt)
         opt.step()
         sched.step()  # Lightning steps the schedule before the callbacks' on_train_batch_end
         trainer.global_step += 1
+        trainer._logger_connector.should_update_logs = log
         clock.now += seconds
-        cb.on_train_batch_end(trainer, None, None, {"prompt": ["a"]}, 0)
+        cb.on_train_batch_end(trainer, module, None, {"prompt": ["a"]}, 0)
         return json.loads((folder / "status.json").read_text())
 
     return step_once
@@ -386,6 +411,20 @@ def test_status_shows_the_lr_each_step_used_and_the_configured_one(tmp_path, mon
     assert first["optimizer"]["base_lr"] == pytest.approx(1e-3) and "lr" not in first["optimizer"]
     assert [step_once(1.0)["lr"] for _ in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])
     assert status_cli.learning_rate(json.loads((tmp_path / "status.json").read_text())) == "lr 0.0003 (last step; base 0.001)"
+
+
+@pytest.mark.parametrize("start", [0, 10], ids=["fresh", "resumed"])
+def test_the_step0_validation_is_not_in_the_step_time_the_eta_or_the_first_perf_window(tmp_path, monkeypatch, start):
+    """The step-0 validation (27 s here) runs between the start of training and its first batch: status.json's
+    ``step_time_s`` and ``eta_s`` and the first ``perf/*`` window count from that batch (steps of 1 s), as the
+    progress bar does; ``elapsed_s`` is the session's wall time, the validation included."""
+    logged: list[dict] = []
+    step_once = _status_run(monkeypatch, tmp_path, _Clock(1000.0), step=start, before=27.0, logged=logged)
+    step_once(1.0)
+    s = step_once(1.0, log=True)
+    assert logged[0]["perf/step_time_s"] == pytest.approx(1.0) and logged[0]["perf/samples_per_s"] == pytest.approx(1.0)
+    assert (s["step_time_s"], s["eta_s"], s["elapsed_s"]) == pytest.approx((1.0, 100 - start - 2, 29.0))
+    assert step_once(3.0)["step_time_s"] == pytest.approx(5 / 3)  # later steps (and validations) stay in the pace
 
 
 def test_a_resumed_run_shows_its_training_time_over_every_session(tmp_path, monkeypatch, capsys):

@@ -212,7 +212,7 @@ class RunStatus(TakesRunContext, Callback):
 
     # ---- hooks -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        self.t_last = time.perf_counter()
+        self.t_last = None  # set at the session's first training batch (on_train_batch_start)
         self._step = self._window_start = trainer.global_step
         opt = trainer.optimizers[0] if trainer.optimizers else None
         import socket
@@ -241,6 +241,15 @@ class RunStatus(TakesRunContext, Callback):
             for lg in trainer.loggers:  # once: rows rejected before training (reasons in DIR/rejects.jsonl)
                 lg.log_metrics({"data/rejected": float(report["rejected"]), "data/rows": float(report["rows"]),
                                 **dataset_metrics(report)}, step=trainer.global_step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """The step time, the ETA and the first perf/* window count from the session's first training batch: the
+        step-0 validation, which runs before it (the base model's videos; minutes on A14B), is no step; later
+        validations recur at their cadence and stay in the pace. (The progress bar counts the same way.)"""
+        if self.t_last is None:
+            self.t_last = time.perf_counter()
+            if isinstance(trainer.profiler, LoaderWait):
+                trainer.profiler.take()  # the wait for this batch came before the window: not in its loader wait
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """``train/grad_norm`` (total L2 norm of the trainable gradients, before clipping) at logged steps only:

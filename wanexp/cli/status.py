@@ -194,6 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (``| head -1``): stop quietly, as Unix tools do
+        silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for a closed pipe is not flushed to it again at exit (that
+    flush would print a BrokenPipeError of its own)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (io.UnsupportedOperation is both)
+        pass
 
 
 if __name__ == "__main__":
