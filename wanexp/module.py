@@ -19,6 +19,7 @@ from wanexp.lightning_compat import attached_trainer, mend_epoch_progress, open_
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encode import cached_batch
 from wanexp.models.family import ModelSpec, unreadable_weights
+from wanexp.models.fp8 import check_fp8
 from wanexp.objectives.base import Objective
 from wanexp.optim import build_optimizer, lr_lambda
 
@@ -410,19 +411,6 @@ class WanModule(L.LightningModule):
                 "written by a run with other model/boundary/adapter settings: resume with those"
             )
 
-
-
-def check_fp8(spec: ModelSpec) -> None:
-    """model.fp8=true needs the FP8 GEMM (wanexp/models/fp8.py): one line on a GPU without it (below compute
-    capability 8.9). wanexp.train.run checks it before anything loads or is written."""
-    if not spec.fp8:
-        return
-    from wanexp.errors import ConfigError
-    from wanexp.models import fp8
-
-    ok, why = fp8.fp8_supported()
-    if not ok:
-        raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
 
 
 def _readable(spec: ModelSpec, what: str, load, *args):

@@ -227,7 +227,7 @@ def run(cfg: DictConfig) -> dict:
     from wanexp.gpu_check import check_torch_build  # a GPU this torch build has no kernels for (V100 under CUDA 13)
     check_torch_build(cfg.trainer.accelerator)
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
-    from wanexp.module import check_fp8  # model.fp8=true on a GPU without the FP8 GEMM
+    from wanexp.models.fp8 import check_fp8  # model.fp8=true on a GPU without the FP8 GEMM
 
     check_fp8(spec)
     prepare_model_folder(spec, cfg.boundary.name)  # its weight files' headers too (a truncated download)

@@ -36,7 +36,7 @@ ALLOWED = {
     "sampling": {"errors", "models", "data", "lora", "objectives"},
     "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
-              "data", "gpu_check"},  # data: the prompts-only check
+              "data", "gpu_check", "parallel"},  # data: the prompts-only check; parallel: a DeepSpeed resume's file
     "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
             "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
 }

@@ -148,6 +148,18 @@ def fp8_supported() -> tuple[bool, str]:
     return (False, f"{gpu} has no FP8 GEMM (8.9+: Ada, Hopper)") if gpu else (True, "")
 
 
+def check_fp8(spec) -> None:
+    """model.fp8=true needs the FP8 GEMM: one line on a GPU without it (below compute capability 8.9). wanexp.train.run
+    checks it before anything loads or is written; the module again on every rank before it loads."""
+    if not spec.fp8:
+        return
+    from wanexp.errors import ConfigError
+
+    ok, why = fp8_supported()
+    if not ok:
+        raise ConfigError(f"model.fp8=true: {why}; set model.fp8=false")
+
+
 # ---- FP8 storage: weight-only, dequantized at use --------------------------------------------------------------
 def dequantize(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The (out, in) weight in ``dtype`` from its float8 rows and their fp32 scales."""
