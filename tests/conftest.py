@@ -52,6 +52,14 @@ def shared_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_models_outside_the_repo(shared_dir) -> None:
+    """A test that composes ``experiment=demo`` without ``paths.tiny_model_dir`` (and every run it starts) finds and
+    builds the tiny models in the session's shared folder: never in the checkout's outputs/, and never a model some
+    earlier test or ``make demo`` happened to leave there. A value set by the caller stays."""
+    os.environ.setdefault("WANEXP_TINY_DIR", str(shared_dir / "models"))
+
+
 @pytest.fixture
 def tiny_overrides(shared_dir, tmp_path) -> list[str]:
     """Overrides for a fast CPU run of the tiny model on the synthetic clips, writing into tmp_path."""

@@ -118,7 +118,7 @@ def _mixed_aspects(tmp_path, *extra):
     """2 landscape clips, 2 portrait ones and a panorama, trained at 64x96 (height x width) unless ``extra`` says."""
     from tests.conftest import compose_cfg
     from wanexp.data.synthetic import make_demo_dataset
-    from wanexp.train import build, build_datamodule
+    from wanexp.train import build, build_datamodule, prepare_model_folder
 
     rows = ["video,prompt"]
     for name, n, (h, w) in (("land", 2, (64, 96)), ("port", 2, (96, 64)), ("pano", 1, (32, 128))):
@@ -128,7 +128,9 @@ def _mixed_aspects(tmp_path, *extra):
     cfg = compose_cfg(["experiment=demo", f"data.metadata={tmp_path}/meta.csv", "data.generate=null",
                        "data.cache_dir=null", "data.height=64", "data.width=96", f"paths.output_dir={tmp_path}/run",
                        *extra])
-    dm = build_datamodule(cfg, build(cfg.model))
+    spec = build(cfg.model)
+    prepare_model_folder(spec, cfg.boundary.name)  # the datamodule reads the model's tokenizer
+    dm = build_datamodule(cfg, spec)
     dm.setup()
     return dm
 

@@ -78,7 +78,7 @@ def test_the_probe_counts_frames_at_the_rate_and_rejects_a_clip_too_short_there(
 
 
 def _datamodule(tmp_path, *extra):
-    from wanexp.train import build, build_datamodule
+    from wanexp.train import build, build_datamodule, prepare_model_folder
 
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
@@ -88,7 +88,9 @@ def _datamodule(tmp_path, *extra):
     cfg = compose_cfg(["experiment=demo", f"data.metadata={data}/meta.csv", "data.generate=null", "data.cache_dir=null",
                        "data.num_frames=9", "data.height=32", "data.width=32", "data.max_reject_fraction=0.5",
                        f"data.rejects={tmp_path}/rejects.jsonl", *extra])
-    dm = build_datamodule(cfg, build(cfg.model))
+    spec = build(cfg.model)
+    prepare_model_folder(spec, cfg.boundary.name)  # the datamodule reads the model's tokenizer
+    dm = build_datamodule(cfg, spec)
     dm.setup()
     return dm
 
