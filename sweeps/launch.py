@@ -56,8 +56,9 @@ def expand(overrides: list[str]) -> tuple[str, list[str], list[list[str]]]:
 
 
 def commands(overrides: list[str], nproc: int, nnodes: int, torchrun_args: str = "",
-             python: str = sys.executable) -> list[list[str]]:
-    sweep, fixed, points = expand(overrides)
+             python: str = sys.executable, expanded: tuple | None = None) -> list[list[str]]:
+    """Each point's torchrun command; ``expanded``: ``expand(overrides)`` when the caller has it already."""
+    sweep, fixed, points = expanded or expand(overrides)
     out = []
     for i, point in enumerate(points):
         name = f"{sweep}/{i}_" + ",".join(point)
@@ -85,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from wanexp.callbacks.sweep import record_point
 
-    sweep, _, points = expand(overrides)
+    expanded = expand(overrides)
+    sweep, _, points = expanded
     folder, codes = sweep_folder(sweep, overrides), []
-    for i, (cmd, point) in enumerate(zip(commands(overrides, args.nproc, args.nnodes, args.torchrun_args), points)):
+    cmds = commands(overrides, args.nproc, args.nnodes, args.torchrun_args, expanded=expanded)
+    for i, (cmd, point) in enumerate(zip(cmds, points)):
         print(shlex.join(cmd), flush=True)
         config = folder / str(i) / "config.yaml"  # written once a run starts: a refused point leaves it as it was
         before = config.stat().st_mtime_ns if config.exists() else None

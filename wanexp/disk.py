@@ -38,6 +38,19 @@ CONFIG_BYTES = 1024  # the peft config a diffusers file carries in its header, a
 RETENTION_KEYS = "callbacks.lora_export.keep_last / callbacks.checkpoint.save_top_k"
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` as ``path`` (its folder made), through a temporary file of this process renamed over it: readers never
+    see a partial file, and a failed write (a full disk) leaves neither a temporary file nor a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 # ---- a full disk ---------------------------------------------------------------------------------------------------
 def _chain(exc: BaseException | None):
     """``exc``, then what it wraps or was raised while handling, innermost last."""

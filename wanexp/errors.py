@@ -32,3 +32,33 @@ class Interrupted(SystemExit):
     def __init__(self, signum: int, step: int, checkpoint: str | None):
         super().__init__(128 + signum)
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+def say_error(line: str) -> None:
+    """The one line of a refusal, on stderr. Under torchrun also in this rank's error file (TORCHELASTIC_ERROR_FILE):
+    torchrun reports a worker that exits non-zero with its own ChildFailedError traceback whatever the exit code,
+    and shows that file's text as the root cause (without it: a pointer to its docs)."""
+    import os
+    import sys
+
+    print(f"wanexp: error: {line}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+
+        message = {"message": line, "extraInfo": {"py_callstack": f"wanexp: error: {line}",
+                                                  "timestamp": str(int(time.time()))}}  # torch's ErrorHandler's form
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": message}, f)
+        except OSError:  # the line on stderr is what matters
+            pass
+
+
+def refuse(line: str) -> None:
+    """:func:`say_error`, then exit 2: how a command ends on bad input."""
+    import sys
+
+    say_error(line)
+    sys.exit(2)

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
-from wanexp.errors import ConfigError, Interrupted, UserError
+from wanexp.errors import ConfigError, Interrupted, UserError, say_error
 from wanexp.config.rules import switched_off
 from wanexp.runfolder import RunLock, checkpoint_kind, clear_run_folder, remove_stale_temporaries, resume_path
 
@@ -408,25 +408,6 @@ def cli(cfg: DictConfig) -> None:
     _finish_wandb(failed=False)  # the next point of a sweep starts its own W&B run
     if result["rank"] == 0:
         print("\n".join(end_lines(cfg, result)))
-
-
-def say_error(line: str) -> None:
-    """The one line of a refusal, on stderr. Under torchrun also in this rank's error file (TORCHELASTIC_ERROR_FILE):
-    torchrun reports a worker that exits non-zero with its own ChildFailedError traceback whatever the exit code,
-    and shows that file's text as the root cause (without it: a pointer to its docs)."""
-    print(f"wanexp: error: {line}", file=sys.stderr, flush=True)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        import json
-        import time
-
-        message = {"message": line, "extraInfo": {"py_callstack": f"wanexp: error: {line}",
-                                                  "timestamp": str(int(time.time()))}}  # torch's ErrorHandler's form
-        try:
-            with open(path, "w") as f:
-                json.dump({"message": message}, f)
-        except OSError:  # the line on stderr is what matters
-            pass
 
 
 def end_lines(cfg: DictConfig, result: dict) -> list[str]:

@@ -42,7 +42,8 @@ module, _, name = sys.argv[1].partition(":")
 sys.argv = [sys.argv[1], *json.loads(sys.argv[2])]
 code = 0
 try:
-    getattr(importlib.import_module(module), name)()
+    code = getattr(importlib.import_module(module), name)()  # a console script exits with what its entry returns
+    code = code if type(code) is int else 0
 except SystemExit as e:
     code = e.code or 0
 heavy = sorted(m for m in ("torch", "diffusers", "transformers", "lightning", "peft") if m in sys.modules)
@@ -68,3 +69,28 @@ def test_help_and_bad_input_answer_before_torch_is_imported():
         if res != {"code": code, "heavy": []} or not (out and out[0].startswith(first)):
             wrong.append(f"{entry} {' '.join(args)}: {res}, first line {out[:1]}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("entry, args, says", [
+    ("wanexp.cli.plan:main", ["--budget-gib=x"], "--budget-gib='x': must be a number"),
+    ("wanexp.cli.sample:entry", ["--run", "/nowhere", "--prompt", "x"], "--run /nowhere: no config.yaml there"),
+    ("wanexp.cli.merge:entry", ["bake", "--model", "/nowhere", "--lora", "/nowhere.safetensors", "--out", "/o"],
+     "/nowhere"),
+    ("wanexp.cli.status:main", ["/nowhere"], "/nowhere"),
+])
+def test_a_commands_own_refusal_is_torchruns_root_cause_too(tmp_path, entry, args, says):
+    """Each command's own refusal (not only train.py's config checks) goes through wanexp.errors.say_error: the line
+    on stderr and, under torchrun, in the rank's error file that torchrun reports as the root cause."""
+    import json
+    import os
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    error_file = tmp_path / "error.json"
+    r = subprocess.run([sys.executable, "-c", _PROBE, entry, json.dumps(args)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(error_file)))
+    line = r.stderr.strip().splitlines()[0]
+    assert json.loads(r.stderr.strip().splitlines()[-1])["code"] == 2 and line.startswith("wanexp: error: ")
+    assert says in line, line
+    assert json.loads(error_file.read_text())["message"]["message"] == line.removeprefix("wanexp: error: ")

@@ -396,6 +396,8 @@ def test_every_true_false_key_refuses_another_value_on_the_command_line():
                 check_booleans(cfg, [f"{key}={bad}"])
             assert str(e.value) == f"{key}={bad}: must be true or false"
     check_booleans(cfg, ["model.compile=true,false", "optim.lr=2", "+extra=2", "~tags"])  # not a bool key's value
+    check_booleans(cfg, ["model.compile=${model.gradient_checkpointing}"])  # an interpolation: OmegaConf checks it
+    assert compose_cfg(["experiment=demo", "model.compile=${model.gradient_checkpointing}"]).model.compile is False
     with pytest.raises(Exception) as e:  # not a bool at all: OmegaConf refuses it, said in the same words
         compose_cfg(["experiment=demo", "model.fp8_storage=abc"])
     assert one_line_error(e.value) == "model.fp8_storage=abc: must be true or false"

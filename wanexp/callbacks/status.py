@@ -22,19 +22,7 @@ from lightning.pytorch.profilers import Profiler
 from wanexp.callbacks import quiet  # noqa: F401  (imported before the Trainer exists: Lightning's adverts off)
 from wanexp.callbacks.progress import optimizer_steps_per_epoch, total_optimizer_steps
 from wanexp.context import RunContext, TakesRunContext
-from wanexp.disk import DiskFullError, saving, stop_line
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` as ``path``, through a temporary file renamed over it: a failed write (a full disk) leaves neither a
-    temporary file nor a partial file under the name."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+from wanexp.disk import DiskFullError, saving, stop_line, write_atomic
 
 
 def replicas_in_sync(trainer, pl_module) -> bool | None:

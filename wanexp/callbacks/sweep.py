@@ -34,6 +34,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from wanexp.errors import say_error
+
 RECORDS = "points.jsonl"  # in the sweep folder: each point's outcome (state, reason), one line per point run
 SWEEP_FILES = ("multirun.yaml", RECORDS, "summary.csv", "summary.md", "loss.png", "heatmap.png")
 FINAL_WINDOW = 5  # the final train loss is the mean of the last this-many logged values (one value is noisy)
@@ -446,10 +448,10 @@ def _refuse_taken_points(config, sweep_dir: Path, points: list[list[str]] | None
         if held and resume is None and str(overwrite).lower() != "true":
             taken.append(str(n))
     if taken:
-        print(f"wanexp: error: hydra.sweep.dir={sweep_dir}: point{'s' if len(taken) > 1 else ''} {', '.join(taken)} "
-              "already hold checkpoints of an earlier sweep (<point>/checkpoints); pass resume=last to continue "
-              "them, another sweep folder (sweep.name=NAME or hydra.sweep.dir=DIR), or overwrite=true to replace "
-              "them", file=sys.stderr, flush=True)
+        say_error(f"hydra.sweep.dir={sweep_dir}: point{'s' if len(taken) > 1 else ''} {', '.join(taken)} "
+                  "already hold checkpoints of an earlier sweep (<point>/checkpoints); pass resume=last to continue "
+                  "them, another sweep folder (sweep.name=NAME or hydra.sweep.dir=DIR), or overwrite=true to replace "
+                  "them")
         raise SystemExit(2)  # not an Exception: Hydra would turn that into a warning and sweep on
 
 

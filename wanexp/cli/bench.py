@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from wanexp.errors import ConfigError, UserError
+from wanexp.errors import ConfigError, UserError, refuse
 from wanexp.models.family import EXPERT_FOLDERS
 from wanexp.models.wan22.layouts import MODELS
 from wanexp.perf import transformer_step_flops
@@ -680,8 +680,7 @@ def entry() -> None:
     try:
         main()
     except UserError as e:
-        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(str(e))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ final line gives the VAE's own rate and what the main thread waited for (decodin
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from wanexp.errors import ConfigError, MediaError
+from wanexp.errors import ConfigError, MediaError, refuse
 
 if TYPE_CHECKING:  # torch, the encoders and the cache's writers are imported where they are used: --help and a bad
     # override answer before torch is imported
@@ -35,17 +34,18 @@ class _Clips:
     its error (listed, then skipped)."""
 
     def __init__(self, todo):
+        from wanexp.data.media import load_clip  # av and numpy: imported once the command has something to decode
+
         self.todo = todo  # (key, sample, shape, first frame, frame stride, frame rate)
+        self.load_clip = load_clip
 
     def __len__(self) -> int:
         return len(self.todo)
 
     def __getitem__(self, i):
-        from wanexp.data.media import load_clip
-
         key, sample, (frames, height, width), start, stride, fps = self.todo[i]
         try:
-            return key, sample, start, load_clip(sample, frames, height, width, stride, start=start, fps=fps)
+            return key, sample, start, self.load_clip(sample, frames, height, width, stride, start=start, fps=fps)
         except (MediaError, OSError, ValueError) as e:
             return key, sample, start, str(e).strip().splitlines()[-1]
 
@@ -219,8 +219,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
         raise ConfigError(f"data.datasets.{random_windows[0]}.window=random draws a new window every epoch, which no "
                           "cache can hold; cache window=uniform or chunks, or train online")
     samples, shapes, starts, _ = dm.items()
-    strides = dm.item_stride or [dm.frame_stride] * len(samples)  # each dataset's own (data.datasets)
-    rates = dm.item_fps or [dm.fps] * len(samples)
+    strides, rates = dm.item_stride, dm.item_fps  # each item's dataset's own (data.datasets)
     keys = dm.cache_keys(samples, shapes, starts, strides, rates)
     index = CacheIndex(dm.cache_dir)
     latents, texts = {}, {}
@@ -298,8 +297,7 @@ def cache_cli(cfg: DictConfig) -> None:
         line = stop_line(e, cfg.data.cache_dir, **CACHE_DISK_FULL)
         if line is None:
             raise
-        print(f"wanexp: error: {line}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(line)
     per = ""
     if s.get("latents"):
         per = (f"; per sample {s['latent_bytes'] / s['latents'] / 2**20:.2f} MiB latents + "

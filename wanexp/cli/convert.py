@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wanexp.errors import ConfigError
+from wanexp.errors import ConfigError, say_error
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         lines = convert_original(args.src, args.dst, MODELS[args.model].name, vae_config=args.vae_config,
                                  max_shard_size=args.max_shard_size)
     except ConfigError as e:
-        print(f"wanexp: error: {e}", file=sys.stderr)
+        say_error(str(e))
         return 2
     print(f"wrote {args.dst} (diffusers format, --model {args.model}):")
     for line in lines:

@@ -16,10 +16,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
-from wanexp.errors import ConfigError, UserError
+from wanexp.errors import ConfigError, UserError, refuse
 
 EXPERT_FOLDER = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
 
@@ -49,8 +48,7 @@ def main(argv=None) -> Path:
     try:
         return bake(args) if args.command == "bake" else combine(args)
     except UserError as e:
-        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(str(e))
 
 
 def entry() -> None:

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from wanexp.errors import ConfigError, UserError
+from wanexp.errors import ConfigError, UserError, refuse
 
 OPTIONS = """wanexp-plan options (before or among the overrides):
   --no-calibrate       counts, cache and disk only (CPU, seconds); the default calibrates where a GPU is present
@@ -203,7 +203,7 @@ def resume_point(cfg: DictConfig) -> dict | None:
     if ckpt is None:
         return None
     kind = checkpoint_kind(ckpt, cfg.parallel.name)
-    saved = read_resume_checkpoint(ckpt, cfg.parallel.name) or {}
+    saved = read_resume_checkpoint(ckpt, cfg.parallel.name)
     step = saved.get("global_step")
     return {"checkpoint": str(Path(ckpt).resolve()), "kind": kind, "steps_done": None if step is None else int(step),
             "epoch": saved.get("epoch")}
@@ -810,17 +810,16 @@ def plan_cli(cfg: DictConfig, opts: dict) -> None:
         plan = make_plan(cfg, opts)
     except UserError as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
-        print(f"wanexp: error: {lines[-1]}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(lines[-1])
     if not plan:
         return
     path = Path(opts["json"]) if opts["json"] else plan_dir(cfg) / f"{str(cfg.run_name).replace('/', '_')}.json"
     print(report(plan), flush=True)
     print(f"wanexp: plan written to {write_json(plan, path.resolve())}", flush=True)
     if plan["problems"]:
-        for p in plan["problems"]:
+        for p in plan["problems"][:-1]:
             print(f"wanexp: error: {p}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(plan["problems"][-1])  # the last also in torchrun's error file
 
 
 def main() -> None:
@@ -831,8 +830,7 @@ def main() -> None:
     try:
         opts, rest = split_options(sys.argv[1:])
     except ConfigError as e:
-        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(str(e))
     sys.argv[1:] = rest
     hydra_main(lambda cfg: plan_cli(cfg, opts))
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-from wanexp.errors import ConfigError, MediaError, UserError
+from wanexp.errors import ConfigError, MediaError, UserError, refuse
 
 # The sampling functions live in wanexp.sampling (the validation callback uses them too), imported where they are
 # used: --help and a bad argument answer before torch or diffusers is imported.
@@ -167,8 +166,7 @@ def main(argv=None) -> dict:
     try:
         return _main(args)
     except UserError as e:
-        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(str(e))
 
 
 def _main(args) -> dict:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from wanexp.errors import UserError
+from wanexp.errors import UserError, say_error
 
 STALE_S = 600
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             if not sys.stdout.isatty():
                 print()
     except UserError as e:
-        print(f"wanexp: error: {e}", file=sys.stderr, flush=True)
+        say_error(str(e))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -27,7 +27,7 @@ def check_boundary(cfg: DictConfig) -> None:
 def check_booleans(cfg: DictConfig, overrides) -> None:
     """A true/false key given on the command line takes true or false. OmegaConf's bool nodes also convert any
     integer (2 is true, 0 false) and yes/no/on/off, so each override's value is read as Hydra parsed it, before that
-    conversion, and held to the type of the key it sets."""
+    conversion, and held to the type of the key it sets (an interpolation, ``${...}``, is held by OmegaConf)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf.nodes import BooleanNode
 
@@ -39,6 +39,8 @@ def check_booleans(cfg: DictConfig, overrides) -> None:
         if not isinstance(parent, DictConfig) or leaf not in parent:
             continue
         value = o.value()
+        if isinstance(value, str) and "${" in value:  # an interpolation: OmegaConf checks what it resolves to
+            continue
         if isinstance(parent._get_node(leaf), BooleanNode) and value is not None and not isinstance(value, bool):
             raise ConfigError(f"{o.key_or_group}={o.get_value_element_as_str()}: must be true or false")
 

@@ -38,6 +38,7 @@ from wanexp.data.media import load_clip
 from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
 from wanexp.data.prompts import prompt_dataset, prompt_items
 from wanexp.context import RunContext
+from wanexp.disk import write_atomic
 from wanexp.errors import ConfigError, MediaError
 from wanexp.data.probe import nearest_resolution, probe_samples  # (probe assigns buckets the same way)
 from wanexp.data.windows import RANDOM_START, expand, random_start
@@ -382,6 +383,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.sampler = _Epoch()
         self.steps_done: Callable[[], int] | None = None  # the data position (see ``follow``)
         self.accumulate = 1
+        self._counts: dict | None = None  # bucket_counts, counted on first use
 
     def follow(self, steps_done: Callable[[], int], accumulate: int) -> None:
         """Take the data position from the optimizer steps done (the trainer's global step), read as each pass over
@@ -449,12 +451,13 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def bucket_counts(self) -> dict:
         """Each bucket's (samples an epoch holds, repeats that fill its last step, batches per rank): the same in
-        every epoch."""
-        out = {}
-        for key, idx in self._groups().items():
-            fill = sum(self._fill_shares(key, idx).values())
-            out[key] = (len(idx), fill, (len(idx) + fill) // self._per_step(key))
-        return out
+        every epoch, so counted once (``len`` is asked for every pass and every data position)."""
+        if self._counts is None:
+            self._counts = {}
+            for key, idx in self._groups().items():
+                fill = sum(self._fill_shares(key, idx).values())
+                self._counts[key] = (len(idx), fill, (len(idx) + fill) // self._per_step(key))
+        return dict(self._counts)
 
     def trained(self) -> dict[int, tuple[int, int]]:
         """Each dataset's (``owners``) samples per epoch, all ranks, and how many of them are repeats that fill a
@@ -499,15 +502,6 @@ def collate(items: list[dict]) -> dict:
              if k in items[0]}
     return dict(batch, prompt=[it["prompt"] for it in items], index=torch.tensor([it["index"] for it in items]),
                 rejected=[r for it in items for r in it.get("rejected", ())])
-
-
-def _write_lines(path: Path, lines: list[str]) -> None:
-    """A file of lines, written under a temporary name and renamed (readers never see a partial list)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
 
 
 class WanDataModule(L.LightningDataModule):
@@ -740,7 +734,7 @@ class WanDataModule(L.LightningDataModule):
         if self._held_rejects is not None:
             self._held_rejects.append((self.rejects_path, lines))
         else:
-            _write_lines(self.rejects_path, lines)
+            write_atomic(self.rejects_path, "".join(lines))
 
     def hold_rejects(self) -> None:
         """Keep the reject lists in memory until :meth:`write_held_rejects`: a run writes nothing into its folder
@@ -749,7 +743,7 @@ class WanDataModule(L.LightningDataModule):
 
     def write_held_rejects(self) -> None:
         for path, lines in self._held_rejects or []:
-            _write_lines(path, lines)
+            write_atomic(path, "".join(lines))
         if self._held_rejects:
             self._held_rejects.clear()  # shared with the per-dataset copies (_child)
 

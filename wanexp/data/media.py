@@ -106,8 +106,9 @@ def _decode_video(
             available = resampled_frames(int(stream.frames), src, fps)
             start, stride = fit_window(available, num_frames, stride, start) or (start, stride)
         wanted = [source_frame(start + i * stride, src, fps) for i in range(num_frames)]
+        keep = set(wanted)
         for index, frame in enumerate(container.decode(stream)):
-            if index in wanted:
+            if index in keep:
                 taken[index] = frame.to_ndarray(format="rgb24")
                 if index >= wanted[-1]:
                     break
