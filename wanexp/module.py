@@ -24,7 +24,7 @@ from wanexp.objectives.base import Objective
 from wanexp.optim import build_optimizer, lr_lambda
 
 
-class WanModule(L.LightningModule):
+class DiffusionModule(L.LightningModule):
     def __init__(self, spec: ModelSpec, adapter, objective: Objective, boundary: dict, optimizer: Callable, lr: float,
                  schedule: dict, max_steps: int = -1, load_encoders: bool = True, allow_resume_changes: bool = False,
                  max_bad_steps: int = 10, seed: int = 0, context: RunContext | None = None):
@@ -423,7 +423,7 @@ def _readable(spec: ModelSpec, what: str, load, *args):
         raise unreadable_weights(spec.path, what, e) from None
 
 
-def load_turns(module: WanModule, what: str = "the base") -> tuple[int, int]:
+def load_turns(module: DiffusionModule, what: str = "the base") -> tuple[int, int]:
     """(turns, this rank's turn) for loading the base into host memory; (1, 0) when every rank of a node can hold
     its full copy at once. ``parallel.concurrent_loads`` (the run context's) sets the ranks per node per turn; null
     derives it from the free host memory (the smallest over all ranks, so every rank counts the same turns).

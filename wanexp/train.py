@@ -110,7 +110,7 @@ def build_trainer(cfg: DictConfig, out: Path, context=None):
     strategy = build(strategy) if OmegaConf.is_dict(strategy) else strategy
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     if kwargs.get("profiler") is None:  # times the loader wait per step (perf/loader_wait_frac)
-        from wanexp.callbacks.status import LoaderWait
+        from wanexp.callbacks.status_file import LoaderWait
 
         kwargs["profiler"] = LoaderWait()
     if cfg.parallel.name != "deepspeed":  # DeepSpeed writes its own checkpoint folders
@@ -275,7 +275,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
 
     from wanexp.callbacks.lora_export import LoraExport
     from wanexp.context import RunContext
-    from wanexp.module import WanModule
+    from wanexp.module import DiffusionModule
     from wanexp.optim import scaled_lr
 
     # The run-wide facts, built once and handed to the datamodule, the module and the callbacks (wanexp/context.py)
@@ -334,7 +334,7 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
         epoch = dm.epoch_line(dp_size)  # each dataset's samples per epoch, a bucket's last step filled on these ranks
         if epoch:
             print(f"wanexp: data: samples per epoch: {epoch}", flush=True)
-    module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
+    module = DiffusionModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        max_steps=int(cfg.trainer.max_steps or -1), load_encoders=not dm.cached,
                        allow_resume_changes=bool(cfg.allow_resume_changes),

@@ -47,7 +47,7 @@ if os.environ.get("WANEXP_TEST_FREE_HOST_BYTES"):
 if os.environ.get("WANEXP_TEST_LOAD_LOG"):
     import wanexp.module as _module
 
-    _build = _module.WanModule._build_and_place
+    _build = _module.DiffusionModule._build_and_place
 
     def _logged_build(self, *args, **kwargs):
         t0 = time.monotonic()
@@ -56,4 +56,4 @@ if os.environ.get("WANEXP_TEST_LOAD_LOG"):
         with open(os.environ["WANEXP_TEST_LOAD_LOG"], "a") as f:
             f.write(f"{self.global_rank} {t0} {time.monotonic()}\n")
 
-    _module.WanModule._build_and_place = _logged_build
+    _module.DiffusionModule._build_and_place = _logged_build

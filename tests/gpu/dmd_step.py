@@ -2,7 +2,7 @@
 
     python tests/gpu/dmd_step.py --model-path DIR [--frames 17] [--steps 8] [--json F]
 
-The generator and critic steps run as WanModule._manual_step does (the default objective=dmd config: student steps
+The generator and critic steps run as DiffusionModule._manual_step does (the default objective=dmd config: student steps
 1000/750/500/250, CFG 6, one base serving as teacher, generator and critic), under bf16 autocast with the fused AdamW
 of each adapter; the text embeddings are random (no UMT5 needed). Prints the median step time of each phase, the peak
 memory, and then the relative output error of one forward with fp16 and bf16 base weights against fp32.
@@ -20,13 +20,13 @@ import torch
 
 def build_module(model_path: str, overrides: list[str]):
     from wanexp.config import compose
-    from wanexp.module import WanModule
+    from wanexp.module import DiffusionModule
     from wanexp.train import build
 
     cfg = compose(["model=ti2v5b", f"model.path={model_path}", "objective=dmd", "model.first_frame_cond=0.5",
                    *overrides])
     o = cfg.optim
-    module = WanModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
+    module = DiffusionModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
                        optimizer=build(o.optimizer), lr=o.lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False)
     module.configure_model()

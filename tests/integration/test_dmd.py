@@ -22,13 +22,13 @@ DMD_FAST = ["objective=dmd", "objective.generator_every=1", "objective.generator
 
 
 def _module(shared_dir, extra=()):
-    from wanexp.module import WanModule
+    from wanexp.module import DiffusionModule
 
     cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", *DMD_FAST, *extra])
     spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
     ensure_tiny_model(spec)
     o = cfg.optim
-    module = WanModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=o.lr,
+    module = DiffusionModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=o.lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False)
     torch.manual_seed(0)  # the LoRA A matrices are drawn at random
     module.configure_model()

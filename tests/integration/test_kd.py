@@ -19,14 +19,14 @@ def test_student_blocks_are_spread_over_the_teacher():
 
 
 def _kd_module(shared_dir, extra=()):
-    """A WanModule with objective=kd on the tiny model (configured: teacher loaded, student built), and its spec."""
-    from wanexp.module import WanModule
+    """A DiffusionModule with objective=kd on the tiny model (configured: teacher loaded, student built), and its spec."""
+    from wanexp.module import DiffusionModule
 
     cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd", *extra])
     spec = build(cfg.model)
     ensure_tiny_model(spec)
     o = cfg.optim
-    module = WanModule(spec, build(cfg.adapter), build(cfg.objective), cfg.boundary, optimizer=build(o.optimizer),
+    module = DiffusionModule(spec, build(cfg.adapter), build(cfg.objective), cfg.boundary, optimizer=build(o.optimizer),
                        lr=o.lr, schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                        load_encoders=False)
     module.configure_model()

@@ -157,11 +157,11 @@ def _deepspeed_checkpoint(lightning_ckpt: Path, folder: Path, model_states: str)
 
 
 def _module(cfg):
-    """The run's WanModule as wanexp.train builds it (nothing loaded: the model is configured by the fit)."""
-    from wanexp.module import WanModule
+    """The run's DiffusionModule as wanexp.train builds it (nothing loaded: the model is configured by the fit)."""
+    from wanexp.module import DiffusionModule
 
     o = cfg.optim
-    return WanModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
+    return DiffusionModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
                      optimizer=build(o.optimizer), lr=o.lr,
                      schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
                      max_steps=int(cfg.trainer.max_steps))

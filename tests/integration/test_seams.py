@@ -48,7 +48,7 @@ def test_gradient_checkpointing_is_on_when_configured(shared_dir):
     assert counts["true"] < counts["false"] / 2, counts
 
 
-@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])  # bf16-mixed clips in WanModule (fused-safe path)
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])  # bf16-mixed clips in DiffusionModule (fused-safe path)
 def test_gradient_clipping_is_applied_and_lr_scales_with_the_effective_batch(shared_dir, tmp_path, precision):
     r = tiny_run(shared_dir, tmp_path / "run", [
         "model=tiny", "+callbacks.grad_probe._target_=tests.helpers.GradNormProbe", "trainer.max_steps=3",

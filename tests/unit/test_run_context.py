@@ -32,7 +32,7 @@ def test_the_context_is_frozen_and_checks_its_group_size():
 
 
 def test_hand_over_reaches_the_parts_that_take_it_and_the_status_callback_is_one():
-    from wanexp.callbacks.status import RunStatus
+    from wanexp.callbacks.status_file import RunStatus
 
     ctx = RunContext(sp_size=4, concurrent_loads=2)
     status, other = RunStatus(output_dir="unused", run_name="x"), SimpleNamespace()

@@ -136,13 +136,13 @@ def test_each_data_parallel_rank_draws_its_own_noise_and_a_sequence_group_shares
     from types import SimpleNamespace
 
     from wanexp.context import RunContext
-    from wanexp.module import WanModule
+    from wanexp.module import DiffusionModule
 
     def seed_after_setup(rank: int, sp: int) -> int:
         torch.manual_seed(7)  # what seed_everything(7) left on every rank
         fake = SimpleNamespace(seed=7, run_context=RunContext(sp_size=sp),
                                trainer=SimpleNamespace(global_rank=rank, world_size=4))
-        WanModule.setup(fake, "fit")
+        DiffusionModule.setup(fake, "fit")
         return torch.initial_seed()
 
     assert seed_after_setup(0, 1) == 7  # rank 0 keeps the run's seed (one-process runs unchanged)

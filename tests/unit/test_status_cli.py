@@ -370,7 +370,7 @@ def _status_run(monkeypatch, folder: Path, clock: _Clock, step: int = 0, warmup:
     and its first batch (the step-0 validation); ``logged``: the perf/* metrics of each log step, appended there."""
     import torch
 
-    from wanexp.callbacks import status as status_mod
+    from wanexp.callbacks import status_file as status_mod
     from wanexp.optim import lr_lambda
 
     monkeypatch.setattr(status_mod, "time", types.SimpleNamespace(time=clock, perf_counter=clock, monotonic=clock))

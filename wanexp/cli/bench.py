@@ -12,7 +12,7 @@
                   checkpointed with --ckpt as the eager loops are (diffusers' enable_gradient_checkpointing: each
                   compiled block under torch.utils.checkpoint).
     wanexp        the project's step as `python train.py` builds it from the default config (+ --set overrides):
-                  WanModule with its spec (fast modulation, compiled blocks, attention backend as configured), adapter,
+                  DiffusionModule with its spec (fast modulation, compiled blocks, attention backend as configured), adapter,
                   objective (sigma, noise and first-frame draws, TI2V conditioning, masked loss) and the configured
                   optimizer through wanexp.optim.build_optimizer (fused AdamW on a GPU); forward under autocast as
                   trainer.precision=bf16-mixed runs it. What is not timed: Lightning's loop, logging and callbacks.
@@ -197,7 +197,7 @@ def plain_step(args, device, data, per_token: bool, compiled: bool = False, mode
 # ---- wanexp's step -----------------------------------------------------------------------------------------------
 def wanexp_module(args, device):
     from wanexp.config import compose
-    from wanexp.module import WanModule
+    from wanexp.module import DiffusionModule
     from wanexp.train import build
 
     overrides = [f"model={args.model}", f"model.path={args.model_path}", f"model.gradient_checkpointing={args.ckpt}",
@@ -205,7 +205,7 @@ def wanexp_module(args, device):
                  *([] if _dense(args.model) else [f"boundary={args.boundary}"]), *args.set]
     cfg = compose(overrides)
     o = cfg.optim
-    module = WanModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
+    module = DiffusionModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
                        optimizer=build(o.optimizer), lr=o.lr,
                        schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False,
                        max_steps=1000)

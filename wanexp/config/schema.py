@@ -202,7 +202,7 @@ class OptimConfig:
 # ---- data ------------------------------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
-    _target_: str = "wanexp.data.datamodule.WanDataModule"
+    _target_: str = "wanexp.data.datamodule.MediaDataModule"
     name: str = MISSING
     metadata: str = MISSING
     root: Optional[str] = MISSING  # media paths resolve against this folder; null = the metadata file's folder
@@ -244,7 +244,7 @@ class DDPConfig:
 
 @dataclass
 class FSDPConfig:
-    _target_: str = "wanexp.parallel.fsdp.WanFSDPStrategy"
+    _target_: str = "wanexp.parallel.fsdp.BlockFSDPStrategy"
     sharding_strategy: str = knob(MISSING, choices=FSDP_SHARDING)
     cpu_offload: bool = MISSING
     param_dtype: str = knob(MISSING, choices=FSDP_PARAM_DTYPES)
@@ -342,7 +342,7 @@ class LoraExportConfig:
 
 @dataclass
 class RunStatusConfig:
-    _target_: str = "wanexp.callbacks.status.RunStatus"
+    _target_: str = "wanexp.callbacks.status_file.RunStatus"
     output_dir: str = MISSING
     run_name: str = MISSING
     every_s: float = knob(MISSING, gt=0.0, doc="status.json is rewritten at most this often (seconds)")

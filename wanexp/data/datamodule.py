@@ -504,7 +504,7 @@ def collate(items: list[dict]) -> dict:
                 rejected=[r for it in items for r in it.get("rejected", ())])
 
 
-class WanDataModule(L.LightningDataModule):
+class MediaDataModule(L.LightningDataModule):
     _held_rejects: list[tuple[Path, list[str]]] | None = None  # hold_rejects(): (file, lines) not yet written
 
     def __init__(self, *, name: str, metadata: str, root: str | None, num_frames: int, height: int, width: int,
@@ -660,7 +660,7 @@ class WanDataModule(L.LightningDataModule):
         part = self.parts[p]
         return {"metadata": str(part.metadata), "items": len(items), "repeat": part.repeat}
 
-    def _child(self, part: Part) -> "WanDataModule":
+    def _child(self, part: Part) -> "MediaDataModule":
         """This datamodule with one dataset's settings, to read, probe and window that dataset (rejects: in
         ``rejects-<name>.jsonl`` beside data.rejects)."""
         child = copy.copy(self)

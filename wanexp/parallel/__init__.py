@@ -2,8 +2,8 @@
 
     parallel=single    "auto" (Lightning picks the one device)
     parallel=ddp       ddp(...)                       -> lightning DDPStrategy
-    parallel=fsdp      fsdp.WanFSDPStrategy(...)      -> FSDP2 per transformer block
-    parallel=deepspeed deepspeed(...)                 -> zero.WanDeepSpeedStrategy (Lightning's DeepSpeedStrategy)
+    parallel=fsdp      fsdp.BlockFSDPStrategy(...)      -> FSDP2 per transformer block
+    parallel=deepspeed deepspeed(...)                 -> zero.ZeroStrategy (Lightning's DeepSpeedStrategy)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def deepspeed(*, stage: int, offload_optimizer: bool = False, offload_parameters
               **kwargs):
     """ZeRO ``stage`` 1-3 with optional CPU offload of the optimizer state and (stage 3) of the parameters; the
     config and what differs from Lightning's defaults are in wanexp/parallel/zero.py."""
-    from wanexp.parallel.zero import WanDeepSpeedStrategy
+    from wanexp.parallel.zero import ZeroStrategy
 
-    return WanDeepSpeedStrategy(stage=stage, offload_optimizer=offload_optimizer,
+    return ZeroStrategy(stage=stage, offload_optimizer=offload_optimizer,
                                 offload_parameters=offload_parameters, timeout_s=timeout_s, **kwargs)

@@ -17,7 +17,7 @@ from wanexp.config.schema import DTYPES
 RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}  # keys: config.schema.FSDP_SHARDING
 
 
-class WanFSDPStrategy(ModelParallelStrategy):
+class BlockFSDPStrategy(ModelParallelStrategy):
     def __init__(self, *, sharding_strategy: str, cpu_offload: bool, param_dtype: str, timeout_s: int, **kwargs):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
                          timeout=timedelta(seconds=timeout_s), **kwargs)

@@ -42,7 +42,7 @@ POINTER_FORMAT = "wanexp-deepspeed-checkpoint"
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO 1/2, ZeRO-3
 BUCKET = 200_000_000  # elements per reduce / all-gather bucket (DeepSpeed's default)
 
-# WanModule.configure_gradient_clipping is overridden for the other strategies; under DeepSpeed it lands in
+# DiffusionModule.configure_gradient_clipping is overridden for the other strategies; under DeepSpeed it lands in
 # DeepSpeedPrecision.clip_gradients, a no-op, and DeepSpeed clips by the config's gradient_clipping instead.
 warnings.filterwarnings("ignore", message=r".*DeepSpeed handles gradient clipping internally.*")
 
@@ -79,7 +79,7 @@ def zero_config(stage: int, offload_optimizer: bool = False, offload_parameters:
     }
 
 
-class WanDeepSpeedStrategy(DeepSpeedStrategy):
+class ZeroStrategy(DeepSpeedStrategy):
     def __init__(self, *, stage: int, offload_optimizer: bool, offload_parameters: bool, timeout_s: int,
                  **kwargs):
         super().__init__(config=zero_config(stage, offload_optimizer, offload_parameters),
