@@ -318,6 +318,14 @@ class ModelSpec:
         """Return (hidden_states, timestep, loss_mask or None) for the DiT."""
         raise NotImplementedError
 
+    # ---- [seam: adapters] adapter naming and external key maps (wanexp.adapters asks these) ---------------------
+
+    # ---- [seam: conditioning] experts, encoders, per-sample inputs, the transformer call, sequence parallel ------
+
+    # ---- [seam: shapes, memory, FLOPs] shape rules, the memory and FLOP formulas the planner and perf read ------
+
+    # ---- [seam: generation, bench, conversion] the sampling pipeline, the plain reference loop, converters -----
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"
 

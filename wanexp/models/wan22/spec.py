@@ -56,6 +56,14 @@ class WanSpec(ModelSpec):
     def compute_dtype(self, transformer) -> torch.dtype:
         return transformer.patch_embedding.weight.dtype  # stays in the base dtype under FP8 and sharding
 
+    # ---- [seam: adapters] ----------------------------------------------------------------------------------------
+
+    # ---- [seam: conditioning] ------------------------------------------------------------------------------------
+
+    # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
+
+    # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
+
     def write_random_model(self, folder, device="cpu", dtype=torch.float32) -> None:
         from wanexp.models.wan22.build import build_components, save_pipeline_folder
 
