@@ -21,7 +21,7 @@ import torch
 
 from wanexp.lora import LoraAdapter, use_adapter
 from wanexp.models.denoiser import Denoiser
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 
 COLOURS = {"A": (1.0, -1.0, 0.5, 0.0), "B": (-1.0, 1.0, 0.5, 0.0)}  # c0 - c1: +2 and -2
 BACKGROUND = -0.5

@@ -198,7 +198,7 @@ def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, i
     ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline.
     ``embeds``: the (prompt, negative prompt) UMT5 embeddings, each (text_len, D), for a pipeline built without its
     text encoder (validation reads them from the cache). The decode is tiled (:func:`tiled`)."""
-    from wanexp.models.encode import decode_latents
+    from wanexp.models.wan22.encoders import decode_latents
 
     record.clear()
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -446,8 +446,8 @@ def adapter(modules, name: str | None):
 
 def encode_batch(batch: dict, encoders, device) -> "object":
     """A loader batch on ``device`` as an EncodedBatch: cached latents and text as they are, else through
-    ``encoders`` (wanexp.models.encode.Encoders)."""
-    from wanexp.models.encode import cached_batch
+    ``encoders`` (wanexp.models.encoders.Encoders)."""
+    from wanexp.models.encoders import cached_batch
 
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     if "latents" in batch:
@@ -458,7 +458,7 @@ def encode_batch(batch: dict, encoders, device) -> "object":
 def encode_prompts(spec, prompts: list[str], device, encoders=None) -> dict[str, torch.Tensor]:
     """Each prompt's UMT5 embedding (text_len, D), on the CPU: with ``encoders``' text encoder, else with the one in
     model.path, loaded for this call and freed after it."""
-    from wanexp.models.encode import encode_text
+    from wanexp.models.wan22.encoders import encode_text
 
     if encoders is not None:
         te, tok = encoders.text_encoder, encoders.tokenizer
@@ -470,6 +470,6 @@ def encode_prompts(spec, prompts: list[str], device, encoders=None) -> dict[str,
 
 
 def make_encoders(vae, text_encoder, tokenizer, spec):
-    from wanexp.models.encode import Encoders
+    from wanexp.models.wan22.encoders import WanEncoders as Encoders
 
     return Encoders(vae, text_encoder, tokenizer, spec.text_len, spec.needs_image_latent)

@@ -13,7 +13,7 @@ from tests.integration.conftest import tiny_run
 from wanexp.lora import use_adapter
 from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.denoiser import Prediction
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 from wanexp.objectives.dmd import DMD
 from wanexp.train import build
 

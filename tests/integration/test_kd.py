@@ -8,7 +8,7 @@ import torch
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 from wanexp.objectives.kd import teacher_block_for
 from wanexp.train import build
 

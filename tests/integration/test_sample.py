@@ -167,7 +167,7 @@ def test_an_image_is_the_first_frame_of_a_ti2v_sample_cropped_as_training_crops(
     import warnings
 
     from wanexp.data.media import load_clip
-    from wanexp.models.encode import encode_video
+    from wanexp.models.wan22.encoders import encode_video
 
     r = trained("tiny")
     d = r["cfg"].data
@@ -195,7 +195,7 @@ def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path,
     """I2V-A14B layout: the transformers' 16 image-condition channels are the latents of [image, zeros] with the image
     cropped as training crops it (what training feeds them), at every call; another image gives another condition."""
     from wanexp.data.media import load_clip
-    from wanexp.models.encode import encode_image_condition
+    from wanexp.models.wan22.encoders import encode_image_condition
 
     r = trained("tiny_i2v14b")
     d = r["cfg"].data

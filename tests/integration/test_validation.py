@@ -236,7 +236,7 @@ def test_validation_images_condition_every_video_cropped_as_training_crops(share
     image-condition channels are that image's latents, in every transformer call of the base and the LoRA."""
     import wanexp.sampling
     from wanexp.data.media import load_clip
-    from wanexp.models.encode import encode_image_condition, encode_video
+    from wanexp.models.wan22.encoders import encode_image_condition, encode_video
 
     seen: list[torch.Tensor] = []
     generate = wanexp.sampling.generate

@@ -97,6 +97,11 @@ class ToySpec(ModelSpec):
     def model_inputs(self, x_t, x0, sigma, cond):
         return x_t, 1000.0 * sigma.float(), None
 
+    def load_encoders(self):
+        from wanexp.models.wan22.encoders import WanEncoders  # the Wan VAE and UMT5 as they are
+
+        return WanEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len)
+
     def write_random_model(self, folder, device="cpu", dtype=torch.float32):
         from wanexp.models.wan22.build import build_tokenizer  # a byte-level tokenizer with T5's special tokens
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError, UserError, refuse
-from wanexp.models.family import EXPERT_FOLDERS
+from wanexp.models.wan22.spec import WanSpec
 from wanexp.models.wan22.layouts import MODELS
 from wanexp.perf import transformer_step_flops
 
@@ -65,7 +65,7 @@ LAYOUT = {model: lay for model, lay in MODELS.items() if lay.in_channels == lay.
 
 def _folder(model: str) -> str:
     """The transformer folder the bench loads (a two-expert model's high-noise expert)."""
-    return EXPERT_FOLDERS[LAYOUT[model].experts[0]]
+    return WanSpec.expert_folders[LAYOUT[model].experts[0]]
 
 
 def _dense(model: str) -> bool:
@@ -215,7 +215,7 @@ def wanexp_module(args, device):
 
 
 def wanexp_step(args, device, data, module_cfg=None):
-    from wanexp.models.encode import EncodedBatch
+    from wanexp.models.encoders import EncodedBatch
 
     module, cfg = module_cfg or wanexp_module(args, device)
     opt = module.configure_optimizers()["optimizer"]  # wanexp.optim.build_optimizer, as training builds it
@@ -322,7 +322,7 @@ def bf16_floor(refs: list[dict], exact: list[dict]) -> list[dict]:
 
 
 def check(module, data, refs, values, tol: float, floor: list[dict] | None = None) -> list[dict]:
-    from wanexp.models.encode import EncodedBatch
+    from wanexp.models.encoders import EncodedBatch
 
     named = _lora_names(module.named_parameters())
     assert sorted(n for n, _ in named) == sorted(values), "wanexp's LoRA tensors differ from the plain loop's"

@@ -45,7 +45,8 @@ class _Clips:
     def __getitem__(self, i):
         key, sample, (frames, height, width), start, stride, fps = self.todo[i]
         try:
-            return key, sample, start, self.load_clip(sample, frames, height, width, stride, start=start, fps=fps)
+            return key, sample, start, {"pixels": self.load_clip(sample, frames, height, width, stride, start=start,
+                                                                 fps=fps)}
         except (MediaError, OSError, ValueError) as e:
             return key, sample, start, str(e).strip().splitlines()[-1]
 
@@ -106,26 +107,23 @@ class Progress:
 
 
 def _encode_texts(encoders, todo: list, writer: CacheWriter, progress: Progress) -> None:
-    from wanexp.models.encode import encode_text, tokenize
+    from wanexp.models.encoders import text_rows
 
     for i in range(0, len(todo), TEXT_BATCH):
         t0 = progress.clock()
         chunk = todo[i:i + TEXT_BATCH]
-        prompts = [p for _, p in chunk]
-        emb = encode_text(encoders.tokenizer, encoders.text_encoder, prompts, encoders.text_len)
-        lengths = tokenize(encoders.tokenizer, prompts, encoders.text_len).attention_mask.sum(1).tolist()
-        for (key, _), e, n in zip(chunk, emb, lengths):
-            writer.add(key, {"text": e[:n]})
+        emb = encoders.encode_prompts([p for _, p in chunk])
+        for (key, _), e in zip(chunk, emb):
+            writer.add(key, {"text": e[:text_rows(e)]})  # the reader pads the zeros back
         progress.text_s += progress.clock() - t0
         progress.texts_done += len(chunk)
         progress.tick()
 
 
 def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, device, progress: Progress) -> list:
-    """VAE-encodes the decoded clips in loader order; returns the clips that could not be decoded (path, reason)."""
+    """Encodes the decoded clips (and their sample inputs) in loader order: the latents and every conditioning tensor
+    the family's encoders give (``<key>.<name>``); returns the clips that could not be decoded (path, reason)."""
     import torch
-
-    from wanexp.models.encode import encode_image_condition, encode_video
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cache_dtype]
     rejects = []
@@ -137,14 +135,13 @@ def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, devi
         progress.wait_decode_s += t1 - t0
         if item is None:
             return rejects
-        key, sample, start, pixels = item
-        if isinstance(pixels, str):
-            rejects.append((sample.path, pixels))
+        key, sample, start, media = item
+        if isinstance(media, str):
+            rejects.append((sample.path, media))
         else:
-            pixels = pixels[None].to(device, non_blocking=True)
-            tensors = {"latents": encode_video(encoders.vae, pixels)[0]}
-            if encoders.image_latent:
-                tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
+            batch = {name: t[None].to(device, non_blocking=True) for name, t in media.items()}
+            x0, cond = encoders.encode_media(batch)
+            tensors = {"latents": x0[0], **{name: t[0] for name, t in cond.items()}}
             tensors = {k: v.to(dtype).cpu() for k, v in tensors.items()}  # waits for the VAE: its time is the VAE's
             progress.vae_s += progress.clock() - t1
             writer.add(key, tensors, media=sample.path, start=start)  # the index says which clip (keys are hashes)

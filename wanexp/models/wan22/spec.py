@@ -59,8 +59,54 @@ class WanSpec(ModelSpec):
     # ---- [seam: adapters] ----------------------------------------------------------------------------------------
 
     # ---- [seam: conditioning] ------------------------------------------------------------------------------------
+    # A two-expert pipeline names the second (low-noise) expert's folder transformer_2.
+    expert_folders = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
+
+    def route(self, sigma, loaded):
+        """HIGH when shifted sigma >= boundary_ratio; a run that loaded one expert (dense, or one boundary of a
+        two-expert model) sends every sample to it."""
+        if len(loaded) == 1:
+            return torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
+        high = sigma >= self.boundary_ratio
+        return torch.where(high, loaded.index("high"), loaded.index("low")).long()
+
+    def expert_for_step(self, sampler, sigma_range, seed, step):
+        """The expert every rank trains at ``step`` when the experts are sharded (FSDP: a rank that ran one expert
+        while another ran the other would pair their weight all-gathers -- both experts have the same shapes -- and
+        mix them silently), and the sigma range its samples are then drawn from.
+
+        One noise level is drawn from the objective's own distribution with a generator seeded by (seed, step) --
+        the same on every rank, and again after a resume -- and its expert is the step's. Each rank then draws its
+        samples' noise levels from that distribution truncated to the expert's part of the range, so every sample's
+        noise level keeps exactly the distribution of per-sample routing; only the samples of one step share an
+        expert. ``sampler``: an object with ``sample_sigmas(n, lo, hi, generator=...)`` (objectives.FlowMatching)."""
+        lo, hi = sigma_range
+        boundary = self.boundary_ratio
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+        s = float(sampler.sample_sigmas(1, lo, hi, generator=g)[0])
+        if s >= boundary:
+            return "high", (max(lo, boundary), hi)
+        return "low", (lo, min(hi, boundary))
+
+    def load_encoders(self):
+        """The Wan VAE, UMT5 and its tokenizer (wanexp.models.wan22.encoders.WanEncoders)."""
+        from wanexp.models.wan22.encoders import WanEncoders
+
+        return WanEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len,
+                           self.needs_image_latent)
+
+    def enable_sequence_parallel(self, transformer, sp):
+        from wanexp.models.wan22 import sequence
+
+        sequence.enable(transformer, sp)
+
+    def set_sequence_parallel(self, transformer, active):
+        from wanexp.models.wan22 import sequence
+
+        sequence.set_active(transformer, active)
 
     # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
+    frame_rule = (4, 1)  # helper C owns this section
 
     # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
 
