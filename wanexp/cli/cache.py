@@ -33,11 +33,12 @@ class _Clips:
     """Decodes the clips to encode (a map-style dataset for the DataLoader); a clip that fails to decode comes back as
     its error (listed, then skipped)."""
 
-    def __init__(self, todo):
-        from wanexp.data.media import load_clip  # av and numpy: imported once the command has something to decode
+    def __init__(self, todo, load_input=None):
+        from wanexp.data.datamodule import load_media  # av and numpy: imported once the command has something to decode
 
         self.todo = todo  # (key, sample, shape, first frame, frame stride, frame rate)
-        self.load_clip = load_clip
+        self.load_media = load_media
+        self.load_input = load_input  # the family's reader of its sample inputs (ModelSpec.load_sample_input)
 
     def __len__(self) -> int:
         return len(self.todo)
@@ -45,8 +46,8 @@ class _Clips:
     def __getitem__(self, i):
         key, sample, (frames, height, width), start, stride, fps = self.todo[i]
         try:
-            return key, sample, start, {"pixels": self.load_clip(sample, frames, height, width, stride, start=start,
-                                                                 fps=fps)}
+            return key, sample, start, self.load_media(sample, frames, height, width, stride, start, fps,
+                                                       self.load_input)
         except (MediaError, OSError, ValueError) as e:
             return key, sample, start, str(e).strip().splitlines()[-1]
 
@@ -254,7 +255,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
     text_writer = CacheWriter(dm.cache_dir, "text", rank, shard, writer)
     latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard, writer)
     pin = overlap and device.type == "cuda"  # pinned pixels: their copy to the GPU does not stall the encoder
-    loader = DataLoader(_Clips(todo_latents), batch_size=None, num_workers=dm.num_workers, pin_memory=pin)
+    loader = DataLoader(_Clips(todo_latents, dm.load_input), batch_size=None, num_workers=dm.num_workers, pin_memory=pin)
     try:
         # the loader's workers start decoding clips now, while the text encoder runs
         clips = iter(loader) if overlap else None
