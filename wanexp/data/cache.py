@@ -1,4 +1,4 @@
-"""The latent/text cache: VAE latents and UMT5 embeddings, encoded once (``python -m wanexp.cli.cache``), read by training.
+"""The latent/text cache: the latents and prompt embeddings of the family's encoders, encoded once (``python -m wanexp.cli.cache``), read by training.
 
 Format (readable without wanexp: safetensors + JSON lines)::
 

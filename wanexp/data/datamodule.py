@@ -857,7 +857,7 @@ class MediaDataModule(L.LightningDataModule):
         return getattr(self.encoders, "load_sample_input", None)
 
     def text_cache_key(self, prompt: str) -> str:
-        """The cache key of a prompt's UMT5 embedding (training captions and validation prompts alike)."""
+        """The cache key of a prompt's text embedding (training captions and validation prompts alike)."""
         e = self.encoders
         if self._text_id is None:
             self._text_id = folder_identity(e.text_encoder, e.text_dtype) + "+" + folder_identity(e.tokenizer)

@@ -1,6 +1,6 @@
 """Knowledge distillation into a smaller student DiT (``objective=kd``): full fine-tuning, the teacher frozen.
 
-The student is a ``WanTransformer3DModel`` with the teacher's config and the overrides in ``objective.student``
+The student is the family's DiT class with the teacher's config and the overrides in ``objective.student``
 (fewer layers, another width); ``num_layers: null`` halves the teacher's. It starts from the teacher where shapes
 allow: student block i copies teacher block round(i * (L_t - 1) / (L_s - 1)) (evenly spaced, first and last kept),
 and the embeddings, output head and modulation tables are copied when their shapes match; the rest keeps its random
