@@ -1,5 +1,6 @@
-"""The latent/text cache: the latents and prompt embeddings of the family's encoders, encoded once (``python -m wanexp.cli.cache``), read by training.
+"""The latent/text cache: the family's latents, conditioning and prompt embeddings, encoded once, read by training.
 
+(``python -m wanexp.cli.cache`` writes it.)
 Format (readable without wanexp: safetensors + JSON lines)::
 
     <cache_dir>/latent-r<rank>-<n>.safetensors   tensors "<key>.latents" (C, F, H, W) + "<key>.<name>" for every
