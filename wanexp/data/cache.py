@@ -1,6 +1,7 @@
 """The latent/text cache: the family's latents, conditioning and prompt embeddings, encoded once, read by training.
 
 (``python -m wanexp.cli.cache`` writes it.)
+
 Format (readable without wanexp: safetensors + JSON lines)::
 
     <cache_dir>/latent-r<rank>-<n>.safetensors   tensors "<key>.latents" (C, F, H, W) + "<key>.<name>" for every

@@ -106,7 +106,8 @@ def _part(entry, name: str, top: dict, frame_rule: tuple[int, int] = (1, 0)) -> 
             raise ConfigError(f"{where}.{key}={v[key]!r}: must be an integer >= {low}")
     m, r = frame_rule
     if v["num_frames"] % m != r:
-        raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be {m}k+{r} (e.g. {v['num_frames'] // m * m + r})")
+        raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be {m}k+{r} "
+                          f"(e.g. {v['num_frames'] // m * m + r})")
     fps = v.get("fps")
     if fps is not None and (not isinstance(fps, int) or isinstance(fps, bool) or fps < 1):
         raise ConfigError(f"{where}.fps={fps!r}: must be an integer >= 1 (the frame rate its clips are resampled "
