@@ -33,11 +33,11 @@ ALLOWED = {
     "data": {"errors", "config", "text", "context", "disk"},  # disk: a full disk while caching is one line
     "parallel": {"config", "errors"},
     "module": {"errors", "models", "objectives", "optim", "rng", "lora", "context", "lightning_compat"},
-    "sampling": {"errors", "models", "data", "lora", "objectives"},
-    "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
+    "generation": {"errors", "models", "data", "lora", "objectives"},
+    "callbacks": {"errors", "generation", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
               "data", "gpu_check", "parallel"},  # data: the prompts-only check; parallel: a DeepSpeed resume's file
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "generation", "lora", "context",
             "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
 }
 

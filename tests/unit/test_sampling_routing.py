@@ -1,9 +1,9 @@
-"""wanexp.sampling.expert_routing: which expert (and adapter) serves each sampling step, as training routed."""
+"""wanexp.generation.expert_routing: which expert (and adapter) serves each sampling step, as training routed."""
 from __future__ import annotations
 
 import pytest
 
-from wanexp.sampling import expert_routing
+from wanexp.generation import expert_routing
 
 A14B = ["high", "low"]
 STUDENT = [1000.0, 937.5, 833.3, 625.0]  # timesteps of four sampling steps, two on each side of t = 875

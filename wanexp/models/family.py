@@ -121,11 +121,6 @@ class ModelSpec:
     vae_class: str = ""
     text_encoder_class: str = ""
     tokenizer_class: str = "transformers.AutoTokenizer"
-    # Validation videos and cli/sample: the diffusers pipeline class, its extra arguments, and the pipeline of an
-    # image-to-video sample (a first frame given); "": none.
-    pipeline_class: str = ""
-    pipeline_extras: dict = {}
-    image_pipeline_class: str = ""
 
     def __init__(
         self,
@@ -368,6 +363,44 @@ class ModelSpec:
     frame_rule: tuple[int, int] = (1, 0)  # helper C owns this section
 
     # ---- [seam: generation, bench, conversion] the sampling pipeline, the plain reference loop, converters -----
+    # What `python -m wanexp.cli.convert` can turn into this family's diffusers-format folder: a source layout's name
+    # -> ``package.module.function(src, dst, layout, **options) -> lines`` (ModelSpec.convert).
+    converters: dict = {}
+
+    def load_pipeline(self, device, dtype, image: bool):
+        """The family's sampling pipeline (``wanexp.models.pipeline.Pipeline``) loaded whole from ``model.path``
+        (``wanexp-sample``); ``image``: an image-to-video sample (a first frame given)."""
+        raise ConfigError(f"model={self.name}: its family provides no sampling pipeline")
+
+    def make_pipeline(self, transformers: dict, vae, scheduler, image: bool):
+        """The family's sampling pipeline around modules already in memory (validation: the run's transformers,
+        expert name -> module, and its VAE; prompts come as embeddings), nothing loaded or copied."""
+        raise ConfigError(f"model={self.name}: its family provides no sampling pipeline")
+
+    def load_scheduler(self):
+        """The sampling scheduler the model folder ships."""
+        raise ConfigError(f"model={self.name}: its family provides no sampling scheduler")
+
+    def encode_prompts(self, prompts: list[str], device, encoders=None) -> dict:
+        """Each prompt's text embedding (text_len, D) on the CPU: with ``encoders`` (the run's), else with the text
+        encoder of ``model.path``, loaded for this call and freed after it."""
+        raise ConfigError(f"model={self.name}: its family provides no prompt encoding")
+
+    @classmethod
+    def convert(cls, source: str, src, dst, **options) -> list[str]:
+        """Write this layout's diffusers-format folder at ``dst`` from ``src`` in the ``source`` layout (one of
+        ``converters``); returns one line per written component."""
+        if source not in cls.converters:
+            have = ", ".join(sorted(cls.converters)) or "none"
+            raise ConfigError(f"--from {source}: {cls.__name__} converts from {have}")
+        return load_class(cls.converters[source])(src, dst, cls.layout, **options)
+
+    @classmethod
+    def plain_loop(cls):
+        """The plain reference loop ``wanexp-bench`` compares the step against (a module-like object with
+        ``TARGETS``, ``plain_model``, ``plain_step``, ``reference``), or None: the family has none."""
+        return None
+
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"

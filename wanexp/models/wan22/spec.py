@@ -20,8 +20,11 @@ class WanSpec(ModelSpec):
     transformer_class = "diffusers.WanTransformer3DModel"
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
+    # the diffusers pipeline of the folder, its extra arguments (from LAYOUTS), and the pipeline of an image-to-video
+    # sample (I2V-A14B, and TI2V-5B given a first frame)
     pipeline_class = "WanPipeline"
-    image_pipeline_class = "WanImageToVideoPipeline"  # I2V-A14B, and TI2V-5B given a first frame
+    pipeline_extras: dict = {}
+    image_pipeline_class = "WanImageToVideoPipeline"
     vae_layout: dict = {"z_dim": 16}  # the VAE's architecture (tiny builds, conversion): from LAYOUTS
 
     def __init_subclass__(cls, **kwargs):
@@ -109,6 +112,43 @@ class WanSpec(ModelSpec):
     frame_rule = (4, 1)  # helper C owns this section
 
     # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
+    converters = {"original": "wanexp.models.wan22.original.convert_original"}  # the Wan-AI release layout
+
+    def load_pipeline(self, device, dtype, image):
+        from wanexp.models.wan22.pipeline import WanPipelineRunner, pipeline_class
+
+        name = self.image_pipeline_class if image else self.pipeline_class
+        pipe = pipeline_class(name).from_pretrained(self.path, dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return WanPipelineRunner(pipe)
+
+    def make_pipeline(self, transformers, vae, scheduler, image):
+        from wanexp.models.wan22.pipeline import WanPipelineRunner, build_pipeline
+
+        return WanPipelineRunner(build_pipeline(self, transformers, vae, None, None, scheduler, image))
+
+    def load_scheduler(self):
+        from wanexp.models.wan22.pipeline import load_scheduler
+
+        return load_scheduler(self.path)
+
+    def encode_prompts(self, prompts, device, encoders=None):
+        from wanexp.models.wan22.encoders import encode_text
+
+        if encoders is not None:
+            te, tok = encoders.text_encoder, encoders.tokenizer
+        else:
+            te, tok = self.load_text_encoder().to(device), self.load_tokenizer()
+        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
+            emb = encode_text(tok, te, list(prompts), self.text_len)
+        return {p: e.cpu() for p, e in zip(prompts, emb)}
+
+    @classmethod
+    def plain_loop(cls):
+        from wanexp.models.wan22 import plain_loop
+
+        return plain_loop
+
 
     def write_random_model(self, folder, device="cpu", dtype=torch.float32) -> None:
         from wanexp.models.wan22.build import build_components, save_pipeline_folder
