@@ -201,8 +201,10 @@ def test_a_one_expert_a14b_run_that_cannot_hold_both_experts_for_validation_stop
         save_file({"a": torch.zeros(2, 1024, dtype=torch.bfloat16), "b": torch.zeros(1024, dtype=torch.bfloat16)},
                   str(tmp_path / folder / "m.safetensors"))
     from wanexp.models.family import ModelSpec
+    from wanexp.models.wan22.spec import WanSpec
 
-    spec = SimpleNamespace(experts=["high", "low"], boundary_ratio=0.9, path=tmp_path)
+    spec = SimpleNamespace(experts=["high", "low"], boundary_ratio=0.9, path=tmp_path,
+                           expert_folders=WanSpec.expert_folders, encoder_folders=WanSpec.encoder_folders)
     spec.load_bytes = lambda experts, encoders: ModelSpec.load_bytes(spec, experts, encoders)
     objective = SimpleNamespace(student_steps=lambda: StudentSteps(student, 5.0) if student else None)
     module = SimpleNamespace(spec=spec, expert_names=["low"], objective=objective, boundary_name="low")
