@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from wanexp.errors import ConfigError, UserError
 
-if TYPE_CHECKING:  # wanexp.lora (peft, torch) is imported where an adapter is sized: a full disk's line needs neither
-    from wanexp.lora import AdapterSize
+if TYPE_CHECKING:  # wanexp.adapters (peft, torch) is imported where an adapter is sized: a full disk's line needs neither
+    from wanexp.adapters.sizing import AdapterSize
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # a full disk while caching: what it keeps and how to go on (disk_full_message's words)
@@ -194,7 +194,7 @@ def trained_parameters(spec, adapter, objective, boundary: str) -> tuple[int, in
     run, counted on the meta device from the transformer configs: nothing is loaded."""
     import torch
 
-    from wanexp.lora import adapter_size
+    from wanexp.adapters.sizing import adapter_size
 
     experts = spec.trained_experts(boundary)
     with torch.device("meta"):

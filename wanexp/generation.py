@@ -254,7 +254,7 @@ def heldout_loss(denoiser, batches, sigmas: list[float], seed: int = 0) -> dict[
 @contextmanager
 def adapter(modules, name: str | None):
     """Run ``modules`` under adapter ``name`` (None: the frozen base) without touching requires_grad."""
-    from wanexp.lora import use_adapter
+    from wanexp.adapters import use_adapter
 
     with use_adapter(modules, name):
         yield

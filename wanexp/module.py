@@ -1,7 +1,7 @@
 """The LightningModule: wires a model spec, an adapter, an objective and an optimizer. It never branches on the model.
 
     spec       what differs between model layouts (wanexp/models/family.py): loading, conditioning, expert routing
-    adapter    what is trained on the frozen base of each expert (wanexp/lora.py: LoraAdapter)
+    adapter    what is trained on the frozen base of each expert (wanexp/adapters/kinds.py: LoraAdapter)
     objective  the loss and its metrics, given an encoded batch and the denoiser (wanexp/objectives/)
     optimizer  a factory from the `optim` group + the schedule settings (wanexp/optim.py)
 """
@@ -154,7 +154,7 @@ class DiffusionModule(L.LightningModule):
 
     def _manual_step(self, encoded):
         """One optimizer step of the adapter the objective's phase names (e.g. DMD: critic, ..., critic, generator)."""
-        from wanexp.lora import use_adapter
+        from wanexp.adapters import use_adapter
 
         phase = self.objective.phase(self.global_step)
         k = list(self.objective.optimizer_settings()).index(phase)

@@ -34,7 +34,7 @@ def build_module(model_path: str, overrides: list[str]):
 
 
 def dmd_timing(args) -> dict:
-    from wanexp.lora import use_adapter
+    from wanexp.adapters import use_adapter
     from wanexp.models.encoders import EncodedBatch
     from wanexp.optim import build_optimizer
 

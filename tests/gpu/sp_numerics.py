@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     from diffusers import WanTransformer3DModel
 
-    from wanexp.lora import add_lora
+    from tests.wan_adapters import add_wan_lora as add_lora
     from wanexp.models import sequence
     from wanexp.models.wan22 import sequence as wan_sequence
     from wanexp.models.wan22 import fast

@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
-from wanexp.lora import use_adapter
+from wanexp.adapters import use_adapter
 from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.denoiser import Prediction
 from wanexp.models.encoders import EncodedBatch

@@ -25,19 +25,19 @@ ALLOWED = {
     "runfolder": {"errors"},
     "lightning_compat": set(),  # the one reader of Lightning's private parts
     "context": {"lightning_compat"},  # the run context (ranks, sp_size, log steps) handed to module, data, callbacks
-    "lora": {"errors"},
-    "disk": {"errors", "lora"},
+    "adapters": {"errors"},
+    "disk": {"errors", "adapters"},
     "optim": {"config"},
-    "models": {"errors", "config", "perf", "text", "lora"},  # lora: the adapter's size in block swap's fit estimate
-    "objectives": {"config", "errors", "lora"},
+    "models": {"errors", "config", "perf", "text", "adapters"},  # lora: the adapter's size in block swap's fit estimate
+    "objectives": {"config", "errors", "adapters"},
     "data": {"errors", "config", "text", "context", "disk"},  # disk: a full disk while caching is one line
     "parallel": {"config", "errors"},
-    "module": {"errors", "models", "objectives", "optim", "rng", "lora", "context", "lightning_compat"},
-    "generation": {"errors", "models", "data", "lora", "objectives"},
+    "module": {"errors", "models", "objectives", "optim", "rng", "adapters", "context", "lightning_compat"},
+    "generation": {"errors", "models", "data", "adapters", "objectives"},
     "callbacks": {"errors", "generation", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
     "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
               "data", "gpu_check", "parallel"},  # data: the prompts-only check; parallel: a DeepSpeed resume's file
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "generation", "lora", "context",
+    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "generation", "adapters", "context",
             "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
 }
 

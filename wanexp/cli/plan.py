@@ -689,7 +689,7 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
         from wanexp.disk import trained_parameters
 
         n_params, _, _ = trained_parameters(spec, adapter, objective, cfg.boundary.name)
-        grad_bytes = n_params * 4  # fp32 LoRA gradients (lora.add_lora)
+        grad_bytes = n_params * 4  # fp32 LoRA gradients (adapters.kinds.add_lora)
         disk = disk_plan(cfg, spec, adapter, objective, data["total_steps"], cache, resuming=point is not None)
         comm = comm_plan(cfg, world, grad_bytes) if calibrate else None
         calib, eta_ = None, {}

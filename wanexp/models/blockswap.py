@@ -391,7 +391,7 @@ def recompute_gib(config: dict, tokens: int, compiled: bool) -> float:
 def trainable_gib(cfg, spec) -> float:
     """GiB of the adapter's parameters, gradients and optimizer moments on one device (counted on the meta device
     from the transformers' config.json, as the disk estimate counts them)."""
-    from wanexp.lora import adapter_size
+    from wanexp.adapters.sizing import adapter_size
 
     if cfg.get("adapter") is None:
         return 0.0

@@ -310,6 +310,9 @@ class ModelSpec:
         raise NotImplementedError
 
     # ---- [seam: adapters] adapter naming and external key maps (wanexp.adapters asks these) ---------------------
+    # How the family names the modules adapters train and their names in other trainers' files (a
+    # wanexp.adapters.naming.AdapterNaming); None: the family trains no adapter (a run with one is refused in one line).
+    adapter_naming = None
 
     # ---- [seam: conditioning] experts, encoders, per-sample inputs, the transformer call, sequence parallel ------
     # Which diffusers subfolder holds each expert, and the component folders the encoders load (folder checks, bytes

@@ -31,7 +31,7 @@ import torch
 
 from wanexp.config.schema import DMDConfig
 from wanexp.errors import ConfigError
-from wanexp.lora import use_adapter
+from wanexp.adapters import use_adapter
 from wanexp.objectives.base import Objective, ObjectiveOutput, StudentSteps
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 from wanexp.objectives.timesteps import shift_sigma

@@ -44,10 +44,11 @@ def load_adapter(pipe, path: Path, adapter_name: str, transformer_2: bool = Fals
       file's ``lora_adapter_metadata`` (the pipeline's loader wants "lora" in every key; ``...to_q.lokr_w1`` has none).
       ``use_safetensors=True``: without it diffusers 0.42 reads the file without its header and takes alpha = rank;
     - anything else (LoHa, which diffusers has no loader for; a ComfyUI-named LoKr or DoRA): through peft by
-      :func:`wanexp.lora.load_adapter_file`."""
+      ``wanexp.adapters.load_adapter_file``."""
     from safetensors import safe_open
 
-    from wanexp.lora import is_typed_adapter_file, load_adapter_file
+    from wanexp.adapters import is_typed_adapter_file, load_adapter_file
+    from wanexp.models.wan22.adapter_naming import WAN_NAMING
 
     with safe_open(str(path), "pt") as f:
         keys = list(f.keys())
@@ -58,8 +59,8 @@ def load_adapter(pipe, path: Path, adapter_name: str, transformer_2: bool = Fals
     if all(k.startswith("transformer.") for k in keys) and any(".lokr_" in k for k in keys):
         transformer.load_lora_adapter(str(path), prefix="transformer", adapter_name=adapter_name, use_safetensors=True)
         return "load_lora_adapter"
-    load_adapter_file(transformer, path, adapter_name, what=f"--lora {path}")
-    return "wanexp.lora.load_adapter_file"
+    load_adapter_file(transformer, path, WAN_NAMING, adapter_name, what=f"--lora {path}")
+    return "wanexp.adapters.load_adapter_file"
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from wanexp.models.wan22.layouts import MODELS
+from wanexp.models.wan22.layouts import EXPERT_FOLDERS, MODELS
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 # the layouts whose DiT input is the latents alone: the plain loop builds no conditioning channels
@@ -25,9 +25,7 @@ def supports(model: str) -> bool:
 
 def folder(model: str) -> str:
     """The transformer folder the bench loads (a two-expert model's high-noise expert)."""
-    from wanexp.models.wan22.spec import WanSpec
-
-    return WanSpec.expert_folders[LAYOUT[model].experts[0]]
+    return EXPERT_FOLDERS[LAYOUT[model].experts[0]]
 
 
 def dense(model: str) -> bool:

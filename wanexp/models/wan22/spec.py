@@ -11,7 +11,8 @@ import torch
 
 from wanexp.models.family import ModelSpec
 from wanexp.models.wan22 import conditioning, fast
-from wanexp.models.wan22.layouts import LAYOUTS
+from wanexp.models.wan22.adapter_naming import WAN_NAMING
+from wanexp.models.wan22.layouts import EXPERT_FOLDERS, LAYOUTS
 
 
 class WanSpec(ModelSpec):
@@ -60,10 +61,10 @@ class WanSpec(ModelSpec):
         return transformer.patch_embedding.weight.dtype  # stays in the base dtype under FP8 and sharding
 
     # ---- [seam: adapters] ----------------------------------------------------------------------------------------
+    adapter_naming = WAN_NAMING
 
     # ---- [seam: conditioning] ------------------------------------------------------------------------------------
-    # A two-expert pipeline names the second (low-noise) expert's folder transformer_2.
-    expert_folders = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
+    expert_folders = EXPERT_FOLDERS
 
     def route(self, sigma, loaded):
         """HIGH when shifted sigma >= boundary_ratio; a run that loaded one expert (dense, or one boundary of a
