@@ -6,7 +6,7 @@ with ``adapter.attention`` (``attention``: kind -> the layer's attribute), each 
 ``adapter.targets`` (``projections``: alias -> the projection's module path in the layer), and the block-level
 linears ``adapter.targets`` may also name (``feedforward``: alias -> module path in the block). Adapter files of
 other trainers name the same modules the original release's way, ``blocks.N.<original attention>.<alias>`` and
-``blocks.N.<alias>`` (ComfyUI under ``diffusion_model.``, kohya as ``lora_unet_blocks_N_<...>`` with underscores):
+``blocks.N.<alias>`` (ComfyUI under ``diffusion_model.``, kohya as ``lora_unet_<blocks>_N_<...>`` with underscores):
 ``original_attention`` maps a kind to that name. ``convert_lora``: the family's converter of foreign LoRA namings to
 peft's (diffusers ships one per family), or None: the generic reader of the names above.
 """
