@@ -18,7 +18,7 @@ from wanexp.cli.cache import build_cache
 from wanexp.data.cache import CacheIndex
 from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.encode import encode_text, encode_video
-from wanexp.train import build
+from wanexp.composition import build
 
 
 def _cfg(shared_dir, cache_dir, *extra):

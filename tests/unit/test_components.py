@@ -9,7 +9,7 @@ from wanexp.data.datamodule import BucketBatchSampler
 from wanexp.models.encode import clean_prompt, encode_text
 from tests.conftest import compose_cfg
 from wanexp.models.family import route
-from wanexp.train import build
+from wanexp.composition import build
 
 
 def ti2v_spec(first_frame_cond: float):

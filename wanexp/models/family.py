@@ -323,6 +323,17 @@ class ModelSpec:
     # ---- [seam: conditioning] experts, encoders, per-sample inputs, the transformer call, sequence parallel ------
 
     # ---- [seam: shapes, memory, FLOPs] shape rules, the memory and FLOP formulas the planner and perf read ------
+    def memory_formula(self):
+        """What wanexp.memory_plan asks for a transformer config's block count and weight / activation GiB
+        (``block_count(config)``, ``weights_gib(config, weight_bytes, other_bytes, resident_blocks)``,
+        ``activations_gib(config, tokens, checkpointing, offloading, compiled)``, ``compiled(compile)``); None: the
+        family gives no estimate, and nothing is planned automatically."""
+        return None
+
+    def blocks(self, transformer):  # moved to [seam: conditioning] at merge
+        """The transformer's repeated blocks (an ``nn.ModuleList``): what block swap, FP8 and the checks count."""
+        return transformer.blocks
+
 
     # ---- [seam: generation, bench, conversion] the sampling pipeline, the plain reference loop, converters -----
 

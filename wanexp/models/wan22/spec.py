@@ -61,6 +61,11 @@ class WanSpec(ModelSpec):
     # ---- [seam: conditioning] ------------------------------------------------------------------------------------
 
     # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
+    def memory_formula(self):
+        from wanexp.models.wan22.memory import WanMemory
+
+        return WanMemory()
+
 
     # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
 
