@@ -21,7 +21,7 @@ import torch
 def build_module(model_path: str, overrides: list[str]):
     from wanexp.config import compose
     from wanexp.module import DiffusionModule
-    from wanexp.train import build
+    from wanexp.composition import build
 
     cfg = compose(["model=ti2v5b", f"model.path={model_path}", "objective=dmd", "model.first_frame_cond=0.5",
                    *overrides])

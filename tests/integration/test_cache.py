@@ -17,8 +17,8 @@ from tests.integration.conftest import tiny_run
 from wanexp.cli.cache import build_cache
 from wanexp.data.cache import CacheIndex
 from wanexp.models.tiny import ensure_tiny_model
+from wanexp.composition import build
 from wanexp.models.wan22.encoders import encode_text, encode_video
-from wanexp.train import build
 
 
 def _cfg(shared_dir, cache_dir, *extra):

@@ -227,7 +227,7 @@ def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path,
 
 def test_image_input_errors_are_one_line_before_any_weights_load(trained, shared_dir, tmp_path, monkeypatch, capsys):
     from wanexp.models.tiny import ensure_tiny_model
-    from wanexp.train import build
+    from wanexp.composition import build
 
     def no_weights(name):
         raise AssertionError("a pipeline was loaded")

@@ -10,8 +10,8 @@ import torch
 from wanexp.data.datamodule import BucketBatchSampler
 from wanexp.models.wan22.encoders import clean_prompt, encode_text
 from tests.conftest import compose_cfg
+from wanexp.composition import build
 from wanexp.models.wan22.spec import WanSpec
-from wanexp.train import build
 
 
 def ti2v_spec(first_frame_cond: float):

@@ -34,7 +34,9 @@ def five_b(callbacks: dict, max_steps: int = 425_000, adapters=("default",)) -> 
                        attention=["self", "cross"], init_from=None)
     objective = Objective("flow_matching")
     objective.adapters = adapters
-    return disk.estimate(spec, lora, objective, "full", callbacks, max_steps)
+
+    trained = disk.trained_parameters(spec, lora, objective, "full", spec.meta_transformers("full"))
+    return disk.estimate(trained, callbacks, max_steps)
 
 
 def test_the_5b_r32_estimate_counts_the_adapter_on_the_meta_device():

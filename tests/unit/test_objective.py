@@ -90,7 +90,7 @@ def test_mode_truncated_to_a_boundary_is_the_conditional_distribution():
 
 def test_mode_sampling_is_wired_from_the_config():
     from tests.conftest import compose_cfg
-    from wanexp.train import build
+    from wanexp.composition import build
 
     cfg = compose_cfg(["experiment=demo", "objective.timestep.sampling=mode", "objective.timestep.mode_scale=0.5"])
     fm = build(cfg.objective)

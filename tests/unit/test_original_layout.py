@@ -28,7 +28,7 @@ from tests.conftest import ROOT, compose_cfg
 from wanexp.errors import ConfigError
 from wanexp.models.wan22 import original
 from wanexp.models.wan22.build import build_components, build_tokenizer
-from wanexp.train import build
+from wanexp.composition import build
 
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 

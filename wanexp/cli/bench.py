@@ -138,7 +138,7 @@ def default_paths(per_token: bool, compiled: bool = False) -> list[str]:
 def wanexp_module(args, device):
     from wanexp.config import compose
     from wanexp.module import DiffusionModule
-    from wanexp.train import build
+    from wanexp.composition import build
 
     overrides = [f"model={args.model}", f"model.path={args.model_path}", f"model.gradient_checkpointing={args.ckpt}",
                  f"model.text_len={args.text_len}", f"adapter.rank={args.rank}", f"adapter.alpha={args.rank}",
@@ -603,7 +603,7 @@ def table(results: list[dict], strongest: str | None) -> list[str]:
 
 def _objective(args):
     from wanexp.config import compose
-    from wanexp.train import build
+    from wanexp.composition import build
 
     return build(compose([f"model={args.model}", *args.set]).objective)
 

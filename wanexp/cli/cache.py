@@ -193,7 +193,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
     from omegaconf import open_dict
 
     from wanexp.config import check_config
-    from wanexp.train import build, build_datamodule, prepare_model_folder
+    from wanexp.composition import build, build_datamodule, prepare_model_folder
 
     check_config(cfg, model_folder=True)
     import torch
@@ -321,7 +321,7 @@ def rate_line(s: dict) -> str:
 
 
 def main() -> None:
-    from wanexp.train import main as hydra_main
+    from wanexp.composition import hydra_main
 
     hydra_main(cache_cli)
 

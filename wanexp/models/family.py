@@ -246,6 +246,16 @@ class ModelSpec:
         """The diffusers config.json of an expert's transformer (read from the folder; nothing loads)."""
         return json.loads((self.path / self.expert_folders[expert] / "config.json").read_text())
 
+    def meta_transformers(self, boundary: str) -> dict:
+        """Each trained expert's transformer built on the meta device from its config.json (shapes, no values): what
+        the pre-flight checks and counts (the built model, the disk, the memory plan), built once."""
+        import warnings
+
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")  # no values: shapes
+            return {e: self.transformer_type().from_config(self.transformer_config(e)).requires_grad_(False)
+                    for e in self.trained_experts(boundary)}
+
     # ---- loading --------------------------------------------------------------------------------------------
     def transformer_type(self) -> type:
         """The DiT class (its ``from_config`` builds one on the meta device for counts, its ``from_pretrained``
@@ -363,7 +373,15 @@ class ModelSpec:
             raise ConfigError(f"model={self.name} has no sequence parallel; set parallel.sp_size=1")
 
     # ---- [seam: shapes, memory, FLOPs] shape rules, the memory and FLOP formulas the planner and perf read ------
-    frame_rule: tuple[int, int] = (1, 0)  # helper C owns this section
+    frame_rule: tuple[int, int] = (1, 0)
+
+    def memory_formula(self):
+        """What wanexp.memory_plan asks for a transformer config's block count and weight / activation GiB
+        (``block_count(config)``, ``weights_gib(config, weight_bytes, other_bytes, resident_blocks)``,
+        ``activations_gib(config, tokens, checkpointing, offloading, compiled)``, ``compiled(compile)``); None: the
+        family gives no estimate, and nothing is planned automatically."""
+        return None
+
 
     # ---- [seam: generation, bench, conversion] the sampling pipeline, the plain reference loop, converters -----
     # What `python -m wanexp.cli.convert` can turn into this family's diffusers-format folder: a source layout's name

@@ -110,7 +110,13 @@ class WanSpec(ModelSpec):
         sequence.set_active(transformer, active)
 
     # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
-    frame_rule = (4, 1)  # helper C owns this section
+    frame_rule = (4, 1)
+
+    def memory_formula(self):
+        from wanexp.models.wan22.memory import WanMemory
+
+        return WanMemory()
+
 
     # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
     converters = {"original": "wanexp.models.wan22.original.convert_original"}  # the Wan-AI release layout
