@@ -75,21 +75,11 @@ def prepare_model_folder(spec, boundary: str) -> None:
     spec.check_folder(spec.trained_experts(boundary))
 
 
-def meta_transformers(spec, boundary: str) -> dict:
-    """Each trained expert's transformer built on the meta device from its config.json (shapes, no values): what the
-    pre-flight checks and counts, built once."""
-    import torch
-
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")  # no values: shapes
-        return {e: spec.transformer_type().from_config(spec.transformer_config(e)).requires_grad_(False)
-                for e in spec.trained_experts(boundary)}
-
-
 def check_built_model(spec, adapter, objective, transformers: dict) -> None:
     """What building the model refuses, found before anything loads or is written: each meta-built transformer
-    (:func:`meta_transformers`) is given the run's adapters as the real build gives them (``adapter.init_from``'s
-    modules and shapes checked), and ``model.blocks_to_swap`` is held to its blocks. The adapters stay on them."""
+    (wanexp.memory_plan.meta_transformers) is given the run's adapters as the real build gives them
+    (``adapter.init_from``'s modules and shapes checked), and ``model.blocks_to_swap`` is held to its blocks. The
+    adapters stay on them."""
     import torch
 
     from wanexp.models.blockswap import swap_count
@@ -192,7 +182,7 @@ def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
         for e in spec.trained_experts(cfg.boundary.name):
             check_heads(int(spec.transformer_config(e)["num_attention_heads"]), int(cfg.parallel.sp_size))
     from wanexp.disk import trained_parameters
-    from wanexp.memory_plan import check_fit, resolve_blocks_to_swap  # weights + activations, nothing loads
+    from wanexp.memory_plan import check_fit, meta_transformers, resolve_blocks_to_swap  # nothing loads
 
     transformers = meta_transformers(spec, cfg.boundary.name)
     resolve_blocks_to_swap(cfg, spec, verbose=verbose, transformers=transformers)  # auto: N, and why

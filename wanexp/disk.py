@@ -191,7 +191,7 @@ def held_exports(steps: list[int] | None, keep_last: int, keep_every: int | None
 
 def trained_parameters(spec, adapter, objective, boundary: str, transformers: dict) -> tuple[int, int, int]:
     """(parameters a checkpoint holds, bytes per parameter there without the moments, bytes of one export) for this
-    run, counted on ``transformers`` (wanexp.composition.meta_transformers: built on the meta device from the
+    run, counted on ``transformers`` (wanexp.memory_plan.meta_transformers: built on the meta device from the
     transformer configs, no adapters yet): nothing is loaded."""
     import torch
 

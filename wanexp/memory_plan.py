@@ -6,6 +6,7 @@ The block-swap mechanism that applies the N is wanexp/models/blockswap.py."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -27,9 +28,18 @@ def _tokens(data, spec, sp_size: int) -> int:
     return max(tokens, per_sample) // max(1, sp_size)
 
 
+def meta_transformers(spec, boundary: str) -> dict:
+    """Each trained expert's transformer built on the meta device from its config.json (shapes, no values): what the
+    pre-flight checks and counts, built once."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")  # no values: shapes
+        return {e: spec.transformer_type().from_config(spec.transformer_config(e)).requires_grad_(False)
+                for e in spec.trained_experts(boundary)}
+
+
 def trainable_gib(adapter, transformers: dict) -> float:
     """GiB of the adapter's parameters, gradients and optimizer moments on one device, counted on the meta-built
-    ``transformers`` (wanexp.composition.meta_transformers, before the adapters are added), as the disk estimate
+    ``transformers`` (:func:`meta_transformers`, before the adapters are added), as the disk estimate
     counts them. ``adapter``: the adapter group (None: no adapter)."""
     from wanexp.lora import adapter_size
 
@@ -48,8 +58,6 @@ class FitEstimate:
         if formula is None:
             raise ConfigError(f"model={spec.name}: the family gives no memory estimate")
         if transformers is None:
-            from wanexp.composition import meta_transformers
-
             transformers = meta_transformers(spec, cfg.boundary.name)
         m = cfg.model
         self.formula = formula

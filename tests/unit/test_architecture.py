@@ -35,9 +35,12 @@ ALLOWED = {
     "module": {"errors", "models", "objectives", "optim", "rng", "lora", "context", "lightning_compat"},
     "sampling": {"errors", "models", "data", "lora", "objectives"},
     "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
-    "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
+    "memory_plan": {"errors", "lora"},  # the memory plan: the family's formula, the adapter's size
+    "composition": {"errors", "config", "models", "runfolder", "gpu_check", "disk", "memory_plan", "callbacks",
+                    "parallel"},  # the builders and the pre-flight; callbacks: the sweep's stop; parallel: DeepSpeed
+    "train": {"composition", "errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
               "data", "gpu_check", "parallel"},  # data: the prompts-only check; parallel: a DeepSpeed resume's file
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
+    "cli": {"composition", "runfolder", "errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
             "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
 }
 

@@ -33,7 +33,7 @@ def five_b(callbacks: dict, max_steps: int = 425_000, adapters=("default",)) -> 
                        attention=["self", "cross"], init_from=None)
     objective = Objective("flow_matching")
     objective.adapters = adapters
-    from wanexp.composition import meta_transformers
+    from wanexp.memory_plan import meta_transformers
 
     trained = disk.trained_parameters(spec, lora, objective, "full", meta_transformers(spec, "full"))
     return disk.estimate(trained, callbacks, max_steps)
