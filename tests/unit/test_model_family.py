@@ -330,7 +330,8 @@ def toy(tmp_path_factory):
         f"paths.tiny_model_dir={root}/models", f"data.metadata={root}/data/meta.csv", "data.generate=null",
         f"data.num_frames={FRAMES}", f"data.height={SIZE}", f"data.width={SIZE}", "data.batch_size=2",
         "data.val_fraction=0", f"paths.cache_dir={root}/cache", "adapter.attention=[self]", "adapter.rank=4",
-        "adapter.alpha=2", "optim.lr=1e-2", "optim.warmup_steps=0", "callbacks.validation.every_n_steps=0",
+        "adapter.alpha=2", "optim.lr=1e-2", "optim.warmup_steps=0", "optim.scheduler=constant",
+        "callbacks.validation.every_n_steps=0",
         "callbacks.checkpoint.every_n_train_steps=2", "trainer.log_every_n_steps=1", "callbacks.progress=null"]
     sys.path.remove(str(root / "pkg"))
 
@@ -360,7 +361,7 @@ def test_the_cache_stores_the_familys_own_conditioning(toy, cached):
     from wanexp.data.cache import CacheIndex
 
     root, _ = toy
-    index = CacheIndex(root / "cache")
+    index = CacheIndex(next((root / "cache").rglob("index-r*.jsonl")).parent)  # the data set's cache folder
     latents = [index.load(e["key"]) for e in index.entries.values() if e["kind"] == "latent"]
     assert cached["latents"] == len(latents) == 4
     for entry in latents:  # the VAE's 2x temporal, 4x spatial latents and the signal per latent frame
@@ -368,13 +369,15 @@ def test_the_cache_stores_the_familys_own_conditioning(toy, cached):
         assert tuple(entry["latents"].shape) == (4, 3, SIZE // 4, SIZE // 4) and tuple(entry["signal"].shape) == (3, 8)
 
 
-def test_the_plan_says_the_family_gives_no_memory_estimate(toy, cached, capsys):
+def test_the_plan_of_a_run_on_the_family(toy, cached):
     from wanexp.cli import plan
 
     root, overrides = toy
     p = plan.make_plan(compose_cfg([*overrides, f"paths.output_dir={root}/p"]),
                        {**plan.split_options([])[0], "calibrate": False})
     assert p["data"]["samples"] == 4 and not p["problems"], p
+    c = p["cache"]  # the cache's keys are the run's, the signal's file among them: every entry found
+    assert (c["used"], c["latents"], c["missing_latents"], c["missing_texts"]) == (True, 4, 0, 0), c
 
 
 def test_train_resume_and_export_under_the_familys_names(toy, trained):

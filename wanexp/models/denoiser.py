@@ -14,7 +14,6 @@ from torch import nn
 
 from wanexp.models.encoders import EncodedBatch
 from wanexp.models.family import ModelSpec
-from wanexp.perf import transformer_step_flops
 
 
 @dataclass
@@ -73,7 +72,8 @@ class Denoiser:
     def step_flops(self, latent_shape, text_len: int) -> float:
         """Model FLOPs of one forward + backward (LoRA: no base-weight gradients) over latents of this shape."""
         config = next(iter(self.transformers.values())).config
-        return transformer_step_flops(config, latent_shape, text_len, checkpointing=self.spec.gradient_checkpointing)
+        flops = self.spec.step_flops(config, latent_shape, text_len, self.spec.gradient_checkpointing)
+        return 0.0 if flops is None else flops  # a family without a FLOP formula: no TFLOP/s
 
 
 

@@ -375,6 +375,11 @@ class ModelSpec:
     # ---- [seam: shapes, memory, FLOPs] shape rules, the memory and FLOP formulas the planner and perf read ------
     frame_rule: tuple[int, int] = (1, 0)
 
+    def step_flops(self, config, latent_shape, text_len: int, checkpointing: bool) -> float | None:
+        """Model FLOPs of one LoRA training step (forward + backward) over latents of ``latent_shape`` through a
+        transformer of this ``config``; None: the family gives no formula (no TFLOP/s is shown)."""
+        return None
+
     def memory_formula(self):
         """What wanexp.memory_plan asks for a transformer config's block count and weight / activation GiB
         (``block_count(config)``, ``weights_gib(config, weight_bytes, other_bytes, resident_blocks)``,

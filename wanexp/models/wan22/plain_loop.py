@@ -43,7 +43,7 @@ def geometry(model: str, model_path) -> dict:
 
 
 def step_flops(config: dict, latent_shape, text_len: int, checkpointing: bool) -> float:
-    from wanexp.perf import transformer_step_flops
+    from wanexp.models.wan22.flops import transformer_step_flops
 
     return transformer_step_flops(config, latent_shape, text_len, checkpointing)
 

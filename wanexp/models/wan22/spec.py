@@ -112,6 +112,11 @@ class WanSpec(ModelSpec):
     # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
     frame_rule = (4, 1)
 
+    def step_flops(self, config, latent_shape, text_len, checkpointing):
+        from wanexp.models.wan22.flops import transformer_step_flops
+
+        return transformer_step_flops(config, latent_shape, text_len, checkpointing)
+
     def memory_formula(self):
         from wanexp.models.wan22.memory import WanMemory
 
