@@ -24,10 +24,9 @@ def supports(model: str) -> bool:
 
 
 def folder(model: str) -> str:
-    """The transformer folder the bench loads (a two-expert model's high-noise expert)."""
-    from wanexp.models.wan22.spec import WanSpec
-
-    return WanSpec.expert_folders[LAYOUT[model].experts[0]]
+    """The transformer folder the bench loads: the dense model's, or a two-expert model's high-noise expert's
+    (``transformer/`` in both, WanSpec.expert_folders; named here, not imported: the spec imports this module)."""
+    return "transformer"
 
 
 def dense(model: str) -> bool:
