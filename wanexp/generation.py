@@ -164,12 +164,13 @@ def expert_routing(experts, boundary_ratio: float | None, trained, distilled: bo
     - distilled, boundary=full: the student steps routed by the boundary, as in the rollout;
     - a dense model: every step on it.
     """
-    trained = tuple(trained)
-    if list(experts) == ["dense"]:
-        return ExpertRouting("dense", None, None, trained)
+    experts, trained = list(experts), tuple(trained)
+    if len(experts) == 1:
+        return ExpertRouting(experts[0], None, None, trained)
     if distilled and len(trained) == 1:
         return ExpertRouting(trained[0], None, None, trained)
-    return ExpertRouting("high", "low", boundary_ratio, trained)
+    upper, lower = experts  # a two-expert model lists its high-noise expert first (model.experts)
+    return ExpertRouting(upper, lower, boundary_ratio, trained)
 
 
 @contextmanager
@@ -258,8 +259,6 @@ def adapter(modules, name: str | None):
 
     with use_adapter(modules, name):
         yield
-
-
 
 
 def encode_batch(batch: dict, encoders, device) -> "object":

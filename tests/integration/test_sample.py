@@ -105,6 +105,24 @@ def test_sample_input_errors_are_one_line(tmp_path, capsys):
     assert e.value.code == 2 and err.startswith("wanexp: error: --run ") and "no config.yaml there" in err
 
 
+@pytest.mark.parametrize("channels,group", [((48, 48), "ti2v5b"), ((16, 16), "t2v14b"), ((36, 16), "i2v14b"),
+                                            ((20, 20), None)])
+def test_a_folder_without_a_run_is_sampled_as_the_model_group_its_transformer_matches(tmp_path, channels, group):
+    """--model-path alone: the released model groups' spec classes are asked for their DiT's channels (the tiny
+    groups, which share them, are not candidates); a folder none of them has is one line listing them."""
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"in_channels": channels[0],
+                                                                      "out_channels": channels[1]}))
+    if group is not None:
+        assert sample._folder_model(tmp_path).name == group
+        return
+    with pytest.raises(sample.ConfigError) as e:
+        sample._folder_model(tmp_path)
+    assert str(e.value) == (f"--model-path {tmp_path}: its transformer (in/out channels 20/20) is none of the model "
+                            "groups' (i2v14b, t2v14b, ti2v5b); pass a diffusers folder of one of them, or --run with "
+                            "the run folder")
+
+
 def test_image_quality_metrics_are_the_standard_psnr_and_gaussian_window_ssim():
     g = torch.Generator().manual_seed(0)
     a = torch.rand(2, 11, 11, 3, generator=g) * 0.9

@@ -47,15 +47,10 @@ def main(argv=None) -> int:
 
 def _spec_class(model: str):
     """The spec class of model group ``model`` (its family converts)."""
-    from hydra.errors import HydraException
-
-    from wanexp.config import compose
+    from wanexp.config import model_group
     from wanexp.models.family import load_class
 
-    try:
-        return load_class(str(compose([f"model={model}"]).model._target_))
-    except HydraException:
-        raise ConfigError(f"--model {model}: no such model group (conf/model/{model}.yaml)") from None
+    return load_class(str(model_group(model, "--model")._target_))
 
 
 if __name__ == "__main__":

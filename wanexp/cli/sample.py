@@ -114,21 +114,23 @@ def _settings(args) -> dict:
 
 
 def _folder_model(path: Path):
-    """The model group (conf/model) of a model folder sampled without ``--run``: the one whose layout's transformer
-    has the folder's input and output channels. Its spec says how the model takes an image; its ``fps``, the rate
-    the videos are written at."""
-    from wanexp.config import compose
-    from wanexp.models.wan22.layouts import LAYOUTS
+    """The model group (conf/model) of a model folder sampled without ``--run``: of the groups of released models
+    (those without a tiny ``build``), the one whose spec's DiT has the folder's transformer's input and output
+    channels. Its spec says how the model takes an image; its ``fps``, the rate the videos are written at."""
+    from wanexp.config import model_group, model_group_files
+    from wanexp.models.family import load_class
 
     config = path / "transformer" / "config.json"
     t = json.loads(config.read_text()) if config.is_file() else {}
     channels = (t.get("in_channels"), t.get("out_channels"))
-    lay = next((x for x in LAYOUTS.values() if (x.in_channels, x.latent_channels) == channels), None)
-    if lay is None:
-        raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
-                          f"of the Wan2.2 layouts ({', '.join(x.model for x in LAYOUTS.values())}); pass a Wan2.2 "
-                          "diffusers folder, or --run with the run folder")
-    return compose([f"model={lay.model}"]).model
+    released = {name: own for name, own in model_group_files().items() if own.get("build") is None}
+    for name, own in released.items():  # a group that names no spec class takes its defaults' (composed)
+        spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
+        if (spec.in_channels, spec.latent_channels) == channels:
+            return model_group(name, "--model-path")
+    raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
+                      f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
+                      "--run with the run folder")
 
 
 def _images(args, spec, model: str, height: int, width: int) -> list:

@@ -423,10 +423,11 @@ class ModelSpec:
 
     @classmethod
     def plain_loop(cls):
-        """The plain reference loop ``wanexp-bench`` compares the step against (a module-like object with
-        ``TARGETS``, ``plain_model``, ``plain_step``, ``reference``), or None: the family has none."""
+        """The plain reference loop ``wanexp-bench`` times and checks the step against, or None: the family has none.
+        A module-like object with ``supports(model)``, ``folder(model)``, ``dense(model)``, ``geometry(model,
+        model_path)``, ``step_flops``, ``plain_model``, ``plain_inputs``, ``plain_forward``, ``plain_loss`` and
+        ``plain_step`` (Wan2.2's: wanexp/models/wan22/plain_loop.py)."""
         return None
-
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"

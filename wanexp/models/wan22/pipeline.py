@@ -196,8 +196,6 @@ def pipeline_class(name: str):
     return getattr(diffusers, name)
 
 
-
-
 class WanPipelineRunner(Pipeline):
     """A diffusers Wan pipeline as the family's :class:`~wanexp.models.pipeline.Pipeline`."""
 

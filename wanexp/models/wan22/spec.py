@@ -161,7 +161,6 @@ class WanSpec(ModelSpec):
 
         return plain_loop
 
-
     def write_random_model(self, folder, device="cpu", dtype=torch.float32) -> None:
         from wanexp.models.wan22.build import build_components, save_pipeline_folder
 
