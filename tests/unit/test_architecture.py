@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,22 @@ ALLOWED = {
 }
 
 
+def string_imports(node) -> list[str]:
+    """The module a call imports by name: ``importlib.import_module("wanexp.x")``, ``import_module(...)``,
+    ``__import__(...)`` and hydra's ``get_class("wanexp.x.Class")``/``get_method`` with a literal name (a dynamic
+    import is an import too: it must point the same way)."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return []
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    if name in ("import_module", "__import__"):
+        return [node.args[0].value]
+    if name in ("get_class", "get_method", "load_class"):
+        return [node.args[0].value.rpartition(".")[0]]
+    return []
+
+
 def unit_imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     units = {p.stem for p in ROOT.iterdir() if (p.suffix == ".py" and p.stem != "__init__") or
@@ -63,6 +80,8 @@ def unit_imports() -> dict[str, set[str]]:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
+            else:
+                names = string_imports(node)
             for n in names:
                 parts = n.split(".")
                 if parts[0] == "wanexp" and len(parts) > 1 and parts[1] in units and parts[1] != unit:
@@ -148,7 +167,7 @@ def module_imports() -> dict[str, set[str]]:
                     base = ".".join([*pkg, *([base] if base else [])])
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             else:
-                continue
+                targets = string_imports(node)
             deps |= {t for t in targets if t in files and t != mod}
     return graph
 
@@ -187,3 +206,50 @@ def test_the_cycle_check_sees_a_lazy_import():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = module_imports()  # the graph holds function-level imports: WanSpec's lazy import of the conversion
     assert "wanexp.models.wan22.original" in graph["wanexp.models.wan22.spec"]
+
+
+# ---- the model-family seam: a family's facts live in its folder ----------------------------------------------------
+# Names only Wan2.2 has (its diffusers module names, its second expert's folder, its components and pipelines, its
+# original release's key names, its frame rule): shared code asks the family's spec instead (docs/extending.md).
+WAN_ONLY = re.compile(r"\battn[12]\b|\bto_[qkv]\b|\bto_out\b|ffn\.net|\btransformer_2\b|EXPERT_FOLDERS|"
+                      r"WanTransformer3DModel|AutoencoderKLWan|UMT5|latents_(mean|std)|4k\+1|WanPipeline|"
+                      r"WanImageToVideoPipeline|\b(self|cross)_attn\b|lora_unet_blocks")
+FAMILY = ("models", "wan22")
+
+
+def wan_only_names(root: Path = ROOT) -> list[str]:
+    """Each line of the package outside its Wan2.2 folder that names a Wan-only fact (code and docstrings alike)."""
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        if f.relative_to(root).parts[:2] == FAMILY:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if WAN_ONLY.search(line):
+                found.append(f"{f.relative_to(root)}:{i}: {line.strip()}")
+    return found
+
+
+def test_wan22_facts_live_in_its_family_folder():
+    found = wan_only_names()
+    assert not found, "Wan-only names outside wanexp/models/wan22/ (ask the family's spec):\n" + "\n".join(found)
+
+
+def test_the_rule_sees_a_wan_name_in_a_shared_file(tmp_path):
+    (tmp_path / "models" / "wan22").mkdir(parents=True)
+    (tmp_path / "models" / "wan22" / "spec.py").write_text("folders = {'low': 'transformer_2'}\n")
+    (tmp_path / "lora.py").write_text('TARGETS = ["to_q"]  # fine in wan22, not here\n')
+    assert wan_only_names(tmp_path) == ['lora.py:1: TARGETS = ["to_q"]  # fine in wan22, not here']
+
+
+def test_a_string_import_is_an_import():
+    """``importlib.import_module("wanexp.x")`` and hydra's ``get_class("wanexp.x.C")`` count in both graphs."""
+    calls = ast.parse('importlib.import_module("wanexp.module")\nget_class("wanexp.models.family.ModelSpec")\n'
+                      'load_class(name)\nprint("wanexp.disk")')
+    assert [t for node in ast.walk(calls) for t in string_imports(node)] == ["wanexp.module", "wanexp.models.family"]
+
+
+def test_cli_uses_train_only_to_run_training():
+    """The commands share their builders and pre-flight through wanexp.composition; the one import of wanexp.train
+    in cli/ is wanexp-plan's calibration, which is a training run."""
+    users = sorted(m for m, deps in module_imports().items() if m.startswith("wanexp.cli.") and "wanexp.train" in deps)
+    assert users == ["wanexp.cli.plan"], users

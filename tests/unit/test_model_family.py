@@ -214,7 +214,6 @@ class ToySpec(ModelSpec):
     text_encoder_class = "transformers.T5EncoderModel"
     encoder_folders = ("vae", "text_encoder", "tokenizer", "signal_encoder")
     sample_inputs = {"signal": "a .npy file of the clip's 1-D signal, any length (resampled to its frames)"}
-    frame_rule = (2, 1)
     adapter_naming = AdapterNaming(
         blocks="layers", attention={"self": "mix"}, projections={"q": "query", "k": "key", "v": "value", "o": "proj"},
         feedforward={"ffn.0": "mlp.fc_in", "ffn.2": "mlp.fc_out"}, original_attention={"self": "attn"},
@@ -289,6 +288,7 @@ experts: [dense]
 boundary_ratio: null
 shift: 3.0
 hw_multiple: 16
+frame_rule: [2, 1]
 text_len: 16
 fps: 24
 gradient_checkpointing: false
