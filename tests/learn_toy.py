@@ -21,6 +21,7 @@ import torch
 
 from tests.wan_adapters import LoraAdapter
 from wanexp.adapters import use_adapter
+from wanexp.models.family import ModelSpec
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encoders import EncodedBatch
 
@@ -100,6 +101,8 @@ class ToySpec:
 
     name, layout, boundary_ratio = "toy", "toy", None
     gradient_checkpointing, draws_first_frame, needs_image_latent = False, False, False
+
+    route, transformer_call, step_flops = ModelSpec.route, ModelSpec.transformer_call, ModelSpec.step_flops
 
     def sample_condition(self, cond, batch_size, generator=None):
         return cond

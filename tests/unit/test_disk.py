@@ -28,8 +28,11 @@ Usage = namedtuple("Usage", "total used free")
 def five_b(callbacks: dict, max_steps: int = 425_000, adapters=("default",)) -> disk.DiskNeed:
     from diffusers import WanTransformer3DModel
 
+    from wanexp.models.family import ModelSpec
+
     spec = SimpleNamespace(trained_experts=lambda boundary: ["dense"], transformer_config=lambda e: dict(TI2V_5B),
                            transformer_type=lambda: WanTransformer3DModel)
+    spec.meta_transformers = lambda boundary: ModelSpec.meta_transformers(spec, boundary)
     lora = LoraAdapter(name="lora", rank=32, alpha=32, dropout=0.0, targets=["q", "k", "v", "o", "ffn.0", "ffn.2"],
                        attention=["self", "cross"], init_from=None)
     objective = Objective("flow_matching")
