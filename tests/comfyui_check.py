@@ -6,7 +6,7 @@ loader node runs (comfy/sd.py ``load_lora_for_models``): ``comfy.lora.model_lora
 of ComfyUI's own ``WanModel`` (built on the meta device), ``comfy.lora_convert.convert_lora``, ``comfy.lora.load_lora``
 (unloaded keys are collected from its warnings), then ``comfy.lora.calculate_weight`` with the patch tuple
 ComfyUI's ModelPatcher builds, at strength 1 and 0.5. The patched weights are compared with peft's merge of the
-trained adapter (strength 1) and with ``wanexp.lora.patched_weight`` (0.5).
+trained adapter (strength 1) and with ``wanexp.adapters.merge.patched_weight`` (0.5).
 
 It runs in its own process: ComfyUI's modules need ``--cpu`` in ``sys.argv`` and stand-ins for imports this path does
 not use (``comfy.model_base``, which imports every model family and is only read for ``isinstance`` checks, and
@@ -92,7 +92,7 @@ def check(comfy_dir: str) -> dict:
     from safetensors.torch import load_file
 
     from tests.unit import test_adapter_types as kinds
-    from wanexp import lora
+    from tests import wan_adapters as lora
 
     unloaded: list[str] = []
     handler = logging.Handler()

@@ -8,7 +8,7 @@ start. ``hue`` -- the mean of channel 0 minus channel 1 over the whole frame -- 
 
 The model is a diffusers ``WanTransformer3DModel`` (the Wan2.2 architecture, tiny), trained through wanexp's own
 parts: ``wanexp.objectives.flow_matching.FlowMatching`` for the base and the LoRA (added by
-``wanexp.lora.LoraAdapter``, exported by its ``export``), ``wanexp.objectives.dmd.DMD`` for the few-step student,
+``wanexp.adapters.LoraAdapter``, exported by its ``export``), ``wanexp.objectives.dmd.DMD`` for the few-step student,
 and ``wanexp.models.denoiser.Denoiser`` around the transformer. Nothing here writes a loss by hand.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from wanexp.lora import LoraAdapter, use_adapter
+from tests.wan_adapters import LoraAdapter
+from wanexp.adapters import use_adapter
 from wanexp.models.denoiser import Denoiser
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 
 COLOURS = {"A": (1.0, -1.0, 0.5, 0.0), "B": (-1.0, 1.0, 0.5, 0.0)}  # c0 - c1: +2 and -2
 BACKGROUND = -0.5

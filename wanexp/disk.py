@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from wanexp.errors import ConfigError, UserError
 
-if TYPE_CHECKING:  # wanexp.lora (peft, torch) is imported where an adapter is sized: a full disk's line needs neither
-    from wanexp.lora import AdapterSize
+if TYPE_CHECKING:  # wanexp.adapters (peft, torch) is imported where an adapter is sized: a full disk's line needs neither
+    from wanexp.adapters.sizing import AdapterSize
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # a full disk while caching: what it keeps and how to go on (disk_full_message's words)
@@ -189,17 +189,15 @@ def held_exports(steps: list[int] | None, keep_last: int, keep_every: int | None
     return len(kept) + 1
 
 
-def trained_parameters(spec, adapter, objective, boundary: str) -> tuple[int, int, int]:
+def trained_parameters(spec, adapter, objective, boundary: str, transformers: dict) -> tuple[int, int, int]:
     """(parameters a checkpoint holds, bytes per parameter there without the moments, bytes of one export) for this
-    run, counted on the meta device from the transformer configs: nothing is loaded."""
+    run, counted on ``transformers`` (ModelSpec.meta_transformers: built on the meta device from the
+    transformer configs, no adapters yet): nothing is loaded."""
     import torch
 
-    from wanexp.lora import adapter_size
+    from wanexp.adapters.sizing import adapter_size
 
-    experts = spec.trained_experts(boundary)
     with torch.device("meta"):
-        transformers = {e: spec.transformer_type().from_config(spec.transformer_config(e)).requires_grad_(False)
-                        for e in experts}
         sizes = [adapter_size(t, adapter) for t in transformers.values()]
         with contextlib.redirect_stdout(io.StringIO()):  # e.g. KD's student: its own line prints when it is built
             students = copy.deepcopy(objective).build_trainable(transformers, spec)
@@ -221,10 +219,11 @@ def export_bytes(size: AdapterSize, kind: str) -> int:
     return comfy + 4 * size.parameters + HEADER_BYTES * size.tensors + CONFIG_BYTES
 
 
-def estimate(spec, adapter, objective, boundary: str, callbacks: dict, max_steps: int) -> DiskNeed:
-    """What a run holds on disk at most at its retention (``callbacks``: the composed callbacks group, resolved)."""
+def estimate(trained: tuple[int, int, int], callbacks: dict, max_steps: int) -> DiskNeed:
+    """What a run holds on disk at most at its retention (``trained``: :func:`trained_parameters`; ``callbacks``: the
+    composed callbacks group, resolved)."""
     ckpt, export = callbacks.get("checkpoint"), callbacks.get("lora_export")
-    in_checkpoint, size, exported = trained_parameters(spec, adapter, objective, boundary)
+    in_checkpoint, size, exported = trained
     steps = save_steps(max_steps, ckpt.get("every_n_train_steps") if ckpt else None)
     return DiskNeed(
         checkpoint_bytes=in_checkpoint * (size + 4 * MOMENTS),

@@ -1,7 +1,7 @@
 """The LightningModule: wires a model spec, an adapter, an objective and an optimizer. It never branches on the model.
 
     spec       what differs between model layouts (wanexp/models/family.py): loading, conditioning, expert routing
-    adapter    what is trained on the frozen base of each expert (wanexp/lora.py: LoraAdapter)
+    adapter    what is trained on the frozen base of each expert (wanexp/adapters/kinds.py: LoraAdapter)
     objective  the loss and its metrics, given an encoded batch and the denoiser (wanexp/objectives/)
     optimizer  a factory from the `optim` group + the schedule settings (wanexp/optim.py)
 """
@@ -17,7 +17,7 @@ from wanexp.context import RunContext
 from wanexp.errors import DivergedError
 from wanexp.lightning_compat import attached_trainer, mend_epoch_progress, open_next_epoch_after_resume
 from wanexp.models.denoiser import Denoiser
-from wanexp.models.encode import cached_batch
+from wanexp.models.encoders import cached_batch
 from wanexp.models.family import ModelSpec, unreadable_weights
 from wanexp.models.fp8 import check_fp8
 from wanexp.objectives.base import Objective
@@ -103,10 +103,8 @@ class DiffusionModule(L.LightningModule):
         for e, t in self.transformers.items():
             blockswap.low_vram(t, self.spec, e, verbose=self.global_rank == 0)
         if group is not None:  # sequence parallel: each training forward keeps 1/sp of the tokens (models/sequence.py)
-            from wanexp.models import sequence
-
             for t in [*self.transformers.values(), *self.students.values()]:
-                sequence.enable(t, group)
+                self.spec.enable_sequence_parallel(t, group)
         if self.load_encoders:
             self.encoders = _readable(self.spec, "the VAE and text encoder", self.spec.load_encoders)
         self.trainable_names = [n for n, p in self.named_parameters() if p.requires_grad]
@@ -120,7 +118,7 @@ class DiffusionModule(L.LightningModule):
             for m in ([self.encoders] if parallelize is not None else [self]):
                 if m is not None:
                     m.to(root)
-        # sharded experts: every rank must run the same expert in a step (models/denoiser.py:expert_for_step)
+        # sharded experts: every rank must run the same expert in a step (ModelSpec.expert_for_step)
         self._expert_per_step = parallelize is not None and len(self.expert_names) > 1 and \
             trainer.world_size > 1 and not self.objective.manual  # (DMD + FSDP + two experts is refused)
         # Every rank loads the same frozen weights from disk: DDP need not broadcast or watch them.
@@ -143,10 +141,8 @@ class DiffusionModule(L.LightningModule):
         if not self.automatic_optimization:
             return self._manual_step(encoded)
         if getattr(self, "_expert_per_step", False):
-            from wanexp.models.denoiser import expert_for_step
-
-            self.denoiser.step_expert, self.denoiser.sigma_range = expert_for_step(
-                self.objective, self.sigma_range, self.spec.boundary_ratio, self.seed, self.global_step)
+            self.denoiser.step_expert, self.denoiser.sigma_range = self.spec.expert_for_step(
+                self.objective, self.sigma_range, self.seed, self.global_step)
         try:
             out = self.objective(encoded, self.denoiser, step=self.global_step, negative_text=self.negative_text())
         finally:  # only this step's forward is routed so (validation's held-out loss routes per sample)
@@ -158,7 +154,7 @@ class DiffusionModule(L.LightningModule):
 
     def _manual_step(self, encoded):
         """One optimizer step of the adapter the objective's phase names (e.g. DMD: critic, ..., critic, generator)."""
-        from wanexp.lora import use_adapter
+        from wanexp.adapters import use_adapter
 
         phase = self.objective.phase(self.global_step)
         k = list(self.objective.optimizer_settings()).index(phase)
@@ -220,21 +216,15 @@ class DiffusionModule(L.LightningModule):
         if not self.objective.needs_negative_text:
             return None
         if self._negative_text is None:
-            from wanexp.models.encode import encode_text
-
             dm = getattr(attached_trainer(self), "datamodule", None)
             cached = dm.cached_text(self.objective.negative_prompt) if hasattr(dm, "cached_text") else None
             if cached is not None:  # the cache command encodes it with the captions
                 self._negative_text = cached[None].to(self.device)
                 return self._negative_text
-            if self.encoders is not None:
-                te, tok = self.encoders.text_encoder, self.encoders.tokenizer
-            else:
-                te = self.spec.load_text_encoder().to(self.device)
-                tok = self.spec.load_tokenizer()
+            encoders = self.encoders if self.encoders is not None else self.spec.load_encoders().to(self.device)
             with torch.autocast(device_type=self.device.type, enabled=False):
-                self._negative_text = encode_text(tok, te, [self.objective.negative_prompt], self.spec.text_len)
-            del te
+                self._negative_text = encoders.encode_prompts([self.objective.negative_prompt])
+            del encoders
         return self._negative_text
 
     def on_train_batch_start(self, batch, batch_idx) -> None:

@@ -1,98 +1,28 @@
-"""run(cfg): check -> build the components -> seed -> fit -> finish. The one place that instantiates configs.
+"""run(cfg): pre-flight (wanexp.composition) -> build the run's parts -> seed -> fit -> finish.
 
 ``main()`` is the ``python train.py`` entry: Hydra composes the config (typed by wanexp/config/schema.py), ``cli``
-runs it, and every user-input error, at composition or later, is one line on stderr with exit code 2.
+runs it, and every user-input error, at composition or later, is one line on stderr with exit code 2. What only a
+training run needs (the Trainer, the resume check, the run folder, W&B's end) is here; what other commands share
+(the builders, the pre-flight, the Hydra entry) is in wanexp/composition.py.
 """
 from __future__ import annotations
 
-import atexit
-import gc
-import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
-from wanexp.errors import ConfigError, Interrupted, UserError, say_error
+from wanexp.composition import (Preflight, build, build_datamodule, hydra_main, launch_rank, preflight,
+                                read_resume_checkpoint)
 from wanexp.config.rules import switched_off
+from wanexp.errors import ConfigError, Interrupted, UserError, say_error
 from wanexp.runfolder import RunLock, checkpoint_kind, clear_run_folder, remove_stale_temporaries, resume_path
-
-
-def quiet_warnings() -> None:
-    """Drop the library warnings a user cannot act on (each one says why); warnings about their settings stay."""
-    # The frozen VAE and text encoder stay in eval mode on purpose; Lightning's pytree shim warns on every batch.
-    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    # The datamodule resumes the data order itself (wanexp/data/datamodule.py), which Lightning cannot see.
-    warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
-    # Several adapters on one base (DMD: generator + critic) is by design.
-    warnings.filterwarnings("ignore", message=r".*Already found a `peft_config` attribute in the model.*")
-    # data.num_workers is set per data group (4 for the user's data; the demo's 0 on purpose: loader processes only
-    # slow a small CPU run), and from the cache a batch is one file read; python -m wanexp.cli.bench_loader measures
-    # what more workers give.
-    warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck.*")
-    # Lightning counts log_every_n_steps over the whole run, not per epoch: an epoch shorter than it (make demo's two
-    # clips) still logs every N steps.
-    warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval.*")
-
-
-quiet_warnings()
 
 
 def instantiate_named(nodes: DictConfig | None) -> list:
     """The generic swap point: one object per named node with a ``_target_`` (a null or false node is off)."""
     return [build(node) for node in (nodes or {}).values() if not switched_off(node)]
-
-
-def build_datamodule(cfg: DictConfig, spec, context=None):
-    """The run's datamodule (``cfg.data``) with the model's encoder facts and, for a run, its context (None: one
-    process). Both are dataclasses, passed past Hydra's instantiate, which would turn them into dicts."""
-    extra = {} if context is None else {"context": context}
-    return build(cfg.data, _partial_=True, seed=int(cfg.seed))(encoders=spec.encoder_info(), **extra)
-
-
-def build(node: DictConfig, **kwargs):
-    """Instantiate one component; a user-input error raised by its constructor stays that error (one line)."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(node, _convert_="all", **kwargs)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, UserError):
-            raise e.__cause__ from None
-        raise
-
-
-def prepare_model_folder(spec, boundary: str) -> None:
-    """The model folder a run needs: a tiny model is built into it first (only those have ``build``), then every
-    component the run loads is checked (one line naming what is missing, or a weight file whose header shows it
-    corrupt or truncated)."""
-    if spec.build:
-        from wanexp.models.tiny import ensure_tiny_model
-
-        ensure_tiny_model(spec)
-    spec.check_folder(spec.trained_experts(boundary))
-
-
-def check_built_model(spec, adapter, objective, boundary: str) -> None:
-    """What building the model refuses, found before anything loads or is written: each trained expert's transformer
-    is built on the meta device from its config.json and given the run's adapters as the real build gives them
-    (``adapter.init_from``'s modules and shapes checked), and ``model.blocks_to_swap`` is held to its blocks."""
-    import torch
-
-    from wanexp.models.blockswap import swap_count
-
-    for expert in spec.trained_experts(boundary):
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")  # no values: shapes
-            transformer = spec.transformer_type().from_config(spec.transformer_config(expert)).requires_grad_(False)
-            for name in objective.adapters:
-                adapter.apply(transformer, name)
-        swap_count(spec, expert, len(transformer.blocks))
 
 
 def build_trainer(cfg: DictConfig, out: Path, context=None):
@@ -146,53 +76,6 @@ def check_resume(module, ckpt: str, parallel: str) -> None:
     module.check_resume(read_resume_checkpoint(ckpt, parallel)["wanexp"])
 
 
-def read_resume_checkpoint(ckpt: str, parallel: str) -> dict:
-    """A resume's Lightning checkpoint, memory-mapped (only what is read is read: the settings, the step); of a
-    DeepSpeed checkpoint, its model states file, which holds the same settings and step. One line when it cannot be
-    read or is no wanexp checkpoint. wanexp-plan reads the step of a resume through here too."""
-    path = ckpt
-    if checkpoint_kind(ckpt, parallel) == "deepspeed":
-        from wanexp.parallel.zero import model_states_file
-
-        path = model_states_file(ckpt)
-    import torch
-
-    fix = "pass another .ckpt of the run's checkpoints/ folder, or resume=last"
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a damaged zip entry, or content torch.load refuses to unpickle
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"resume={ckpt}: cannot read the checkpoint ({reason}); {fix}") from None
-    if not isinstance(checkpoint, dict) or "wanexp" not in checkpoint:
-        raise ConfigError(f"resume={ckpt}: not a checkpoint of a wanexp run (it holds no run settings); {fix}")
-    return checkpoint
-
-
-def launcher_devices(cfg: DictConfig, environ=os.environ) -> None:
-    """Under torchrun, Lightning takes the ranks from the launcher and needs trainer.devices x trainer.num_nodes to
-    match its world: devices=auto (or -1) becomes torchrun's processes per node; a count that differs is one line."""
-    if "TORCHELASTIC_RUN_ID" not in environ or "LOCAL_WORLD_SIZE" not in environ:
-        return
-    local = int(environ["LOCAL_WORLD_SIZE"])
-    world = int(environ.get("WORLD_SIZE", local))
-    nodes = max(1, world // max(1, local))
-    t = cfg.trainer
-    devices = OmegaConf.to_container(t.devices) if OmegaConf.is_list(t.devices) else t.devices
-    if str(devices).strip() in ("auto", "-1"):
-        with open_dict(cfg):
-            t.devices = local
-    else:
-        count = len(devices) if isinstance(devices, list) else \
-            len(devices.strip(",").split(",")) if isinstance(devices, str) else int(devices)
-        if count != local:
-            raise ConfigError(f"trainer.devices={devices} under torchrun with {local} processes per node "
-                              f"(LOCAL_WORLD_SIZE={local}): each process drives one device; set "
-                              f"trainer.devices={local} (or trainer.devices=auto)")
-    if int(t.num_nodes) != nodes:
-        raise ConfigError(f"trainer.num_nodes={t.num_nodes} under torchrun with WORLD_SIZE={world} and {local} "
-                          f"processes per node: set trainer.num_nodes={nodes}")
-
-
 SECRET_KEYS = ("api_key", "apikey", "token", "password", "secret")
 
 
@@ -207,41 +90,10 @@ def redacted(node):
     return node
 
 
-def launch_rank() -> int:
-    """This process's global rank as the launcher set it (torchrun/SLURM/Lightning children), before any init."""
-    import os
-
-    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
 def run(cfg: DictConfig) -> dict:
     """Train one run described by a composed config. Returns paths of what it wrote."""
     # Checks and light components first: a bad run fails in seconds, before Lightning or any weight loads.
-    launcher_devices(cfg)
-    check_config(cfg, model_folder=True)
-    for key, value in (cfg.parallel.env or {}).items():  # before CUDA/NCCL start; children inherit it
-        os.environ.setdefault(str(key), str(value))
-    from wanexp.gpu_check import check_torch_build  # a GPU this torch build has no kernels for (V100 under CUDA 13)
-    check_torch_build(cfg.trainer.accelerator)
-    spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
-    from wanexp.models.fp8 import check_fp8  # model.fp8=true on a GPU without the FP8 GEMM
-
-    check_fp8(spec)
-    prepare_model_folder(spec, cfg.boundary.name)  # its weight files' headers too (a truncated download)
-    check_paths(cfg)
-    if int(cfg.parallel.sp_size) > 1:  # sequence parallel splits the heads: checked before any weight loads
-        from wanexp.models.sequence import check_heads
-
-        for e in spec.trained_experts(cfg.boundary.name):
-            check_heads(int(spec.transformer_config(e)["num_attention_heads"]), int(cfg.parallel.sp_size))
-    from wanexp.models.blockswap import check_fit, resolve_blocks_to_swap  # weights + activations, nothing loads
-
-    resolve_blocks_to_swap(cfg, spec, verbose=launch_rank() == 0)  # model.blocks_to_swap=auto: N, and why
-    check_fit(cfg, spec)
-    check_built_model(spec, adapter, objective, cfg.boundary.name)
+    pre = preflight(cfg, verbose=launch_rank() == 0)
 
     out = Path(cfg.paths.output_dir).resolve()
     with open_dict(cfg):
@@ -254,7 +106,7 @@ def run(cfg: DictConfig) -> dict:
         lock = RunLock(out, cfg.guard.lock_stale_s)
         lock.check_free()  # a live run's folder: one line before the checks read it; taken once they all pass
     try:
-        return _fit(cfg, spec, adapter, objective, out, lock)
+        return _fit(cfg, pre, out, lock)
     finally:
         if lock is not None:  # refused before it started (no config.yaml written): the lock it made goes too
             lock.release(discard=not lock.started)
@@ -270,7 +122,8 @@ def take_run_folder(lock: RunLock, out: Path) -> None:
               f"(e.g. {stale[0].name})", flush=True)
 
 
-def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | None = None) -> dict:
+def _fit(cfg: DictConfig, pre: Preflight, out: Path, lock: RunLock | None = None) -> dict:
+    spec, adapter, objective = pre.spec, pre.adapter, pre.objective
     import lightning as L
 
     from wanexp.callbacks.lora_export import LoraExport
@@ -344,8 +197,8 @@ def _fit(cfg: DictConfig, spec, adapter, objective, out: Path, lock: RunLock | N
     if trainer.global_rank == 0:  # before anything is written or loaded: can the folder hold what the run keeps?
         from wanexp.disk import check_disk, estimate
 
-        check_disk(out, estimate(spec, adapter, objective, cfg.boundary.name,
-                                 OmegaConf.to_container(cfg.callbacks, resolve=True), int(cfg.trainer.max_steps or -1)))
+        check_disk(out, estimate(pre.trained, OmegaConf.to_container(cfg.callbacks, resolve=True),
+                                 int(cfg.trainer.max_steps or -1)))
     # Every check passed: the run starts here. Until now it wrote nothing into the run folder.
     if lock is not None:
         take_run_folder(lock, out)
@@ -455,57 +308,9 @@ clusters: hydra/launcher=slurm (one SLURM job per sweep point), hydra/sweeper=op
 """
 
 
-def skip_exit_collection() -> None:
-    """At exit, after every later-registered handler (W&B, Lightning, loggers, loader workers), move the objects still
-    alive out of reach of the interpreter's last garbage collection: it walks every object torch, diffusers and
-    Lightning made, 2-3 s per process and rank on the CPU dev machines. Nothing a run keeps waits for it: status,
-    checkpoints, LoRA files and the lock are written and closed explicitly before the process ends."""
-    atexit.unregister(gc.freeze)  # registered once, also when main runs several times in one process
-    atexit.register(gc.freeze)
-
-
-def print_help(task=None) -> None:
-    """``--help``: the usage, examples and config groups, then the config the other arguments compose (what Hydra's
-    own help would print, without the config-group listing that makes it take seconds)."""
-    from wanexp.config import compose
-
-    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
-    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
-    print((USAGE if task is None else f"usage: {Path(sys.argv[0]).name} [group=option ...] [key=value ...] "
-           "(the same overrides as python train.py)\n") + "\nconfig groups (group=option):\n" +
-          "".join(f"  {g.name:<11} {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}\n" for g in groups) +
-          "  (top level)  run_name, seed, tags, resume (null|last|auto|PATH), overwrite, allow_resume_changes, "
-          "guard.*\n", flush=True)
-    print("== Config (override any key with key=value; python train.py --cfg job [overrides] prints it resolved) ==\n"
-          + OmegaConf.to_yaml(compose(overrides)) + "Hydra's own flags: --hydra-help.", flush=True)
-
-
-def main(task=None) -> None:
-    """``python train.py`` (or another entry with the same overrides, e.g. the cache command): compose with Hydra,
-    then run ``task`` (default :func:`cli`). Composition errors are one line, exit 2."""
-    import hydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from wanexp.callbacks.sweep import PointStopped
-
-    register()
-    skip_exit_collection()
-    keep_traceback = "HYDRA_FULL_ERROR" in os.environ
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing its report
-    entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(task or cli)
-    try:
-        if {"--help", "-h"} & set(sys.argv[1:]):
-            print_help(task)
-            return
-        entry()
-    except PointStopped as e:  # every point ran; the sweep exits with the first stopped point's code
-        sys.exit(e.code)
-    except (HydraException, OmegaConfBaseException) as e:
-        if keep_traceback:
-            raise
-        say_error(one_line_error(e))
-        sys.exit(2)
+def main() -> None:
+    """``python train.py``: compose with Hydra, then run :func:`cli`. Composition errors are one line, exit 2."""
+    hydra_main(cli, USAGE)
 
 
 def _mtime(path: Path) -> int | None:

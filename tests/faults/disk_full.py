@@ -40,7 +40,7 @@ class FullDisk:
         from safetensors import SafetensorError
 
         import wanexp.data.cache
-        import wanexp.lora
+        import wanexp.adapters.export
 
         real_open, real_save, real_av_open = builtins.open, safetensors.torch.save_file, av.open
         disk = self
@@ -63,7 +63,7 @@ class FullDisk:
 
         monkeypatch.setattr(builtins, "open", open_)
         monkeypatch.setattr(io, "open", open_)  # pathlib's write_text/open
-        for module in (safetensors.torch, wanexp.lora, wanexp.data.cache):
+        for module in (safetensors.torch, wanexp.adapters.export, wanexp.data.cache):
             monkeypatch.setattr(module, "save_file", save_file)
         monkeypatch.setattr(av, "open", av_open)
         return self

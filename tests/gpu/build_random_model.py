@@ -28,7 +28,7 @@ def main() -> None:
     from omegaconf import open_dict
 
     from wanexp.config import compose
-    from wanexp.train import build
+    from wanexp.composition import build
 
     sizes = yaml.safe_load(Path(args.sizes).read_text())[args.entry or args.model]
     cfg = compose([f"model={args.model}", f"model.path={args.path}"])

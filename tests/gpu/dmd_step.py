@@ -21,7 +21,7 @@ import torch
 def build_module(model_path: str, overrides: list[str]):
     from wanexp.config import compose
     from wanexp.module import DiffusionModule
-    from wanexp.train import build
+    from wanexp.composition import build
 
     cfg = compose(["model=ti2v5b", f"model.path={model_path}", "objective=dmd", "model.first_frame_cond=0.5",
                    *overrides])
@@ -34,8 +34,8 @@ def build_module(model_path: str, overrides: list[str]):
 
 
 def dmd_timing(args) -> dict:
-    from wanexp.lora import use_adapter
-    from wanexp.models.encode import EncodedBatch
+    from wanexp.adapters import use_adapter
+    from wanexp.models.encoders import EncodedBatch
     from wanexp.optim import build_optimizer
 
     dev = torch.device("cuda")

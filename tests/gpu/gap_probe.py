@@ -33,7 +33,7 @@ def _sync(device) -> None:
 def manual(module, batches, device, sync_each_step: bool = False) -> float:
     """Mean seconds per step of steps START+1 .. START+STEPS of a loop without Lightning (``sync_each_step``: the
     bench's timing, the GPU synchronized after every step)."""
-    from wanexp.models.encode import cached_batch
+    from wanexp.models.encoders import cached_batch
 
     module.to(device)  # Lightning's teardown moves the module to the CPU at the end of a fit
     opt = module.configure_optimizers()["optimizer"]

@@ -30,8 +30,9 @@ def main() -> None:
     args = ap.parse_args()
     from diffusers import WanTransformer3DModel
 
-    from wanexp.lora import add_lora
+    from tests.wan_adapters import add_wan_lora as add_lora
     from wanexp.models import sequence
+    from wanexp.models.wan22 import sequence as wan_sequence
     from wanexp.models.wan22 import fast
 
     gpu = torch.cuda.is_available()  # on CPU (a dry run of this script on a tiny model): gloo, fp32
@@ -77,7 +78,7 @@ def main() -> None:
     if rank == 0:
         ref_loss, ref_grads = step()
     dist.barrier()
-    sequence.enable(t, sequence.build_group(world))
+    wan_sequence.enable(t, sequence.build_group(world))
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     loss, grads = step()

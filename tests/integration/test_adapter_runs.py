@@ -7,7 +7,7 @@ import torch
 
 from tests.integration.conftest import tiny_run
 from tests.unit.test_adapter_types import TOL, _assert_same_weights, _effective
-from wanexp import lora
+from tests import wan_adapters as lora
 
 KIND = {"lokr": ["adapter=lokr"], "loha": ["adapter=loha"], "dora": ["adapter=lora", "adapter.use_dora=true"]}
 FILES = {"lokr": ["tiny_lokr_comfyui.safetensors", "tiny_lokr_diffusers.safetensors"],

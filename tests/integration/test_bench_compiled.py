@@ -6,7 +6,7 @@ import json
 
 from tests.conftest import compose_cfg
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.train import build
+from wanexp.composition import build
 
 
 def test_the_compiled_plain_loop_runs_checkpointed_and_is_checked(shared_dir, tmp_path, capsys):

@@ -17,8 +17,8 @@ from tests.integration.conftest import tiny_run
 from wanexp.cli.cache import build_cache
 from wanexp.data.cache import CacheIndex
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.models.encode import encode_text, encode_video
-from wanexp.train import build
+from wanexp.composition import build
+from wanexp.models.wan22.encoders import encode_text, encode_video
 
 
 def _cfg(shared_dir, cache_dir, *extra):
@@ -52,7 +52,7 @@ def test_cache_round_trips_and_training_reads_it_without_encoders(shared_dir, tm
         assert torch.equal(cached["latents"], encode_video(encoders.vae, pixels)[0])  # bit for bit
         online = encode_text(encoders.tokenizer, encoders.text_encoder, [sample.prompt], spec.text_len)[0]
         assert torch.equal(cached["text"], online)  # trimmed on disk, zero-padded back exactly
-    from wanexp.models.encode import tokenize
+    from wanexp.models.wan22.encoders import tokenize
 
     for i in range(len(dm.dataset)):  # only each prompt's real tokens are stored
         stored = index.load(dm.keys[i][1])["text"]

@@ -193,7 +193,7 @@ TOP = {"metadata": None, "root": None, "repeat": 1, "num_frames": 9, "height": 6
 ])
 def test_a_bad_datasets_entry_is_one_line_naming_it(datasets, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
-        parse_datasets(datasets, TOP)
+        parse_datasets(datasets, TOP, frame_rule=(4, 1))  # Wan's frame rule
 
 
 def test_the_cache_encodes_each_dataset_at_its_shape_and_a_run_trains_from_it(shared_dir, tmp_path):

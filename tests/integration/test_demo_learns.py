@@ -33,7 +33,7 @@ def test_the_demo_settings_make_the_loss_fall_and_write_a_before_after_strip(sha
     assert last < 0.93 * first, (first, last)
     # the strip: a row per prompt x seed under its label band, the base's first/middle/last frames then the final
     # LoRA's
-    from wanexp.sampling import label_band
+    from wanexp.generation import label_band
 
     val = cfg.callbacks.validation
     strip = out / "validation" / "strip.png"

@@ -41,9 +41,9 @@ def test_exports_are_pruned_and_a_full_disk_during_one_is_one_line(tiny_override
     line, exit 2, the partial export removed, the earlier exports and checkpoints whole."""
     from safetensors import SafetensorError
 
-    import wanexp.lora
+    import wanexp.adapters.export
 
-    real = wanexp.lora.save_file
+    real = wanexp.adapters.export.save_file
 
     def save_file(tensors, path, metadata=None):
         if "step_000005" in str(path):
@@ -51,7 +51,7 @@ def test_exports_are_pruned_and_a_full_disk_during_one_is_one_line(tiny_override
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return real(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(wanexp.lora, "save_file", save_file)
+    monkeypatch.setattr(wanexp.adapters.export, "save_file", save_file)
     cfg = compose_cfg([*tiny_overrides, "trainer.max_steps=5", "callbacks.checkpoint.every_n_train_steps=1",
                        "callbacks.lora_export.keep_last=2", "callbacks.lora_export.keep_every=2"])
     line, printed = _cli_error(cfg, capsys)

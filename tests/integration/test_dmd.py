@@ -10,12 +10,12 @@ from torch import nn
 
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
-from wanexp.lora import use_adapter
+from wanexp.adapters import use_adapter
 from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.denoiser import Prediction
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 from wanexp.objectives.dmd import DMD
-from wanexp.train import build
+from wanexp.composition import build
 
 DMD_FAST = ["objective=dmd", "objective.generator_every=1", "objective.generator.lr=1e-3", "objective.critic.lr=1e-3",
             "objective.student_timesteps=[1000,500]"]

@@ -79,7 +79,8 @@ def test_a_corrupt_weight_file_is_one_line(shared_dir, tmp_path, capsys):
     import shutil
 
     from wanexp.models.tiny import ensure_tiny_model
-    from wanexp.train import build, cli
+    from wanexp.composition import build
+    from wanexp.train import cli
 
     base = ["experiment=demo", f"paths.data_dir={shared_dir}/data", f"paths.output_dir={tmp_path / 'run'}",
             "callbacks.progress=null", "trainer.max_steps=1", "data.use_cache=false"]

@@ -8,9 +8,9 @@ import torch
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 from wanexp.objectives.kd import teacher_block_for
-from wanexp.train import build
+from wanexp.composition import build
 
 
 def test_student_blocks_are_spread_over_the_teacher():

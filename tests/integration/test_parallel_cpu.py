@@ -134,7 +134,7 @@ def _cli_here(monkeypatch, capsys, args: list[str]) -> tuple[object, str, str]:
     from hydra.core.global_hydra import GlobalHydra
 
     from tests.integration.test_cli_runs import _entry
-    from wanexp.train import quiet_warnings
+    from wanexp.composition import quiet_warnings
 
     def launch(*_, **__):
         raise RuntimeError("the command reached Lightning's launcher: it was not refused before the ranks start")
@@ -181,7 +181,7 @@ def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tm
     rank samples, so that expert is sharded too (each rank holds half of it here), loaded in the load turns."""
     from tests.conftest import compose_cfg
     from wanexp.models.tiny import ensure_tiny_model
-    from wanexp.train import build
+    from wanexp.composition import build
 
     out = tmp_path / "run"
     res = run_cli(_base(shared_dir, out, steps=2) + [

@@ -107,7 +107,7 @@ def test_a_resumed_run_is_planned_from_its_checkpoint(shared_dir, tmp_path, cach
 def test_world_size_two_counts_what_each_rank_loads(shared_dir, tmp_path):
     """For 2 processes, without starting them: each rank's loader (the run's, for that rank) yields the planned
     batches, disjoint samples of one bucket each. (The counts need no cache: this test does not wait for one.)"""
-    from wanexp.train import build, prepare_model_folder
+    from wanexp.composition import build, prepare_model_folder
 
     cfg = compose_cfg(_overrides(shared_dir, tmp_path / "run", [*EXTRA, f"paths.cache_dir={tmp_path}/no_cache"]))
     with open_dict(cfg):
@@ -189,7 +189,7 @@ def test_several_datasets_count_each_item_once(shared_dir, tmp_path):
     """data.datasets with a repeat and a fractional weight: the plan's samples and clips per bucket count each item
     once (its copies are the repeat and the weight), and the calibration's subset holds each bucket's items."""
     from wanexp.data.synthetic import make_demo_dataset
-    from wanexp.train import build, prepare_model_folder
+    from wanexp.composition import build, prepare_model_folder
 
     a = make_demo_dataset(tmp_path / "a", num_videos=4, num_images=2, num_frames=9, height=64, width=64)
     b = make_demo_dataset(tmp_path / "b", num_videos=3, num_images=0, num_frames=9, height=64, width=96)
@@ -238,7 +238,7 @@ def test_calibration_reads_each_dataset_s_relative_paths_as_the_run_does(shared_
     seen = {}
 
     def calibration(cfg, calib):  # the calibration's datamodule, as its run builds it, and the run's own
-        from wanexp.train import build
+        from wanexp.composition import build
 
         for name, c in (("run", cfg), ("calibration", plan.apply_overrides(cfg, calib))):
             dm = plan.datamodule(c, build(c.model))

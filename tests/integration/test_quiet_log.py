@@ -10,7 +10,7 @@ import lightning.pytorch.trainer.connectors.data_connector as data_connector
 
 from tests.integration.conftest import tiny_run
 from wanexp.callbacks import quiet
-from wanexp.train import quiet_warnings
+from wanexp.composition import quiet_warnings
 
 # Python's filters at start-up (no -W option): deprecations show only when triggered in __main__. The suite's own
 # filters (pyproject.toml) hide deprecations and the worker warning everywhere, so they are replaced here.

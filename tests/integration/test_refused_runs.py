@@ -18,7 +18,8 @@ from tests.conftest import compose_cfg
 from tests.integration.test_lifecycle import _tiny_overrides
 from wanexp.errors import ConfigError
 from wanexp.parallel.zero import read_pointer, write_pointer
-from wanexp.train import build, check_resume, cli, read_resume_checkpoint
+from wanexp.composition import build, read_resume_checkpoint
+from wanexp.train import check_resume, cli
 
 Usage = namedtuple("Usage", "total used free")
 

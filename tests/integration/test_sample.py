@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import ROOT, compose_cfg
 from tests.integration.conftest import tiny_run
-from wanexp import sampling
+from wanexp import generation
 from wanexp.cli import sample
 from wanexp.objectives.dmd import DMD
 
@@ -105,11 +105,29 @@ def test_sample_input_errors_are_one_line(tmp_path, capsys):
     assert e.value.code == 2 and err.startswith("wanexp: error: --run ") and "no config.yaml there" in err
 
 
+@pytest.mark.parametrize("channels,group", [((48, 48), "ti2v5b"), ((16, 16), "t2v14b"), ((36, 16), "i2v14b"),
+                                            ((20, 20), None)])
+def test_a_folder_without_a_run_is_sampled_as_the_model_group_its_transformer_matches(tmp_path, channels, group):
+    """--model-path alone: the released model groups' spec classes are asked for their DiT's channels (the tiny
+    groups, which share them, are not candidates); a folder none of them has is one line listing them."""
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"in_channels": channels[0],
+                                                                      "out_channels": channels[1]}))
+    if group is not None:
+        assert sample._folder_model(tmp_path).name == group
+        return
+    with pytest.raises(sample.ConfigError) as e:
+        sample._folder_model(tmp_path)
+    assert str(e.value) == (f"--model-path {tmp_path}: its transformer (in/out channels 20/20) is none of the model "
+                            "groups' (i2v14b, t2v14b, ti2v5b); pass a diffusers folder of one of them, or --run with "
+                            "the run folder")
+
+
 def test_image_quality_metrics_are_the_standard_psnr_and_gaussian_window_ssim():
     g = torch.Generator().manual_seed(0)
     a = torch.rand(2, 11, 11, 3, generator=g) * 0.9
-    assert sampling.ssim(a, a) == pytest.approx(1.0) and sampling.psnr(a, a) == float("inf")
-    assert sampling.psnr(a, a + 0.1) == pytest.approx(20.0, abs=1e-3)  # MSE 0.01
+    assert generation.ssim(a, a) == pytest.approx(1.0) and generation.psnr(a, a) == float("inf")
+    assert generation.psnr(a, a + 0.1) == pytest.approx(20.0, abs=1e-3)  # MSE 0.01
     b = (a + 0.3 * torch.rand(a.shape, generator=g)).clamp(0, 1)
     # SSIM from its definition (Wang et al. 2004): at every pixel, a window of 11x11 Gaussian weights (sigma 1.5;
     # the borders mirrored), K1 = 0.01, K2 = 0.03; the mean over pixels, channels and frames
@@ -128,9 +146,9 @@ def test_image_quality_metrics_are_the_standard_psnr_and_gaussian_window_ssim():
     pa, pb = mirrored(a), mirrored(b)
     expected = torch.stack([window(pa[f, c, i:i + 11, j:j + 11], pb[f, c, i:i + 11, j:j + 11])
                             for f in range(2) for c in range(3) for i in range(11) for j in range(11)]).mean()
-    assert sampling.ssim(a, b) == pytest.approx(float(expected), abs=1e-5)
+    assert generation.ssim(a, b) == pytest.approx(float(expected), abs=1e-5)
     noise = torch.rand(2, 16, 16, 3, generator=g)
-    assert sampling.ssim(noise, torch.rand(noise.shape, generator=g)) < 0.2
+    assert generation.ssim(noise, torch.rand(noise.shape, generator=g)) < 0.2
 
 
 # ---- image-to-video from the user's own image -------------------------------------------------------------------
@@ -167,7 +185,7 @@ def test_an_image_is_the_first_frame_of_a_ti2v_sample_cropped_as_training_crops(
     import warnings
 
     from wanexp.data.media import load_clip
-    from wanexp.models.encode import encode_video
+    from wanexp.models.wan22.encoders import encode_video
 
     r = trained("tiny")
     d = r["cfg"].data
@@ -195,12 +213,12 @@ def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path,
     """I2V-A14B layout: the transformers' 16 image-condition channels are the latents of [image, zeros] with the image
     cropped as training crops it (what training feeds them), at every call; another image gives another condition."""
     from wanexp.data.media import load_clip
-    from wanexp.models.encode import encode_image_condition
+    from wanexp.models.wan22.encoders import encode_image_condition
 
     r = trained("tiny_i2v14b")
     d = r["cfg"].data
     seen: list[torch.Tensor] = []
-    from wanexp.sampling import generate
+    from wanexp.models.wan22.pipeline import generate
 
     def spy(pipe, *args, **kwargs):
         hooks = [m.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"][:, 20:].clone()),
@@ -211,7 +229,7 @@ def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path,
             for h in hooks:
                 h.remove()
 
-    monkeypatch.setattr("wanexp.sampling.generate", spy)
+    monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
     images = [_wide_image(tmp_path / "a.png", 0), _wide_image(tmp_path / "b.png", 1)]
     res = sample.main(["--run", r["output_dir"], "--prompt", "a red ball", "--prompt", "a blue ball", "--steps", "2",
                        "--guidance", "1", "--device", "cpu", "--out", str(tmp_path / "out"),
@@ -227,12 +245,12 @@ def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path,
 
 def test_image_input_errors_are_one_line_before_any_weights_load(trained, shared_dir, tmp_path, monkeypatch, capsys):
     from wanexp.models.tiny import ensure_tiny_model
-    from wanexp.train import build
+    from wanexp.composition import build
 
     def no_weights(name):
         raise AssertionError("a pipeline was loaded")
 
-    monkeypatch.setattr("wanexp.sampling.pipeline_class", no_weights)
+    monkeypatch.setattr("wanexp.models.wan22.pipeline.pipeline_class", no_weights)
     ti2v, i2v = trained("tiny")["output_dir"], trained("tiny_i2v14b")["output_dir"]
     t2v = ensure_tiny_model(build(compose_cfg(["model=tiny_t2v14b",
                                                f"paths.tiny_model_dir={shared_dir}/models"]).model))
@@ -258,13 +276,13 @@ def test_a_dmd_runs_teacher_is_the_one_it_was_distilled_toward(dmd_tiny, tmp_pat
     """--teacher samples the base model with the run's objective.guidance_scale and objective.negative_prompt (the
     CFG the student was distilled toward), not CFG 5 with the empty prompt; the flags still override them."""
     calls = []
-    from wanexp.sampling import generate
+    from wanexp.models.wan22.pipeline import generate
 
     def spy(pipe, prompt, seed, s, steps, guidance, negative, *args, **kwargs):
         calls.append((steps, guidance, negative))
         return generate(pipe, prompt, seed, s, steps, guidance, negative, *args, **kwargs)
 
-    monkeypatch.setattr("wanexp.sampling.generate", spy)
+    monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
     objective = dmd_tiny["cfg"].objective
     assert objective.guidance_scale != 5.0 and objective.negative_prompt  # the defaults this must not fall back to
     args = ["--run", dmd_tiny["output_dir"], "--prompt", "a red ball rolls", "--teacher", "--teacher-steps", "2",
@@ -280,8 +298,8 @@ def test_a_dmd_runs_teacher_is_the_one_it_was_distilled_toward(dmd_tiny, tmp_pat
 def test_the_image_to_video_pipeline_class_comes_without_a_warning():
     """diffusers' Wan image-to-video module imports transformers' CLIPImageProcessor (for Wan2.1's CLIP image encoder),
     which without torchvision logs a fallback warning: validation and wanexp-sample get the pipeline class through
-    wanexp.sampling.pipeline_class, which prints nothing. A fresh process: the warning is logged once per process."""
-    code = "from wanexp.sampling import pipeline_class; print(pipeline_class('WanImageToVideoPipeline').__name__)"
+    wanexp.models.wan22.pipeline.pipeline_class, which prints nothing. A fresh process: the warning is logged once per process."""
+    code = "from wanexp.models.wan22.pipeline import pipeline_class; print(pipeline_class('WanImageToVideoPipeline').__name__)"
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout == "WanImageToVideoPipeline\n" and done.stderr == "", done.stderr

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import compose_cfg
 from tests.integration.conftest import tiny_run
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.train import build
+from wanexp.composition import build
 
 
 def _saved_tensors_in_forward(transformer, batch: int = 1) -> int:

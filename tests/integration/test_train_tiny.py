@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import tiny_run
-from wanexp.models.family import EXPERT_FOLDERS
+from wanexp.models.wan22.spec import WanSpec
 
 EXPECTED_FILES = {
     "tiny": ["tiny_lora_comfyui.safetensors", "tiny_lora_diffusers.safetensors"],
@@ -106,7 +106,7 @@ def test_high_noise_run_loads_only_the_high_expert(shared_dir, tmp_path):
     if not base.exists():
         tiny_run(shared_dir, tmp_path / "warm", ["model=tiny_i2v14b", "trainer.max_steps=1"])
     folder = tmp_path / "only_high"
-    shutil.copytree(base, folder, ignore=shutil.ignore_patterns(EXPERT_FOLDERS["low"]))
+    shutil.copytree(base, folder, ignore=shutil.ignore_patterns(WanSpec.expert_folders["low"]))
     r = tiny_run(shared_dir, tmp_path / "run", ["model=tiny_i2v14b", "boundary=high", f"model.path={folder}",
                                                 "model.build=null", "trainer.max_steps=2"])
     assert list(r["module"].transformers) == ["high"]

@@ -10,7 +10,7 @@ from wanexp.cli.cache import build_cache
 from wanexp.data.media import write_video
 from wanexp.errors import ConfigError
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.train import build
+from wanexp.composition import build
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from wanexp import lora
+from tests import wan_adapters as lora
 from wanexp.errors import ConfigError
 
 TINY = dict(num_attention_heads=2, attention_head_dim=8, ffn_dim=32, num_layers=2, text_dim=16, freq_dim=16,
@@ -199,9 +199,9 @@ def test_diffusers_file_loads_in_diffusers(kind, tmp_path_factory):
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("which", [0, 1])
 def test_load_adapter_loads_each_kinds_files_into_a_pipeline(kind, which, tmp_path_factory):
-    """wanexp.sampling.load_adapter (what wanexp-sample calls): every file of every kind, ComfyUI's LoHa included,
+    """The Wan pipeline's load_adapter (what wanexp-sample calls): every file of every kind, ComfyUI's LoHa included,
     gives the pipeline's transformer the trained weights."""
-    from wanexp.sampling import load_adapter
+    from wanexp.models.wan22.pipeline import load_adapter
 
     _, want, files = trained(kind, tmp_path_factory)
     if which >= len(files):
@@ -214,7 +214,8 @@ def test_load_adapter_loads_each_kinds_files_into_a_pipeline(kind, which, tmp_pa
 @pytest.mark.parametrize("kind", ["lokr", "loha"])
 def test_recorded_experts_sees_each_kind_on_and_off(kind, tmp_path_factory):
     """A LoKr or LoHa layer has no lora_A: the adapter still counts as on, and as off once disabled."""
-    from wanexp.sampling import load_adapter, recorded_experts
+    from wanexp.generation import recorded_experts
+    from wanexp.models.wan22.pipeline import load_adapter
 
     files = trained(kind, tmp_path_factory)[2]
     pipe = _pipe()

@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "wanexp"
 
 # Which top-level units (wanexp/<pkg>/ or wanexp/<mod>.py) each unit may import. The order is the design's:
-# errors <- config <- (models, objectives, data, parallel, lora, perf, optim) <- module, callbacks <- train, cli.
+# errors <- config <- (models, objectives, data, parallel, adapters, perf, optim) <- module, callbacks <- memory_plan,
+# composition <- train, cli.
 ALLOWED = {
     "errors": set(),
     "text": set(),
@@ -28,20 +29,25 @@ ALLOWED = {
     "runfolder": {"errors"},
     "lightning_compat": set(),  # the one reader of Lightning's private parts
     "context": {"lightning_compat"},  # the run context (ranks, sp_size, log steps) handed to module, data, callbacks
-    "lora": {"errors"},
-    "disk": {"errors", "lora"},
+    "adapters": {"errors"},
+    "disk": {"errors", "adapters"},
     "optim": {"config"},
-    "models": {"errors", "config", "perf", "text", "lora"},  # lora: the adapter's size in block swap's fit estimate
-    "objectives": {"config", "errors", "lora"},
+    "models": {"errors", "config", "perf", "text", "adapters"},  # adapters: a family's adapter naming
+    "objectives": {"config", "errors", "adapters"},
     "data": {"errors", "config", "text", "context", "disk"},  # disk: a full disk while caching is one line
     "parallel": {"config", "errors"},
-    "module": {"errors", "models", "objectives", "optim", "rng", "lora", "context", "lightning_compat"},
-    "sampling": {"errors", "models", "data", "lora", "objectives"},
-    "callbacks": {"errors", "sampling", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
-    "train": {"errors", "config", "models", "module", "optim", "callbacks", "runfolder", "disk", "context",
-              "data", "gpu_check", "parallel"},  # data: the prompts-only check; parallel: a DeepSpeed resume's file
-    "cli": {"errors", "config", "data", "models", "module", "perf", "train", "sampling", "lora", "context",
-            "callbacks", "disk"},  # lora: wanexp-merge; callbacks, disk: wanexp-plan's timer and disk estimate
+    "module": {"errors", "models", "objectives", "optim", "rng", "adapters", "context", "lightning_compat"},
+    "generation": {"errors", "models", "data", "adapters", "objectives"},
+    "callbacks": {"errors", "generation", "perf", "disk", "context", "lightning_compat", "models"},  # models: block swap
+    "memory_plan": {"errors", "adapters"},  # the fit estimate and blocks_to_swap=auto, from the family's formula
+    # the builders and the pre-flight every command shares (train, plan, cache, the benches)
+    "composition": {"errors", "config", "models", "callbacks", "runfolder", "disk", "gpu_check", "parallel",
+                    "memory_plan"},
+    "train": {"errors", "config", "composition", "module", "optim", "callbacks", "runfolder", "disk", "context",
+              "data"},  # data: the prompts-only check
+    # train: wanexp-plan's calibration is a training run (its one use of the training entry, not of its builders)
+    "cli": {"errors", "config", "data", "models", "module", "perf", "composition", "train", "generation", "adapters",
+            "context", "callbacks", "disk", "runfolder"},  # callbacks, disk: wanexp-plan's timer and disk estimate
 }
 
 

@@ -11,6 +11,7 @@ import torch
 from tests.conftest import compose_cfg
 from tests.unit.test_perf_fast import output_and_grads, ti2v_batch, tiny_transformer
 from wanexp.config import check_config
+from wanexp import memory_plan
 from wanexp.errors import ConfigError
 from wanexp.models import blockswap, fp8
 
@@ -214,7 +215,7 @@ def test_compiled_blocks_swap_through_aot_autograd_and_inductor(backend):
 
 
 def test_more_blocks_than_the_model_has_is_refused():
-    spec = SimpleNamespace(fp8_storage=False, blocks_to_swap=3)
+    spec = SimpleNamespace(fp8_storage=False, blocks_to_swap=3, blocks=lambda t: t.blocks)
     with pytest.raises(ConfigError, match=r"model.blocks_to_swap=3: the dense transformer has 2 blocks; set "
                                           r"model.blocks_to_swap to at most 2"):
         blockswap.low_vram(tiny_transformer(), spec, "dense")
@@ -227,9 +228,11 @@ A14B = dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_l
 def a14b_spec():
     from diffusers import WanTransformer3DModel
 
+    from wanexp.models.wan22.memory import WanMemory
+
     return SimpleNamespace(trained_experts=lambda boundary: ["high"], transformer_config=lambda e: dict(A14B),
-                           vae_stride=(4, 8, 8), patch=(1, 2, 2), dtype=torch.bfloat16,
-                           transformer_type=lambda: WanTransformer3DModel)
+                           vae_stride=(4, 8, 8), patch=(1, 2, 2), dtype=torch.bfloat16, name="i2v14b",
+                           transformer_type=lambda: WanTransformer3DModel, memory_formula=WanMemory)
 
 
 @pytest.mark.parametrize("overrides,measured", [
@@ -241,7 +244,7 @@ def test_the_estimate_matches_the_peaks_measured_on_the_a14b_expert(overrides, m
     """The A14B expert at 480x832x81, LoRA r32, on one H100 (benchmarks/a14b_h100_2026-11-27.md): the estimate within
     8 % of each measured peak, never more than 1 GiB under it."""
     cfg = fit_cfg("data.height=480", "data.width=832", "adapter.rank=32", *overrides)
-    est = blockswap.FitEstimate(cfg, a14b_spec())
+    est = memory_plan.FitEstimate(cfg, a14b_spec())
     need = est.need(int(cfg.model.get("blocks_to_swap") or 0))
     assert abs(need - measured) / measured < 0.08 and need > measured - 1.0, (need, measured)
 
@@ -256,21 +259,21 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_options():
     # 480x832x81 on a 28 GiB budget: the bf16 expert alone is ~26.6 GiB, its 40 block inputs 12.5 GiB more, so even
     # every block swapped does not fit (the H100 run went out of memory): the line names the offloaded inputs
     with pytest.raises(ConfigError) as e:
-        blockswap.check_fit(fit_cfg("data.height=480", "data.width=832"), spec)
+        memory_plan.check_fit(fit_cfg("data.height=480", "data.width=832"), spec)
     line = str(e.value)
     assert line.startswith("model.memory_budget_gib=28: this run needs at least") and "\n" not in line
     assert "model.offload_activations=true" in line and "model.blocks_to_swap=" not in line
     offload = ("data.height=480", "data.width=832", "model.offload_activations=true")
     with pytest.raises(ConfigError) as e:
-        blockswap.check_fit(fit_cfg(*offload), spec)
+        memory_plan.check_fit(fit_cfg(*offload), spec)
     line = str(e.value)
     n = int(line.split("model.blocks_to_swap=")[1].split()[0])
     assert 0 < n < 40 and "parallel.sp_size=2" in line and "parallel=fsdp" in line
-    blockswap.check_fit(fit_cfg(*offload, f"model.blocks_to_swap={n}"), spec)
-    blockswap.check_fit(fit_cfg("data.height=480", "data.width=832", "model.memory_budget_gib=null"), spec)
+    memory_plan.check_fit(fit_cfg(*offload, f"model.blocks_to_swap={n}"), spec)
+    memory_plan.check_fit(fit_cfg("data.height=480", "data.width=832", "model.memory_budget_gib=null"), spec)
     # 720x1280x81: the activations alone exceed the budget, block swap cannot make room
     with pytest.raises(ConfigError) as e:
-        blockswap.check_fit(fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=40"), spec)
+        memory_plan.check_fit(fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=40"), spec)
     assert "blocks_to_swap=" not in str(e.value).split("; set ")[1] and "parallel.sp_size=2" in str(e.value)
 
 
@@ -298,7 +301,8 @@ def test_validations_other_expert_streams_under_block_swap():
     """A one-expert A14B run with block swap: validation's other expert is swapped the same way before it moves."""
     from wanexp.callbacks.validation import _other_expert
 
-    spec = SimpleNamespace(load_transformer=lambda name: four_blocks(), blocks_to_swap=2, fp8_storage=False)
+    spec = SimpleNamespace(load_transformer=lambda name: four_blocks(), blocks_to_swap=2, fp8_storage=False,
+                           blocks=lambda t: t.blocks)
     trainer = SimpleNamespace(strategy=SimpleNamespace(), world_size=1, global_rank=0)
     module = SimpleNamespace(spec=spec, parameters=lambda: iter(()), device=torch.device("cpu"))
     t, held = _other_expert(trainer, module, "low")
@@ -327,35 +331,35 @@ def test_auto_picks_the_fewest_blocks_check_fit_accepts(capsys):
     shape = ("data.height=480", "data.width=832", "model.offload_activations=true")
     cfg = fit_cfg(*shape, "model.blocks_to_swap=auto", "model.path=/m", "model.compile=false")
     check_config(cfg)  # auto passes the config rules
-    n = blockswap.resolve_blocks_to_swap(cfg, spec)
+    n = memory_plan.resolve_blocks_to_swap(cfg, spec)
     assert 0 < n < 40 and cfg.model.blocks_to_swap == n and spec.blocks_to_swap == n
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"wanexp: model.blocks_to_swap=auto: {n} of 40 blocks swapped (the fewest whose weights "
                            "and least activations fit model.memory_budget_gib=28:") and f"; {n - 1} would need" in line
     eager = (*shape, "model.compile=false")
-    blockswap.check_fit(fit_cfg(*eager, f"model.blocks_to_swap={n}"), spec)
+    memory_plan.check_fit(fit_cfg(*eager, f"model.blocks_to_swap={n}"), spec)
     with pytest.raises(ConfigError, match=rf"; set model.blocks_to_swap={n} "):
-        blockswap.check_fit(fit_cfg(*eager, f"model.blocks_to_swap={n - 1}"), spec)
+        memory_plan.check_fit(fit_cfg(*eager, f"model.blocks_to_swap={n - 1}"), spec)
     # compiled blocks (less recompute memory), FP8 storage or a larger budget need fewer; one that fits the whole
     # expert swaps none
     for more in (["model.compile=true"], ["model.compile=false", "model.fp8_storage=true"],
                  ["model.compile=false", "model.memory_budget_gib=34"]):
-        assert blockswap.resolve_blocks_to_swap(fit_cfg(*shape, "model.blocks_to_swap=auto", *more), spec,
+        assert memory_plan.resolve_blocks_to_swap(fit_cfg(*shape, "model.blocks_to_swap=auto", *more), spec,
                                                 verbose=False) < n, more
-    assert blockswap.resolve_blocks_to_swap(fit_cfg(*shape, "model.blocks_to_swap=auto", "model.memory_budget_gib=80"),
+    assert memory_plan.resolve_blocks_to_swap(fit_cfg(*shape, "model.blocks_to_swap=auto", "model.memory_budget_gib=80"),
                                             spec, verbose=False) == 0
 
 
 def test_auto_that_cannot_fit_is_the_one_line_refusal_and_no_budget_on_the_cpu_swaps_none(capsys):
     spec = a14b_spec()
     with pytest.raises(ConfigError) as e:
-        blockswap.check_fit(fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=auto"), spec)
+        memory_plan.check_fit(fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=auto"), spec)
     line = str(e.value)
     assert line.startswith("model.memory_budget_gib=28: this run needs at least") and "\n" not in line
     assert "blocks_to_swap=" not in line.split("; set ")[1] and "parallel.sp_size=2" in line
     cfg = fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=auto", "model.memory_budget_gib=null",
                   "trainer.accelerator=cpu")
-    assert blockswap.resolve_blocks_to_swap(cfg, spec) == 0 and cfg.model.blocks_to_swap == 0
+    assert memory_plan.resolve_blocks_to_swap(cfg, spec) == 0 and cfg.model.blocks_to_swap == 0
     assert "0 of 40 blocks swapped (no model.memory_budget_gib to size it from, and no GPU)" in capsys.readouterr().out
 
 
@@ -363,15 +367,15 @@ def test_auto_without_a_budget_sizes_from_the_gpus_free_memory(monkeypatch, caps
     """No model.memory_budget_gib on a GPU (its free memory stood in for): 90 % of it is the budget, the same N a
     budget of that size gives; a GPU too small for every block swapped is the one-line refusal naming it."""
     spec = a14b_spec()
-    monkeypatch.setattr(blockswap, "usable_gib", lambda cfg: 30.0)
+    monkeypatch.setattr(memory_plan, "usable_gib", lambda cfg: 30.0)
     shape = ("data.height=480", "data.width=832", "model.blocks_to_swap=auto", "model.offload_activations=true")
-    n = blockswap.resolve_blocks_to_swap(fit_cfg(*shape, "model.memory_budget_gib=null"), spec)
+    n = memory_plan.resolve_blocks_to_swap(fit_cfg(*shape, "model.memory_budget_gib=null"), spec)
     assert "fit 90% of this GPU's 30.0 GiB free (27.0 GiB)" in capsys.readouterr().out
-    assert n == blockswap.resolve_blocks_to_swap(fit_cfg(*shape, "model.memory_budget_gib=27"), spec, verbose=False)
-    monkeypatch.setattr(blockswap, "usable_gib", lambda cfg: 16.0)
+    assert n == memory_plan.resolve_blocks_to_swap(fit_cfg(*shape, "model.memory_budget_gib=27"), spec, verbose=False)
+    monkeypatch.setattr(memory_plan, "usable_gib", lambda cfg: 16.0)
     with pytest.raises(ConfigError, match=r"^model.blocks_to_swap=auto on a GPU with 16.0 GiB free: this run needs at "
                                           r"least .*; set .*parallel.sp_size=2"):
-        blockswap.check_fit(fit_cfg(*shape, "model.memory_budget_gib=null"), spec)
+        memory_plan.check_fit(fit_cfg(*shape, "model.memory_budget_gib=null"), spec)
 
 
 @pytest.mark.parametrize("value,message", [
@@ -396,7 +400,7 @@ def test_a_run_with_auto_swaps_the_count_it_picked_and_records_it(shared_dir, tm
     from omegaconf import OmegaConf
 
     from tests.integration.conftest import tiny_run
-    from wanexp.train import build, prepare_model_folder
+    from wanexp.composition import build, prepare_model_folder
 
     four = ["model.name=tiny4", "model.build.transformer.num_layers=4", "model.blocks_to_swap=auto",
             "model.gradient_checkpointing=true"]
@@ -404,7 +408,7 @@ def test_a_run_with_auto_swaps_the_count_it_picked_and_records_it(shared_dir, tm
     probe = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "adapter.rank=4", *four])
     spec = build(probe.model)
     prepare_model_folder(spec, probe.boundary.name)
-    est = blockswap.FitEstimate(probe, spec)
+    est = memory_plan.FitEstimate(probe, spec)
     assert est.layers == 4 and est.need(3) < est.need(2) == est.need(0)
     budget = (est.need(2) + est.need(3)) / 2
     out = tmp_path / "run"

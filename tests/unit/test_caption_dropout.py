@@ -24,7 +24,7 @@ def test_caption_dropout_on_a_prompts_only_file_is_one_line(tmp_path):
 
     from tests.conftest import compose_cfg
     from wanexp.errors import UserError
-    from wanexp.train import build
+    from wanexp.composition import build
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square drifts left\na blue circle bounces\n")

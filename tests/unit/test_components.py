@@ -2,20 +2,27 @@
 and the batch sampler's split over data-parallel ranks."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from wanexp.data.datamodule import BucketBatchSampler
-from wanexp.models.encode import clean_prompt, encode_text
+from wanexp.models.wan22.encoders import clean_prompt, encode_text
 from tests.conftest import compose_cfg
-from wanexp.models.family import route
-from wanexp.train import build
+from wanexp.composition import build
+from wanexp.models.wan22.spec import WanSpec
 
 
 def ti2v_spec(first_frame_cond: float):
     return build(compose_cfg(["model.path=/m", f"model.first_frame_cond={first_frame_cond}"]).model)
 
 # ---- expert routing -------------------------------------------------------------------------------------------
+
+
+def route(sigma, loaded, boundary_ratio):
+    """Wan's routing (WanSpec.route) at this boundary."""
+    return WanSpec.route(SimpleNamespace(boundary_ratio=boundary_ratio), sigma, loaded)
 
 
 def test_route_sends_each_sample_to_the_expert_that_owns_its_sigma():

@@ -145,7 +145,7 @@ def _fake_folder(root, subfolders, in_channels=16):
 
 def check_files(cfg) -> None:
     """What run() checks on disk before Lightning loads: the spec's folder, then the run's paths."""
-    from wanexp.train import build, prepare_model_folder
+    from wanexp.composition import build, prepare_model_folder
 
     prepare_model_folder(build(cfg.model), cfg.boundary.name)
     check_paths(cfg)
@@ -191,7 +191,7 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path):
 
 
 def test_spec_checks_its_own_values():
-    from wanexp.train import build
+    from wanexp.composition import build
 
     with pytest.raises(ConfigError, match="model.attention_backend=fast: allowed values are null .*native"):
         build(compose_cfg(["model.path=/m", "model.attention_backend=fast"]).model)
@@ -493,7 +493,7 @@ def test_resume_from_a_file_that_is_no_checkpoint_is_one_line(tmp_path, which):
 
 def test_torchrun_sets_the_device_count_or_says_what_to_set():
     """Under torchrun (its environment, not launched here) Lightning needs devices x num_nodes = WORLD_SIZE."""
-    from wanexp.train import launcher_devices
+    from wanexp.composition import launcher_devices
 
     def decide(env, *overrides):
         cfg = _base(**{k.replace(".", "__"): OmegaConf.from_dotlist([o]).trainer[k.split(".")[1]]

@@ -118,7 +118,7 @@ def _mixed_aspects(tmp_path, *extra):
     """2 landscape clips, 2 portrait ones and a panorama, trained at 64x96 (height x width) unless ``extra`` says."""
     from tests.conftest import compose_cfg
     from wanexp.data.synthetic import make_demo_dataset
-    from wanexp.train import build, build_datamodule, prepare_model_folder
+    from wanexp.composition import build, build_datamodule, prepare_model_folder
 
     rows = ["video,prompt"]
     for name, n, (h, w) in (("land", 2, (64, 96)), ("port", 2, (96, 64)), ("pano", 1, (32, 128))):

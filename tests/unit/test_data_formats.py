@@ -360,7 +360,7 @@ def test_upscale_warning_is_against_each_files_own_bucket(tmp_path: Path) -> Non
     """With data.buckets a file trains at the bucket nearest its aspect ratio, not at data.height x data.width:
     the probe warns only for media that bucket enlarges past UPSCALE_WARN, naming the bucket the datamodule assigns."""
     from tests.conftest import compose_cfg
-    from wanexp.train import build
+    from wanexp.composition import build
 
     _video(tmp_path / "clip.mp4")  # 64x64: trains at 64x64, no upscaling
     _image(tmp_path / "wide.png", 128, 64)  # trains at 64x128 (height x width)

@@ -78,7 +78,7 @@ def test_the_probe_counts_frames_at_the_rate_and_rejects_a_clip_too_short_there(
 
 
 def _datamodule(tmp_path, *extra):
-    from wanexp.train import build, build_datamodule, prepare_model_folder
+    from wanexp.composition import build, build_datamodule, prepare_model_folder
 
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
@@ -115,7 +115,7 @@ def test_a_run_resamples_to_the_models_rate_unless_data_fps_says_otherwise(tmp_p
 ])
 def test_a_bad_frame_rate_is_one_line_naming_the_key(tmp_path, override, says):
     from wanexp.config import check_config
-    from wanexp.train import build, build_datamodule
+    from wanexp.composition import build, build_datamodule
 
     cfg = compose_cfg(["experiment=demo", override])
     with pytest.raises(ConfigError, match=re.escape(says)):

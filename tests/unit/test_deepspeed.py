@@ -127,7 +127,7 @@ def test_a_checkpoint_of_another_strategy_or_a_lost_folder_is_one_line(tmp_path)
 def test_the_config_builds_the_strategy_without_zero_init():
     pytest.importorskip("deepspeed")
     from wanexp.parallel.zero import ZeroStrategy
-    from wanexp.train import build
+    from wanexp.composition import build
 
     cfg = compose_cfg(GPU + ["parallel.strategy.stage=3", "parallel.strategy.offload_optimizer=true"])
     s = build(cfg.parallel.strategy)

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wanexp import disk, lora
+from tests import wan_adapters as lora
+from wanexp import disk
 from wanexp.callbacks.checkpoint import AtomicCheckpointIO, CheckpointWriteError
 from wanexp.callbacks.lora_export import FLAG_FILE, LoraExport
 from wanexp.errors import ConfigError
-from wanexp.lora import LoraAdapter
+from tests.wan_adapters import LoraAdapter
 from wanexp.objectives.base import Objective
 from wanexp.runfolder import remove_stale_temporaries
 
@@ -33,7 +34,9 @@ def five_b(callbacks: dict, max_steps: int = 425_000, adapters=("default",)) -> 
                        attention=["self", "cross"], init_from=None)
     objective = Objective("flow_matching")
     objective.adapters = adapters
-    return disk.estimate(spec, lora, objective, "full", callbacks, max_steps)
+
+    trained = disk.trained_parameters(spec, lora, objective, "full", spec.meta_transformers("full"))
+    return disk.estimate(trained, callbacks, max_steps)
 
 
 def test_the_5b_r32_estimate_counts_the_adapter_on_the_meta_device():
@@ -68,7 +71,7 @@ def test_each_adapter_kind_is_sized_as_peft_makes_it_and_its_export_writes_it(ki
     file, plus diffusers' but for LoHa) are within 10 % of the files an export writes."""
     from diffusers import WanTransformer3DModel
 
-    from wanexp.lora import LohaAdapter, LokrAdapter, is_adapter_key
+    from tests.wan_adapters import LohaAdapter, LokrAdapter, is_adapter_key
 
     cls = {"lora": LoraAdapter, "lokr": LokrAdapter, "loha": LohaAdapter}[kind]
     adapter = cls(name=kind, rank=rank, alpha=2.0, dropout=0.0, targets=["q", "k", "v", "o", "ffn.0", "ffn.2"],

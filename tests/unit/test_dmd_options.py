@@ -11,7 +11,7 @@ from torch import nn
 from tests.conftest import compose_cfg
 from wanexp.errors import ConfigError
 from wanexp.models.denoiser import Prediction
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
 from wanexp.config import check_config
 from wanexp.objectives.dmd import DMD, first_frame_fraction, outlier_mask
 

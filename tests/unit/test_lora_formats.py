@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wanexp import lora
+from tests import wan_adapters as lora
 from wanexp.errors import ConfigError
 
 TINY = dict(num_attention_heads=2, attention_head_dim=8, ffn_dim=32, num_layers=2, text_dim=16, freq_dim=16,

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from wanexp import lora
+from tests import wan_adapters as lora
 from wanexp.errors import ConfigError
 
 

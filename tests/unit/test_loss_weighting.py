@@ -110,7 +110,7 @@ def test_flow_matching_loss_is_the_weighted_mean(scheme):
 
 def test_gaussian_weighting_is_wired_from_the_config():
     from tests.conftest import compose_cfg
-    from wanexp.train import build
+    from wanexp.composition import build
 
     cfg = compose_cfg(["experiment=demo", "objective.weighting=gaussian"])
     fm = build(cfg.objective)

@@ -8,7 +8,7 @@ from tests.conftest import compose_cfg
 from wanexp.errors import ConfigError
 from wanexp.models.wan22 import fast
 from wanexp.models.tiny import ensure_tiny_model
-from wanexp.train import build
+from wanexp.composition import build
 
 
 def test_the_budget_decides_how_many_blocks_are_checkpointed():

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.unit.test_adapter_types import TOL, _assert_same_weights, _base, _out, _randomize, trained
-from wanexp import lora
+from tests import wan_adapters as lora
 from wanexp.cli import merge
 
 

@@ -90,7 +90,7 @@ def test_mode_truncated_to_a_boundary_is_the_conditional_distribution():
 
 def test_mode_sampling_is_wired_from_the_config():
     from tests.conftest import compose_cfg
-    from wanexp.train import build
+    from wanexp.composition import build
 
     cfg = compose_cfg(["experiment=demo", "objective.timestep.sampling=mode", "objective.timestep.mode_scale=0.5"])
     fm = build(cfg.objective)
@@ -153,11 +153,16 @@ def test_i2v_inputs_have_36_channels_and_mask_on_frame_zero():
 
 
 def test_one_expert_per_step_keeps_each_samples_noise_distribution():
-    """Sharded experts train one expert per step (models/denoiser.py:expert_for_step); a sample's noise level must
+    """Sharded experts train one expert per step (WanSpec.expert_for_step); a sample's noise level must
     still follow the objective's distribution over the whole range: the step's expert is high as often as a free
     draw lands above the boundary, and the draws inside each expert's range follow the truncated distribution."""
-    from wanexp.models.denoiser import expert_for_step
+    from types import SimpleNamespace
+
+    from wanexp.models.wan22.spec import WanSpec
     from wanexp.objectives.flow_matching import FlowMatching
+
+    def expert_for_step(sampler, sigma_range, boundary, seed, step):
+        return WanSpec.expert_for_step(SimpleNamespace(boundary_ratio=boundary), sampler, sigma_range, seed, step)
 
     fm = FlowMatching(name="fm", timestep={"sampling": "logit_normal", "shift": 12.0, "logit_mean": 0.0,
                                            "logit_std": 1.0})

@@ -28,7 +28,7 @@ from tests.conftest import ROOT, compose_cfg
 from wanexp.errors import ConfigError
 from wanexp.models.wan22 import original
 from wanexp.models.wan22.build import build_components, build_tokenizer
-from wanexp.train import build
+from wanexp.composition import build
 
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 
@@ -442,3 +442,13 @@ def test_cli_error_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("wanexp: error: --src ") and r.stderr.count("\n") == 1
     assert "lightning" not in r.stderr.lower()
+
+
+def test_an_unknown_model_group_is_one_line(tmp_path, capsys):
+    """--model is any model group whose family converts; a name with no conf/model file is one line, exit 2."""
+    from wanexp.cli.convert import main
+
+    assert main(["--src", str(tmp_path), "--dst", str(tmp_path / "out"), "--model", "ti2v6b"]) == 2
+    err = capsys.readouterr().err
+    assert err == "wanexp: error: --model ti2v6b: no such model group (conf/model/ti2v6b.yaml)\n"
+    assert not (tmp_path / "out").exists()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from wanexp.perf import dit_forward_flops, lora_step_flops, transformer_step_flops
+from wanexp.models.wan22.flops import dit_forward_flops, lora_step_flops, transformer_step_flops
 
 
 def test_forward_flops_by_hand():

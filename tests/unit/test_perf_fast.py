@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from wanexp.lora import add_lora
+from tests.wan_adapters import add_wan_lora as add_lora
 from wanexp.models.wan22 import conditioning, fast
 
 TINY = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2, text_dim=32, freq_dim=32)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from wanexp.models.denoiser import Denoiser
-from wanexp.models.encode import EncodedBatch
+from wanexp.models.encoders import EncodedBatch
+from wanexp.models.wan22.spec import WanSpec
 from wanexp.objectives.flow_matching import loss_breakdown
 
 
@@ -30,7 +31,10 @@ def test_loss_breakdown_has_every_group_with_tensor_counts():
 
 
 class _Spec:
+    """Wan's routing and transformer call around a stand-in DiT."""
+
     boundary_ratio = 0.5
+    route, transformer_call = WanSpec.route, WanSpec.transformer_call
 
     def compute_dtype(self, transformer):
         return torch.float32

@@ -1,9 +1,9 @@
-"""wanexp.sampling.expert_routing: which expert (and adapter) serves each sampling step, as training routed."""
+"""wanexp.generation.expert_routing: which expert (and adapter) serves each sampling step, as training routed."""
 from __future__ import annotations
 
 import pytest
 
-from wanexp.sampling import expert_routing
+from wanexp.generation import expert_routing
 
 A14B = ["high", "low"]
 STUDENT = [1000.0, 937.5, 833.3, 625.0]  # timesteps of four sampling steps, two on each side of t = 875
@@ -31,3 +31,11 @@ def test_a14b_steps_go_where_training_sent_them(trained, distilled, expected):
 def test_a_dense_model_serves_every_step():
     routing = expert_routing(["dense"], None, ["dense"], True)
     assert routing.plan(STUDENT) == [("dense", True)] * 4 and routing.experts == ["dense"]
+
+
+def test_the_routing_takes_a_familys_own_expert_names_in_its_order():
+    """No expert name is wanexp's: a family's two experts, listed high-noise first (model.experts), route by the
+    boundary; its one expert serves every step."""
+    routing = expert_routing(["coarse", "fine"], 0.875, ["fine"], False)
+    assert routing.plan(STUDENT) == [("coarse", False)] * 2 + [("fine", True)] * 2
+    assert expert_routing(["only"], None, [], False).plan(STUDENT) == [("only", False)] * 4

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from tests.unit.test_perf_fast import tiny_transformer
 from wanexp.models import sequence
+from wanexp.models.wan22 import sequence as wan_sequence
 from wanexp.models.wan22 import fast
 
 CASES = {  # name: (per-token timestep, activation checkpointing, heads)
@@ -68,7 +69,7 @@ def _worker(rank: int, port: int, result_path: str):
     results = {}
     for case, (per_token, ckpt, heads) in CASES.items():  # every case in one pair of processes (one start-up)
         t = _model(ckpt, heads)
-        sequence.enable(t, sequence.build_group(2))
+        wan_sequence.enable(t, sequence.build_group(2))
         out, loss, grads = _loss_and_grads(t, *_inputs(per_token))
         for g in grads.values():  # what DDP / FSDP do with the gradients: the average over all ranks
             dist.all_reduce(g)

@@ -1,4 +1,4 @@
-"""The step's forced expert (sharded experts, models/denoiser.py:expert_for_step) overrides each sample's own noise
+"""The step's forced expert (sharded experts, ModelSpec.expert_for_step) overrides each sample's own noise
 level in the denoiser's routing: every rank runs that expert whatever sigmas it drew, the same in any precision,
 checkpointing or loading setting (the routing reads nothing else)."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from wanexp.models.denoiser import Denoiser
+from wanexp.models.wan22.spec import WanSpec
 
 
 class _Expert(nn.Module):
@@ -26,6 +27,8 @@ class _Expert(nn.Module):
 def _denoiser() -> tuple[Denoiser, dict[str, _Expert]]:
     spec = SimpleNamespace(boundary_ratio=0.875, compute_dtype=lambda t: torch.float32,
                            model_inputs=lambda x_t, x0, sigma, cond: (x_t, sigma * 1000, None))
+    spec.route = lambda sigma, loaded: WanSpec.route(spec, sigma, loaded)  # Wan's routing, its transformer call
+    spec.transformer_call = lambda *args: WanSpec.transformer_call(spec, *args)
     experts = {"high": _Expert(2.0), "low": _Expert(3.0)}
     return Denoiser(spec, experts, (0.0, 1.0)), experts
 

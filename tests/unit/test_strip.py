@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from wanexp.sampling import strip_frames, write_strip
+from wanexp.generation import strip_frames, write_strip
 
 
 def _video(frames: int, h: int, w: int, offset: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def test_the_strip_holds_first_middle_last_frames_of_base_then_lora_a_row_per_vi
 def test_each_row_is_labelled_with_its_video_and_prompt_and_each_frame_with_what_it_is(tmp_path):
     """With labels, a band of text sits above each row: the row's label (video and prompt) on its first line, then
     over each of the six frames which it is (base/LoRA first/middle/last); the frames below are unchanged."""
-    from wanexp.sampling import label_band
+    from wanexp.generation import label_band
 
     rows = [(strip_frames(_video(9, 64, 64, 0)), strip_frames(_video(9, 64, 64, 100))),
             (strip_frames(_video(9, 64, 64, 50)), strip_frames(_video(9, 64, 64, 150)))]

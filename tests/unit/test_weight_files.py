@@ -13,7 +13,7 @@ from tests.conftest import compose_cfg
 from wanexp.errors import ConfigError
 from wanexp.models.family import safetensors_problem
 from wanexp.module import _readable
-from wanexp.train import build
+from wanexp.composition import build
 
 
 @pytest.fixture

@@ -67,10 +67,10 @@ class Validation(Callback):
         self._done: int | None = None  # the step last validated
         self._teacher: dict | None = None  # (prompt index, seed, shape) -> (latents, video) of the base model
         self._group = None  # a gloo group with a long timeout, for the ranks that wait
-        self._embeds: dict[str, torch.Tensor] = {}  # prompt -> UMT5 embedding (text_len, D) on the CPU, made once
+        self._embeds: dict[str, torch.Tensor] = {}  # prompt -> text embedding (text_len, D) on the CPU, made once
         self._vae = None  # a run from the cache: the VAE from model.path, loaded at the first call, kept on the CPU
         self.results: list[dict] = []  # what each validation produced (also DIR/validation/step_N/metrics.json)
-        self._before: dict[str, object] = {}  # video name -> the base model's strip frames (sampling.strip_frames)
+        self._before: dict[str, object] = {}  # video name -> the base model's strip frames (generation.strip_frames)
         self.strip: Path | None = None  # DIR/validation/strip.png once written: the base vs the latest LoRA
 
     def sizes(self, dm) -> list[dict]:
@@ -160,7 +160,7 @@ class Validation(Callback):
               + (f"; {said}" if said else "") + f" ({result['seconds']:.1f} s)", flush=True)
 
     def _run(self, trainer, pl_module, step: int, base: bool) -> dict:
-        from wanexp.sampling import heldout_loss
+        from wanexp.generation import heldout_loss
 
         out: dict = {"step": step, "metrics": {}, "videos": {}, "timesteps": {}}
         dm = trainer.datamodule
@@ -169,7 +169,7 @@ class Validation(Callback):
             torch.cuda.empty_cache()  # the training step's cached blocks back to the allocator's free pool
         try:
             if self.loss_samples and getattr(dm, "val_dataset", None) is not None:
-                from wanexp.sampling import adapter, encode_batch
+                from wanexp.generation import adapter, encode_batch
 
                 if own is None and not getattr(dm, "cached", False):  # held-out pixels need the encoders
                     own = _load_encoders(pl_module.spec, pl_module.device)
@@ -197,10 +197,10 @@ class Validation(Callback):
 
     # ---- what a sample needs: text embeddings, the VAE, the experts ----------------------------------------------
     def _embeddings(self, trainer, pl_module, encoders, negatives: tuple = ()) -> dict[str, torch.Tensor]:
-        """Every prompt's and the negative prompts' (``negative_prompt`` and ``negatives``) UMT5 embedding, made once
+        """Every prompt's and the negative prompts' (``negative_prompt`` and ``negatives``) text embedding, made once
         per run: from the cache (the cache command encodes them with the captions), else with the run's text encoder,
-        else with the text encoder loaded from model.path for this one call. Kept on the CPU: UMT5-XXL never stays on
-        the GPU for validation."""
+        else with the text encoder loaded from model.path for this one call. Kept on the CPU: a large text encoder
+        never stays on the GPU for validation."""
         missing = [p for p in dict.fromkeys([*self.prompts, self.negative_prompt, *negatives]) if p not in self._embeds]
         dm = trainer.datamodule
         for prompt in list(missing):
@@ -209,12 +209,10 @@ class Validation(Callback):
                 self._embeds[prompt] = cached
                 missing.remove(prompt)
         if missing:
-            from wanexp.sampling import encode_prompts
-
             if encoders is None and trainer.global_rank == 0:
                 print(f"wanexp: validation: encoding {len(missing)} prompt(s) with the text encoder from model.path "
                       "once (not in the cache; wanexp-cache with the same overrides adds them)", flush=True)
-            self._embeds.update(encode_prompts(pl_module.spec, missing, pl_module.device, encoders))
+            self._embeds.update(pl_module.spec.encode_prompts(missing, pl_module.device, encoders))
         return self._embeds
 
     def _vae_on(self, pl_module, encoders):
@@ -252,18 +250,7 @@ class Validation(Callback):
                 "only), or callbacks.validation.every_n_steps=0")
 
     def _sample(self, trainer, pl_module, step, base, encoders, out) -> None:
-        from wanexp.sampling import (
-            adapter,
-            build_pipeline,
-            generate,
-            load_scheduler,
-            psnr,
-            recorded_timesteps,
-            ssim,
-            strip_frames,
-            student_scheduler,
-            write_mp4,
-        )
+        from wanexp.generation import adapter, psnr, ssim, strip_frames, write_mp4
 
         spec, objective = pl_module.spec, pl_module.objective
         dev = pl_module.device
@@ -288,9 +275,8 @@ class Validation(Callback):
                 print("wanexp: validation videos skipped: image-to-video needs a first frame and the data has "
                       "none (callbacks.validation.images gives one per prompt)", flush=True)
                 return
-        default = load_scheduler(spec.path)
         vae = self._vae_on(pl_module, encoders)
-        pipe = build_pipeline(spec, {**experts, **extra}, vae, None, None, default, image)
+        pipe = spec.make_pipeline({**experts, **extra}, vae, spec.load_scheduler(), image)
         folder = self.dir / f"step_{step:06d}"
         write = trainer.global_rank == 0
         named = len(sizes) > 1  # several shapes: the shape is part of each video's name
@@ -305,15 +291,15 @@ class Validation(Callback):
                         yield (i, seed, _tag(sz)), name, prompt, s, images.get((i, _tag(sz)))
 
         try:
-            with recorded_timesteps(pipe) as record:
+            with pipe.recorded_timesteps() as record:
                 teacher_now = student is not None and self._teacher is None
                 if base or teacher_now:  # the base model (adapters off): logged at step 0, a DMD run's teacher
-                    pipe.scheduler = default
+                    pipe.use_student(None)
                     teacher = {}
                     with adapter(modules, None):
                         for key, name, prompt, s, img in each():
-                            lat, video, _ = generate(pipe, prompt, key[1], s, self.steps, guidance, negative, dev,
-                                                     record, img, embeds=(embeds[prompt], embeds[negative]))
+                            lat, video, _ = pipe.generate(prompt, key[1], s, self.steps, guidance, negative, dev,
+                                                          record, img, embeds=(embeds[prompt], embeds[negative]))
                             teacher[key] = (lat, video)
                             if base and write:
                                 self._before[name] = strip_frames(video)
@@ -327,16 +313,17 @@ class Validation(Callback):
                 if not lora_moved:  # a fresh LoRA is zero: its step-0 videos would be the base model's
                     return
                 if student is not None:  # exactly the training's student steps, no CFG
-                    pipe.scheduler = student_scheduler(list(student.timesteps), student.shift)
+                    pipe.use_student(list(student.timesteps), student.shift)
                     steps, guidance = len(student.timesteps), 1.0
                 else:
-                    pipe.scheduler, steps, guidance = default, self.steps, self.guidance
+                    pipe.use_student(None)
+                    steps, guidance = self.steps, self.guidance
                 after = {}
                 with adapter(modules, objective.export):
                     for key, name, prompt, s, img in each():
-                        lat, video, used = generate(pipe, prompt, key[1], s, steps, guidance, self.negative_prompt,
-                                                    dev, record, img,
-                                                    embeds=(embeds[prompt], embeds[self.negative_prompt]))
+                        lat, video, used = pipe.generate(prompt, key[1], s, steps, guidance, self.negative_prompt,
+                                                         dev, record, img,
+                                                         embeds=(embeds[prompt], embeds[self.negative_prompt]))
                         out["timesteps"][name] = used
                         if write:
                             f = folder / f"{name}.mp4"
@@ -363,7 +350,7 @@ class Validation(Callback):
         """DIR/validation/strip.png: a row per video, the base model's (sampled at step 0 of this session) first,
         middle and last frames, then the latest LoRA's, under a band naming the video, its prompt and each frame.
         Rewritten at each validation: always base vs latest. ``after``: video name -> (LoRA's frames, label)."""
-        from wanexp.sampling import write_strip
+        from wanexp.generation import write_strip
 
         rows = [((self._before[name], frames), label) for name, (frames, label) in after.items()
                 if name in self._before]
@@ -376,7 +363,7 @@ class Validation(Callback):
         """(prompt index, shape tag) -> the first frame (PIL) of an image-to-video sample: ``images`` resized and
         centre-cropped to the shape as training crops its clips, else the first frames of the held-out (else
         training) clips, prompt i with clip i. None when there is neither."""
-        from wanexp.sampling import condition_image, first_frame_image
+        from wanexp.generation import condition_image, first_frame_image
 
         out = {}
         for sz in sizes:
@@ -400,7 +387,7 @@ def _check_images(images, prompts: list[str]) -> list[str] | None:
     each is cropped to the sample's shape when it is sampled)."""
     if images is None:
         return None
-    from wanexp.sampling import condition_image
+    from wanexp.generation import condition_image
 
     images = [str(x) for x in images]
     if len(images) != len(prompts):
@@ -415,7 +402,8 @@ def _check_images(images, prompts: list[str]) -> list[str] | None:
 
 
 def _check_shapes(shapes):
-    """``callbacks.validation.shapes``: null, ``buckets``, or [[h, w], ...] / [[h, w, frames], ...]."""
+    """``callbacks.validation.shapes``: null, ``buckets``, or [[h, w], ...] / [[h, w, frames], ...] (the frames are
+    held to the model's frame rule with data.num_frames, wanexp.config.rules)."""
     if shapes is None or shapes == "buckets":
         return shapes
     ok = isinstance(shapes, (list, tuple)) and shapes and all(
@@ -424,18 +412,14 @@ def _check_shapes(shapes):
     if not ok:
         raise ConfigError(f"callbacks.validation.shapes={shapes}: null (the first bucket), buckets (every bucket), or "
                           "a list of [height, width] or [height, width, frames], e.g. [[704,1280],[1280,704,17]]")
-    bad = [c for c in shapes if len(c) == 3 and (c[2] - 1) % 4]
-    if bad:
-        raise ConfigError(f"callbacks.validation.shapes: {list(bad[0])} has {bad[0][2]} frames; frames must be 4k+1 "
-                          "(e.g. 17, 81)")
     return [tuple(c) for c in shapes]
 
 
 def _other_experts(spec, trained: list[str], objective) -> list[str]:
-    """The experts a sample needs besides the trained ones, routed as training routed (sampling.expert_routing): a
+    """The experts a sample needs besides the trained ones, routed as training routed (generation.expert_routing): a
     one-expert A14B adapter's other expert serves the steps its noise level routes there, unless the adapter is
     distilled (every student step then runs on the expert it was trained on)."""
-    from wanexp.sampling import expert_routing
+    from wanexp.generation import expert_routing
 
     routing = expert_routing(spec.experts, spec.boundary_ratio, trained, objective.student_steps() is not None)
     return [e for e in routing.experts if e not in trained]
@@ -475,8 +459,5 @@ def _other_expert(trainer, pl_module, name: str):
 
 
 def _load_encoders(spec, device):
-    """The VAE, text encoder and tokenizer from model.path, for one held-out loss of a run trained online from
-    pixels without its own encoders."""
-    from wanexp.sampling import make_encoders
-
-    return make_encoders(spec.load_vae().to(device), spec.load_text_encoder().to(device), spec.load_tokenizer(), spec)
+    """The encoders from model.path, for one held-out loss of a run trained online from pixels without its own."""
+    return spec.load_encoders().to(device)

@@ -1,21 +1,23 @@
 """Time one LoRA training step three ways on the same card, and check that wanexp's step computes the plain function.
 
-    plain         the plain loop of docs/performance.md, as users write it: diffusers WanTransformer3DModel in
-                  bf16, peft LoRA (rank r, alpha = r) on to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2 with fp32
-                  LoRA parameters, the forward under torch.autocast(bf16), fp32 MSE, torch.optim.AdamW(params, lr)
-                  (PyTorch's default implementation: foreach, not fused), eager, one timestep per sample.
-    plain_tokens  TI2V-5B only: the same loop with the pipeline's per-token timesteps (shape (B, tokens)), the first
-                  latent frame clean at t=0 (what a correct TI2V step computes).
+    plain         the plain reference loop of the model's family (``ModelSpec.plain_loop``; Wan2.2's is
+                  wanexp/models/wan22/plain_loop.py), as users write it: the diffusers DiT in bf16, peft LoRA (rank r,
+                  alpha = r) with fp32 LoRA parameters, the forward under torch.autocast(bf16), fp32 MSE,
+                  torch.optim.AdamW(params, lr) (PyTorch's default implementation: foreach, not fused), eager, one
+                  timestep per sample.
+    plain_tokens  a family with per-token timesteps (TI2V-5B): the same loop with the pipeline's per-token timesteps
+                  (shape (B, tokens)), the first latent frame clean at t=0 (what a correct TI2V step computes).
     plain_compiled, plain_tokens_compiled   (--paths all, or named)
-                  the same loops with each transformer block compiled (``block.compile()`` for each block of
-                  ``transformer.blocks``, the one line a skilled user adds; --compile-backend, default inductor),
-                  checkpointed with --ckpt as the eager loops are (diffusers' enable_gradient_checkpointing: each
-                  compiled block under torch.utils.checkpoint).
+                  the same loops with each transformer block compiled (``block.compile()`` for each block, the one
+                  line a skilled user adds; --compile-backend, default inductor), checkpointed with --ckpt as the
+                  eager loops are (diffusers' enable_gradient_checkpointing: each compiled block under
+                  torch.utils.checkpoint).
     wanexp        the project's step as `python train.py` builds it from the default config (+ --set overrides):
-                  DiffusionModule with its spec (fast modulation, compiled blocks, attention backend as configured), adapter,
-                  objective (sigma, noise and first-frame draws, TI2V conditioning, masked loss) and the configured
-                  optimizer through wanexp.optim.build_optimizer (fused AdamW on a GPU); forward under autocast as
-                  trainer.precision=bf16-mixed runs it. What is not timed: Lightning's loop, logging and callbacks.
+                  DiffusionModule with its spec (fast modulation, compiled blocks, attention backend as configured),
+                  adapter, objective (sigma, noise and first-frame draws, the layout's conditioning, masked loss) and
+                  the configured optimizer through wanexp.optim.build_optimizer (fused AdamW on a GPU); forward under
+                  autocast as trainer.precision=bf16-mixed runs it. What is not timed: Lightning's loop, logging and
+                  callbacks.
 
 Numerics: the wanexp step and the plain loop of the same function (plain_tokens for TI2V-5B with a clean first frame
 and without; plain for A14B) are run on identical weights (the same random LoRA A and B) and inputs (the same sigma,
@@ -31,7 +33,7 @@ the fp32 function than the plain loop is (a compiled graph may round in other pl
         --width 832 --frames 81 --ckpt --paths plain,wanexp --json bench.json
 
 Inputs are cached-latent-shaped random tensors (throughput does not depend on values). The table gives ms/step (median
-after warm-up), TFLOP/s (wanexp.perf.transformer_step_flops), % of 790 TFLOP/s (a large bf16 matmul on H100), peak
+after warm-up), TFLOP/s (the family's FLOP formula), % of 790 TFLOP/s (a large bf16 matmul on H100), peak
 GiB (torch.cuda.max_memory_allocated, weights included) and each path's speed-up over the strongest plain loop (the
 fastest plain path measured; the JSON also has the speed-up over each plain loop); each path's
 line below the table also gives its steps run back to back (``back_to_back_s``: no sync between steps, as a training
@@ -51,25 +53,23 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError, UserError, refuse
-from wanexp.models.family import EXPERT_FOLDERS
-from wanexp.models.wan22.layouts import MODELS
-from wanexp.perf import transformer_step_flops
 
 PEAK_TFLOPS = 790.0  # a large bf16 matmul on one H100 (docs/performance.md)
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 CHECK_SEED = 1234
-# --model: the Wan2.2 layouts (layouts.py) whose DiT input is the latents alone: the plain loop builds no
-# conditioning channels.
-LAYOUT = {model: lay for model, lay in MODELS.items() if lay.in_channels == lay.latent_channels}
 
 
-def _folder(model: str) -> str:
-    """The transformer folder the bench loads (a two-expert model's high-noise expert)."""
-    return EXPERT_FOLDERS[LAYOUT[model].experts[0]]
+def plain_loop(model: str):
+    """The plain reference loop of model group ``model``'s family (``ModelSpec.plain_loop``: a module with
+    ``supports``, ``folder``, ``dense``, ``geometry``, ``step_flops``, ``plain_model``, ``plain_inputs``,
+    ``plain_forward``, ``plain_loss``, ``plain_step``); one line when there is none for it."""
+    from wanexp.config import model_group
+    from wanexp.models.family import load_class
 
-
-def _dense(model: str) -> bool:
-    return LAYOUT[model].experts == ("dense",)
+    loop = load_class(str(model_group(model, "--model")._target_)).plain_loop()
+    if loop is None or not loop.supports(model):
+        raise ConfigError(f"--model {model}: its family has no plain reference loop for this model to compare "
+                          "against (the bench times a DiT whose input is the latents alone)")
+    return loop
 
 
 def _sync():
@@ -128,81 +128,15 @@ def default_paths(per_token: bool, compiled: bool = False) -> list[str]:
         + ["wanexp"]
 
 
-def plain_model(args, device, dtype=torch.bfloat16, compiled: bool = False):
-    """bf16 DiT from the folder + peft LoRA (fp32 parameters) as a user adds it (``dtype=float32``: the fp32
-    reference of the numerics check, always with activation checkpointing, which does not change the function).
-    ``compiled``: each transformer block compiled, as a user adds it after the adapter (``block.compile()``)."""
-    from diffusers import WanTransformer3DModel
-    from peft import LoraConfig
-
-    sub = _folder(args.model)
-    t = WanTransformer3DModel.from_pretrained(args.model_path, subfolder=sub, dtype=dtype).to(device)
-    t.requires_grad_(False)
-    t.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=TARGETS))
-    params = [p for n, p in t.named_parameters() if "lora_" in n]
-    for p in params:
-        p.data = p.data.float()
-        p.requires_grad_(True)
-    if args.ckpt or dtype == torch.float32:
-        t.enable_gradient_checkpointing()
-    if compiled:
-        for block in t.blocks:
-            block.compile(backend=args.compile_backend)
-    return t, params
-
-
-def plain_inputs(x0, noise, sigma, first_frame, per_token: bool):
-    """x_t and the timestep as the diffusers pipelines build them (TI2V: a mask over latent frame 0)."""
-    b = x0.shape[0]
-    s = sigma.view(b, 1, 1, 1, 1)
-    x_t = (1 - s) * x0 + s * noise
-    if not per_token:
-        return x_t, sigma * 1000, None
-    mask = torch.ones(b, 1, *x0.shape[2:], device=x0.device)
-    mask[first_frame.to(x0.device), :, 0] = 0
-    hidden = (1 - mask) * x0 + mask * x_t
-    timestep = (mask[:, 0, :, ::2, ::2] * (sigma * 1000).view(b, 1, 1, 1)).flatten(1)
-    return hidden, timestep, mask
-
-
-def plain_loss(pred, target, mask):
-    err = (pred.float() - target) ** 2
-    if mask is None:
-        return err.mean()
-    m = mask.expand_as(err)
-    return ((err * m).sum(dim=(1, 2, 3, 4)) / m.sum(dim=(1, 2, 3, 4))).mean()
-
-
-def plain_step(args, device, data, per_token: bool, compiled: bool = False, model=None):
-    t, params = model or plain_model(args, device, compiled=compiled)
-    opt = torch.optim.AdamW(params, lr=1e-4)  # as users write it: PyTorch's default (foreach) implementation
-    x0, text = data
-
-    def step():
-        sigma = torch.rand(x0.shape[0], device=device)
-        noise = torch.randn_like(x0)
-        first = torch.ones(x0.shape[0], dtype=torch.bool, device=device)  # TI2V: frame 0 clean, at t=0
-        hidden, timestep, _ = plain_inputs(x0, noise, sigma, first, per_token)
-        with _autocast(device):
-            pred = t(hidden, timestep, text, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), noise - x0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return t, step, {"optimizer": "torch.optim.AdamW (default: foreach, not fused)",
-                     "compile": args.compile_backend if compiled else False}
-
-
 # ---- wanexp's step -----------------------------------------------------------------------------------------------
 def wanexp_module(args, device):
     from wanexp.config import compose
     from wanexp.module import DiffusionModule
-    from wanexp.train import build
+    from wanexp.composition import build
 
     overrides = [f"model={args.model}", f"model.path={args.model_path}", f"model.gradient_checkpointing={args.ckpt}",
                  f"model.text_len={args.text_len}", f"adapter.rank={args.rank}", f"adapter.alpha={args.rank}",
-                 *([] if _dense(args.model) else [f"boundary={args.boundary}"]), *args.set]
+                 *([] if args.loop.dense(args.model) else [f"boundary={args.boundary}"]), *args.set]
     cfg = compose(overrides)
     o = cfg.optim
     module = DiffusionModule(build(cfg.model), build(cfg.adapter), build(cfg.objective), cfg.boundary,
@@ -215,7 +149,7 @@ def wanexp_module(args, device):
 
 
 def wanexp_step(args, device, data, module_cfg=None):
-    from wanexp.models.encode import EncodedBatch
+    from wanexp.models.encoders import EncodedBatch
 
     module, cfg = module_cfg or wanexp_module(args, device)
     opt = module.configure_optimizers()["optimizer"]  # wanexp.optim.build_optimizer, as training builds it
@@ -265,7 +199,8 @@ def reference(args, device, data, objective, sigma_range, per_token: bool, dtype
     """Plain loop outputs and LoRA gradients for each first-frame case (fresh model, or ``model``: a plain_model
     (transformer, LoRA params); seeded LoRA values); with ``dtype=float32`` the same function in fp32 without autocast
     (the exact function, up to fp32 rounding)."""
-    t, params = model or plain_model(args, device, dtype)
+    loop = args.loop
+    t, params = model or loop.plain_model(args, device, dtype)
     named = _lora_names(t.named_parameters())
     values = lora_tensors(named, CHECK_SEED)
     with torch.no_grad():
@@ -276,12 +211,12 @@ def reference(args, device, data, objective, sigma_range, per_token: bool, dtype
     for ffc in ((1.0, 0.0) if per_token else (0.0,)):
         sigma, noise, first = draws(objective, sigma_range, x0, ffc, CHECK_SEED)
         sigma, noise = sigma.to(device), noise.to(device)
-        hidden, timestep, mask = plain_inputs(x0, noise, sigma, first, per_token)
+        hidden, timestep, mask = loop.plain_inputs(x0, noise, sigma, first, per_token)
         s = sigma.view(-1, 1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * noise
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype != torch.float32):
-            pred = t(hidden.to(dtype), timestep, text.to(dtype), return_dict=False)[0]
-        loss = plain_loss(pred, noise - x0, mask)
+            pred = loop.plain_forward(t, hidden.to(dtype), timestep, text.to(dtype))
+        loss = loop.plain_loss(pred, noise - x0, mask)
         loss.backward()
         refs.append({"first_frame_cond": ffc, "x_t": x_t.cpu(), "out": pred.detach().float().cpu(),
                      "grads": {n: p.grad.detach().cpu() for n, p in named}, "loss": loss.item()})
@@ -322,7 +257,7 @@ def bf16_floor(refs: list[dict], exact: list[dict]) -> list[dict]:
 
 
 def check(module, data, refs, values, tol: float, floor: list[dict] | None = None) -> list[dict]:
-    from wanexp.models.encode import EncodedBatch
+    from wanexp.models.encoders import EncodedBatch
 
     named = _lora_names(module.named_parameters())
     assert sorted(n for n, _ in named) == sorted(values), "wanexp's LoRA tensors differ from the plain loop's"
@@ -407,7 +342,7 @@ def fp32_plan(args, device) -> str:
         return {"on": "full", "short": "short", "off": "off"}[args.fp32_floor]
     if device.type != "cuda":
         return "full"
-    sub = _folder(args.model)
+    sub = args.loop.folder(args.model)
     size = 2 * sum(f.stat().st_size for f in (Path(args.model_path) / sub).glob("*.safetensors"))
     share = size / torch.cuda.get_device_properties(device).total_memory
     return "full" if share <= FP32_FULL else "short" if share <= FP32_SHORT else "off"
@@ -466,7 +401,7 @@ def main(argv=None) -> list[dict]:
     """Run the benchmark; returns the results (one dict per path); exits 1 when the numerics check fails."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="local diffusers-format folder (transformer/ is used)")
-    ap.add_argument("--model", default="ti2v5b", choices=list(LAYOUT))
+    ap.add_argument("--model", default="ti2v5b", help="the model group (conf/model) whose family's plain loop runs")
     ap.add_argument("--boundary", default="high", help="A14B: the expert trained (its transformer/ folder: high)")
     ap.add_argument("--height", type=int, default=704)
     ap.add_argument("--width", type=int, default=1280)
@@ -500,26 +435,27 @@ def main(argv=None) -> list[dict]:
     unknown = [p for p in args.paths.split(",") if p not in PATHS] if args.paths not in (None, "all") else []
     if unknown:  # before any model is read
         ap.error(f"--paths: unknown path {unknown[0]!r} (one of {', '.join(PATHS)})")
-    folder = Path(args.model_path) / _folder(args.model)
+    args.loop = loop = plain_loop(args.model)
+    folder = Path(args.model_path) / loop.folder(args.model)
     if not (folder / "config.json").is_file():  # before any model is read
         raise ConfigError(f"--model-path {args.model_path}: no {folder.name}/config.json there; point it at a local "
                           f"diffusers-format {args.model} folder")
     if args.json:  # made now: the JSON is written after minutes of benchmarking
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    if _dense(args.model):
+    if loop.dense(args.model):
         args.boundary = "full"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    lay, sub = LAYOUT[args.model], _folder(args.model)
-    ft, fh, fw = lay.vae_stride
-    per_token = lay.per_token_timestep
-    latent_shape = (args.batch, lay.latent_channels, (args.frames - 1) // ft + 1, args.height // fh, args.width // fw)
-    cfg = json.loads((Path(args.model_path) / sub / "config.json").read_text())
-    flops = transformer_step_flops(cfg, latent_shape, args.text_len, args.ckpt)
-    pt, ph, pw = cfg["patch_size"]
+    geo = loop.geometry(args.model, args.model_path)
+    ft, fh, fw = geo["vae_stride"]
+    per_token = geo["per_token"]
+    latent_shape = (args.batch, geo["latent_channels"], (args.frames - 1) // ft + 1, args.height // fh,
+                    args.width // fw)
+    flops = loop.step_flops(geo["config"], latent_shape, args.text_len, args.ckpt)
+    pt, ph, pw = geo["patch"]
     tokens = latent_shape[2] // pt * (latent_shape[3] // ph) * (latent_shape[4] // pw)
     g = torch.Generator(device=device).manual_seed(0)
     x0 = torch.randn(latent_shape, device=device, generator=g)
-    text = torch.randn(args.batch, args.text_len, cfg["text_dim"], device=device, generator=g).to(torch.bfloat16)
+    text = torch.randn(args.batch, args.text_len, geo["text_dim"], device=device, generator=g).to(torch.bfloat16)
     data = (x0, text)
     paths = default_paths(per_token, args.paths == "all") if args.paths in (None, "all") else args.paths.split(",")
     # the compiled plain loop of the function the numerics check measures is checked too
@@ -554,14 +490,14 @@ def main(argv=None) -> list[dict]:
         if name in PLAIN_PATHS:
             def make_plain(name=name):
                 tokens_t, compiled = plain_kind(name)
-                model = plain_model(args, device, compiled=compiled)
+                model = loop.plain_model(args, device, compiled=compiled)
                 if refs is not None and name in checked:  # before timing: warms the compiled blocks up too
                     got, _ = reference(args, device, check_data, _objective(args), _sigma_range(args), per_token,
                                        model=model)
                     checks.extend(check_plain(name, got, refs, args.tol, floor))
                     if check_data is not data:  # else the timed steps would run graphs made dynamic in shape
                         torch.compiler.reset()
-                return plain_step(args, device, data, tokens_t, compiled, model)
+                return loop.plain_step(args, device, data, tokens_t, compiled, model)
 
             results.append(measure(name, make_plain, args, device, data, flops))
         elif name == "wanexp":
@@ -661,7 +597,7 @@ def table(results: list[dict], strongest: str | None) -> list[str]:
 
 def _objective(args):
     from wanexp.config import compose
-    from wanexp.train import build
+    from wanexp.composition import build
 
     return build(compose([f"model={args.model}", *args.set]).objective)
 
@@ -669,7 +605,7 @@ def _objective(args):
 def _sigma_range(args):
     from wanexp.config import compose
 
-    b = compose([f"model={args.model}", *([f"boundary={args.boundary}"] if args.model != "ti2v5b" else []),
+    b = compose([f"model={args.model}", *([f"boundary={args.boundary}"] if not args.loop.dense(args.model) else []),
                  *args.set]).boundary
     return float(b.sigma_min), float(b.sigma_max)
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, open_dict
 
 
 def loader_rate(cfg: DictConfig, use_cache: bool, batches: int) -> dict:
-    from wanexp.train import build, build_datamodule, prepare_model_folder
+    from wanexp.composition import build, build_datamodule, prepare_model_folder
 
     spec = build(cfg.model)
     prepare_model_folder(spec, cfg.boundary.name)
@@ -55,7 +55,7 @@ def bench_cli(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from wanexp.train import main as hydra_main
+    from wanexp.composition import hydra_main
 
     hydra_main(bench_cli)
 

@@ -33,11 +33,12 @@ class _Clips:
     """Decodes the clips to encode (a map-style dataset for the DataLoader); a clip that fails to decode comes back as
     its error (listed, then skipped)."""
 
-    def __init__(self, todo):
-        from wanexp.data.media import load_clip  # av and numpy: imported once the command has something to decode
+    def __init__(self, todo, load_input=None):
+        from wanexp.data.datamodule import load_media  # av and numpy: imported once the command has something to decode
 
         self.todo = todo  # (key, sample, shape, first frame, frame stride, frame rate)
-        self.load_clip = load_clip
+        self.load_media = load_media
+        self.load_input = load_input  # the family's reader of its sample inputs (ModelSpec.load_sample_input)
 
     def __len__(self) -> int:
         return len(self.todo)
@@ -45,7 +46,8 @@ class _Clips:
     def __getitem__(self, i):
         key, sample, (frames, height, width), start, stride, fps = self.todo[i]
         try:
-            return key, sample, start, self.load_clip(sample, frames, height, width, stride, start=start, fps=fps)
+            return key, sample, start, self.load_media(sample, frames, height, width, stride, start, fps,
+                                                       self.load_input)
         except (MediaError, OSError, ValueError) as e:
             return key, sample, start, str(e).strip().splitlines()[-1]
 
@@ -106,26 +108,23 @@ class Progress:
 
 
 def _encode_texts(encoders, todo: list, writer: CacheWriter, progress: Progress) -> None:
-    from wanexp.models.encode import encode_text, tokenize
+    from wanexp.models.encoders import text_rows
 
     for i in range(0, len(todo), TEXT_BATCH):
         t0 = progress.clock()
         chunk = todo[i:i + TEXT_BATCH]
-        prompts = [p for _, p in chunk]
-        emb = encode_text(encoders.tokenizer, encoders.text_encoder, prompts, encoders.text_len)
-        lengths = tokenize(encoders.tokenizer, prompts, encoders.text_len).attention_mask.sum(1).tolist()
-        for (key, _), e, n in zip(chunk, emb, lengths):
-            writer.add(key, {"text": e[:n]})
+        emb = encoders.encode_prompts([p for _, p in chunk])
+        for (key, _), e in zip(chunk, emb):
+            writer.add(key, {"text": e[:text_rows(e)]})  # the reader pads the zeros back
         progress.text_s += progress.clock() - t0
         progress.texts_done += len(chunk)
         progress.tick()
 
 
 def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, device, progress: Progress) -> list:
-    """VAE-encodes the decoded clips in loader order; returns the clips that could not be decoded (path, reason)."""
+    """Encodes the decoded clips (and their sample inputs) in loader order: the latents and every conditioning tensor
+    the family's encoders give (``<key>.<name>``); returns the clips that could not be decoded (path, reason)."""
     import torch
-
-    from wanexp.models.encode import encode_image_condition, encode_video
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cache_dtype]
     rejects = []
@@ -137,14 +136,13 @@ def _encode_latents(encoders, clips, writer: CacheWriter, cache_dtype: str, devi
         progress.wait_decode_s += t1 - t0
         if item is None:
             return rejects
-        key, sample, start, pixels = item
-        if isinstance(pixels, str):
-            rejects.append((sample.path, pixels))
+        key, sample, start, media = item
+        if isinstance(media, str):
+            rejects.append((sample.path, media))
         else:
-            pixels = pixels[None].to(device, non_blocking=True)
-            tensors = {"latents": encode_video(encoders.vae, pixels)[0]}
-            if encoders.image_latent:
-                tensors["image_latent"] = encode_image_condition(encoders.vae, pixels[:, :, 0], pixels.shape[2])[0]
+            batch = {name: t[None].to(device, non_blocking=True) for name, t in media.items()}
+            x0, cond = encoders.encode_media(batch)
+            tensors = {"latents": x0[0], **{name: t[0] for name, t in cond.items()}}
             tensors = {k: v.to(dtype).cpu() for k, v in tensors.items()}  # waits for the VAE: its time is the VAE's
             progress.vae_s += progress.clock() - t1
             writer.add(key, tensors, media=sample.path, start=start)  # the index says which clip (keys are hashes)
@@ -195,7 +193,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
     from omegaconf import open_dict
 
     from wanexp.config import check_config
-    from wanexp.train import build, build_datamodule, prepare_model_folder
+    from wanexp.composition import build, build_datamodule, prepare_model_folder
 
     check_config(cfg, model_folder=True)
     import torch
@@ -257,7 +255,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
     text_writer = CacheWriter(dm.cache_dir, "text", rank, shard, writer)
     latent_writer = CacheWriter(dm.cache_dir, "latent", rank, shard, writer)
     pin = overlap and device.type == "cuda"  # pinned pixels: their copy to the GPU does not stall the encoder
-    loader = DataLoader(_Clips(todo_latents), batch_size=None, num_workers=dm.num_workers, pin_memory=pin)
+    loader = DataLoader(_Clips(todo_latents, dm.load_input), batch_size=None, num_workers=dm.num_workers, pin_memory=pin)
     try:
         # the loader's workers start decoding clips now, while the text encoder runs
         clips = iter(loader) if overlap else None
@@ -323,7 +321,7 @@ def rate_line(s: dict) -> str:
 
 
 def main() -> None:
-    from wanexp.train import main as hydra_main
+    from wanexp.composition import hydra_main
 
     hydra_main(cache_cli)
 

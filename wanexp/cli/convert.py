@@ -15,28 +15,26 @@ from wanexp.errors import ConfigError, say_error
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from wanexp.models.wan22.layouts import MODELS
-
     p = argparse.ArgumentParser(prog="python -m wanexp.cli.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--src", required=True, help="original Wan-AI folder (config.json / high_noise_model/, *.pth, "
                                                 "google/umt5-xxl/)")
     p.add_argument("--dst", required=True, help="diffusers-format folder to create (must not exist or be empty)")
-    p.add_argument("--model", required=True, choices=sorted(MODELS), help="which Wan2.2 model --src holds")
+    p.add_argument("--model", required=True, help="the model group (conf/model) --src holds, e.g. ti2v5b, t2v14b, "
+                                                  "i2v14b")
+    p.add_argument("--from", dest="source", default="original",
+                   help="the layout of --src, one the model's family converts (default: original)")
     p.add_argument("--vae-config", default=None,
-                   help="optional diffusers VAE config.json (or its folder) whose latents_mean/latents_std to use "
-                        "instead of the constants of the original Wan code")
+                   help="optional diffusers VAE config.json (or its folder) whose latent normalisation to use "
+                        "instead of the constants of the original release's code")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size of the written weights")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from wanexp.models.wan22.layouts import MODELS
-    from wanexp.models.wan22.original import convert_original
-
     try:
-        lines = convert_original(args.src, args.dst, MODELS[args.model].name, vae_config=args.vae_config,
-                                 max_shard_size=args.max_shard_size)
+        lines = _spec_class(args.model).convert(args.source, args.src, args.dst, vae_config=args.vae_config,
+                                                max_shard_size=args.max_shard_size)
     except ConfigError as e:
         say_error(str(e))
         return 2
@@ -45,6 +43,14 @@ def main(argv=None) -> int:
         print(f"  {line}")
     print(f"now set model.path={args.dst}")
     return 0
+
+
+def _spec_class(model: str):
+    """The spec class of model group ``model`` (its family converts)."""
+    from wanexp.config import model_group
+    from wanexp.models.family import load_class
+
+    return load_class(str(model_group(model, "--model")._target_))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 ``bake`` writes ``OUT/<transformer folder>/`` with every adapted weight replaced by what ComfyUI's loader makes of it
 (LoRA, DoRA, LoKr, LoHa; the stored dtype kept); the model's other entries (VAE, text encoder, the other expert,
 ``model_index.json`` ...) are symbolic links to the source's, so ``model.path=OUT`` trains, samples or teaches (KD)
-like the source folder does. ``combine`` concatenates the LoRAs' ranks (exact; see ``wanexp.lora.concat_loras``).
+like the source folder does. ``combine`` concatenates the LoRAs' ranks (exact; see ``wanexp.adapters.merge.concat_loras``).
 Bad input is one line, exit code 2, and nothing is written; the output appears only once complete.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from wanexp.errors import ConfigError, UserError, refuse
 
-EXPERT_FOLDER = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
+FAMILY_HELP = ("the model group (conf/model) whose family names the adapter's modules and the experts' folders "
+               "(default: ti2v5b; any Wan2.2 group names them the same)")
 
 
 def _parse(argv):
@@ -31,15 +32,17 @@ def _parse(argv):
     b.add_argument("--lora", required=True, help="a LoRA/DoRA/LoKr/LoHa file (wanexp's, ComfyUI-, kohya- or "
                                                 "diffusers-named)")
     b.add_argument("--strength", type=float, default=1.0, help="the adapter's strength (1: as trained)")
-    b.add_argument("--expert", choices=sorted(EXPERT_FOLDER), default=None,
-                   help="the expert the adapter belongs to (default: the file's wanexp_expert, else dense); low "
-                        "writes transformer_2/")
+    b.add_argument("--expert", default=None,
+                   help="the expert the adapter belongs to (default: the file's wanexp_expert, else dense); each "
+                        "expert's folder is the family's")
+    b.add_argument("--model-group", default="ti2v5b", help=FAMILY_HELP)
     b.add_argument("--out", required=True, help="the new model folder (must not exist, or be empty)")
     c = sub.add_parser("combine", help="combine LoRAs of the same modules (any ranks) into one file")
     c.add_argument("--lora", action="append", required=True, help="a LoRA file (give two or more)")
     c.add_argument("--weight", action="append", type=float, default=None,
                    help="a weight per --lora, in order (default: 1 each)")
     c.add_argument("--out", required=True, help="the combined .safetensors file (must not exist)")
+    c.add_argument("--model-group", default="ti2v5b", help=FAMILY_HELP)
     return ap.parse_args(argv)
 
 
@@ -86,6 +89,19 @@ def _shards(folder: Path) -> list[Path]:
                       "model folder (python -m wanexp.cli.convert makes one from the original layout)")
 
 
+def _family(group: str):
+    """The spec class of model group ``group``: its adapter naming and expert folders."""
+    from hydra.errors import HydraException
+
+    from wanexp.config import compose
+    from wanexp.models.family import load_class
+
+    try:
+        return load_class(str(compose([f"model={group}"]).model._target_))
+    except HydraException:
+        raise ConfigError(f"--model-group {group}: no such model group (conf/model/{group}.yaml)") from None
+
+
 def _expert(args, lora: Path) -> str:
     if args.expert:
         return args.expert
@@ -108,7 +124,8 @@ def _weight_shapes(shards: list[Path]) -> dict[str, tuple[list[int], Path]]:
 
 def bake(args) -> Path:
     """Check everything, then write the merged transformer into a temporary folder renamed to ``--out``."""
-    from wanexp.lora import comfy_diff, read_any_adapter
+    from wanexp.adapters import read_adapter
+    from wanexp.adapters.merge import comfy_diff
 
     model, out = Path(args.model), Path(args.out)
     if not (model / "model_index.json").is_file() and not (model / "transformer").is_dir():
@@ -116,12 +133,16 @@ def bake(args) -> Path:
                           "the folder model.path names")
     lora = _existing_file(args.lora)
     _free_output(out, folder=True)
-    folder = EXPERT_FOLDER[_expert(args, lora)]
+    family = _family(args.model_group)
+    expert, folders = _expert(args, lora), family.expert_folders
+    if expert not in folders:
+        raise ConfigError(f"--expert {expert}: model group {args.model_group} has the experts {', '.join(folders)}")
+    folder = folders[expert]
     if not (model / folder).is_dir():
-        raise ConfigError(f"--model {model}: no {folder}/ for the adapter's expert; set --expert (dense or high: "
-                          "transformer/, low: transformer_2/)")
+        where = ", ".join(f"{e}: {f}/" for e, f in folders.items())
+        raise ConfigError(f"--model {model}: no {folder}/ for the adapter's expert; set --expert ({where})")
     shards = _shards(model / folder)
-    adapter = read_any_adapter(lora, f"--lora {lora}")
+    adapter = read_adapter(lora, f"--lora {lora}", family.adapter_naming)
     shapes = _weight_shapes(shards)
     for module, params in adapter.modules.items():
         key = f"{module}.weight"
@@ -154,7 +175,7 @@ def _write_merged(model: Path, folder: str, shards: list[Path], adapter, strengt
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from wanexp.lora import patched_weight
+    from wanexp.adapters.merge import patched_weight
 
     tmp.mkdir()
     for entry in sorted(model.iterdir()):
@@ -178,7 +199,9 @@ def _write_merged(model: Path, folder: str, shards: list[Path], adapter, strengt
 
 # ---- combine -------------------------------------------------------------------------------------------------------
 def combine(args) -> Path:
-    from wanexp.lora import concat_loras, read_any_adapter, save_adapter_file
+    from wanexp.adapters import read_adapter
+    from wanexp.adapters.export import save_adapter_file
+    from wanexp.adapters.merge import concat_loras
 
     if len(args.lora) < 2:
         raise ConfigError("combine: give two or more --lora files")
@@ -188,8 +211,9 @@ def combine(args) -> Path:
     out = Path(args.out)
     files = [_existing_file(p) for p in args.lora]
     _free_output(out, folder=False)
-    adapters = [read_any_adapter(p, f"--lora {p}") for p in files]
-    tensors = concat_loras(adapters, weights)
+    naming = _family(args.model_group).adapter_naming
+    adapters = [read_adapter(p, f"--lora {p}", naming) for p in files]
+    tensors = concat_loras(adapters, weights, naming)
     rank = int(next(v for k, v in tensors.items() if k.endswith(".alpha")))
     save_adapter_file(tensors, out, {"format": "pt", "ss_network_dim": str(rank), "ss_network_alpha": str(rank),
                                      "wanexp_combined": json.dumps({p.name: w for p, w in zip(files, weights)})})

@@ -103,7 +103,7 @@ ENV_KEY = "WANEXP_PLAN_CALIBRATION"
 
 
 def rank() -> int:
-    from wanexp.train import launch_rank
+    from wanexp.composition import launch_rank
 
     return launch_rank()
 
@@ -197,7 +197,8 @@ def resume_point(cfg: DictConfig) -> dict | None:
     and the optimizer steps it had done, read as the run reads it. None: a fresh start (no resume, or resume=auto
     before the first checkpoint). The data position follows from the steps (wanexp/data/datamodule.py). A DeepSpeed
     checkpoint's step is read from its model states file, as the run reads it."""
-    from wanexp.train import checkpoint_kind, read_resume_checkpoint, resume_path
+    from wanexp.composition import read_resume_checkpoint
+    from wanexp.runfolder import checkpoint_kind, resume_path
 
     ckpt = resume_path(cfg.resume, Path(cfg.paths.output_dir).resolve())
     if ckpt is None:
@@ -247,7 +248,7 @@ def cache_plan(cfg: DictConfig, dm) -> dict:
 
 
 # ---- 4. disk -------------------------------------------------------------------------------------------------------
-def disk_plan(cfg: DictConfig, spec, adapter, objective, total_steps: int, cache: dict,
+def disk_plan(cfg: DictConfig, trained: tuple[int, int, int], total_steps: int, cache: dict,
               resuming: bool = False) -> dict:
     """What the run keeps at its retention (wanexp.disk.estimate at the planned steps) and the cache still to write,
     each against the free space of its filesystem. A resumed run's checkpoints and exports already in its folder are
@@ -256,7 +257,7 @@ def disk_plan(cfg: DictConfig, spec, adapter, objective, total_steps: int, cache
 
     out = Path(cfg.paths.output_dir).resolve()
     callbacks = OmegaConf.to_container(cfg.callbacks, resolve=True)
-    need = estimate(spec, adapter, objective, cfg.boundary.name, callbacks, total_steps or -1)
+    need = estimate(trained, callbacks, total_steps or -1)
     present = written_bytes(out) if resuming else 0
     run_bytes = max(0, need.total - written_bytes(out)) if need.known else None
     parts = [{"what": "checkpoints", "path": str(out / "checkpoints"), "count": need.checkpoints,
@@ -421,7 +422,7 @@ def run_calibration(cfg: DictConfig, calib: dict) -> dict:
     bucket is a result (which bucket), not an error."""
     import torch
 
-    from wanexp.train import run
+    from wanexp.train import run  # the user's run itself: its one use of the training entry
 
     c = apply_overrides(cfg, calib)
     os.environ[ENV_KEY] = json.dumps(calib)  # the ranks Lightning starts rerun the command: they read it here
@@ -648,18 +649,12 @@ def plan_dir(cfg: DictConfig) -> Path:
 
 def make_plan(cfg: DictConfig, opts: dict) -> dict:
     """Every part of the plan (every rank of a torchrun takes part in the bandwidth and the calibration)."""
-    from wanexp.config import check_config, check_paths
-    from wanexp.train import build, launcher_devices, prepare_model_folder
+    from wanexp.composition import preflight
 
-    launcher_devices(cfg)
-    check_config(cfg, model_folder=True)
+    pre = preflight(cfg, verbose=False)  # the run's own checks, before anything is measured
+    spec = pre.spec
     import torch
 
-    for key, value in (cfg.parallel.env or {}).items():  # as the run sets them, before CUDA and NCCL start
-        os.environ.setdefault(str(key), str(value))
-    spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
-    prepare_model_folder(spec, cfg.boundary.name)
-    check_paths(cfg)
     world = world_of(cfg, opts["world_size"])
     on_cpu = str(cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available()
     calibrate = opts["calibrate"] if opts["calibrate"] is not None else \
@@ -686,11 +681,8 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
         if calibrate and cache.get("missing_latents"):
             cache.update(measure_cache(cfg, dm, tmp / "cache"))
             scale_cache_estimate(cache)
-        from wanexp.disk import trained_parameters
-
-        n_params, _, _ = trained_parameters(spec, adapter, objective, cfg.boundary.name)
-        grad_bytes = n_params * 4  # fp32 LoRA gradients (lora.add_lora)
-        disk = disk_plan(cfg, spec, adapter, objective, data["total_steps"], cache, resuming=point is not None)
+        grad_bytes = pre.trained[0] * 4  # fp32 LoRA gradients (adapters.kinds.add_lora)
+        disk = disk_plan(cfg, pre.trained, data["total_steps"], cache, resuming=point is not None)
         comm = comm_plan(cfg, world, grad_bytes) if calibrate else None
         calib, eta_ = None, {}
         if calibrate:
@@ -733,9 +725,9 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
 
 
 def datamodule(cfg: DictConfig, spec):
-    """The run's datamodule, built as wanexp.train builds it (with the run context)."""
+    """The run's datamodule, built as the run builds it (with the run context)."""
+    from wanexp.composition import build_datamodule
     from wanexp.context import RunContext
-    from wanexp.train import build_datamodule
 
     return build_datamodule(cfg, spec, RunContext.from_config(cfg))
 
@@ -823,7 +815,7 @@ def plan_cli(cfg: DictConfig, opts: dict) -> None:
 
 
 def main() -> None:
-    from wanexp.train import main as hydra_main
+    from wanexp.composition import hydra_main
 
     if {"--help", "-h"} & set(sys.argv[1:]):
         print(OPTIONS, flush=True)

@@ -12,7 +12,7 @@ TI2V-5B takes one optionally, I2V-A14B always needs one, T2V-A14B refuses it. A 
 ``objective=dmd`` carries its student steps in its file header: it is sampled with exactly those steps (the shifted
 sigmas of training, each step predicting x0 and re-noising it to the next sigma) and no CFG. Otherwise the pipeline's
 own scheduler runs ``--steps`` steps with CFG ``--guidance``. The experts serve the steps as in training
-(``wanexp.sampling.expert_routing``): a distilled one-expert A14B LoRA (boundary=low or high) runs every student step
+(``wanexp.generation.expert_routing``): a distilled one-expert A14B LoRA (boundary=low or high) runs every student step
 on its expert; otherwise steps route by the boundary, the untrained side on that expert's base weights. The same
 ``--seed`` gives the same video (a distilled LoRA's re-noising draws from the seed's generator). ``--teacher`` also
 samples the base model (the LoRA off, both experts routed by the boundary; ``--teacher-steps``/``--teacher-guidance``)
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from wanexp.errors import ConfigError, MediaError, UserError, refuse
 
-# The sampling functions live in wanexp.sampling (the validation callback uses them too), imported where they are
+# The sampling functions live in wanexp.generation (the validation callback uses them too), imported where they are
 # used: --help and a bad argument answer before torch or diffusers is imported.
 
 
@@ -87,7 +87,7 @@ def _settings(args) -> dict:
             s["teacher_guidance"] = cfg.objective.get("guidance_scale")
         if s["negative_prompt"] is None:
             s["negative_prompt"] = cfg.objective.get("negative_prompt")
-        from wanexp.sampling import run_adapter_files
+        from wanexp.generation import run_adapter_files
 
         s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final")  # a LoHa run's: its _comfyui files
         s["out"] = s["out"] or str(run / "samples")
@@ -109,26 +109,28 @@ def _settings(args) -> dict:
 
     spec = load_class(str(model._target_))
     s["images"] = _images(args, spec, model.name, s["height"], s["width"])
-    s["pipeline"] = spec.image_pipeline_class if s["images"] else spec.pipeline_class
+    s["model_group"] = model
     return s
 
 
 def _folder_model(path: Path):
-    """The model group (conf/model) of a model folder sampled without ``--run``: the one whose layout's transformer
-    has the folder's input and output channels. Its spec says how the model takes an image; its ``fps``, the rate
-    the videos are written at."""
-    from wanexp.config import compose
-    from wanexp.models.wan22.layouts import LAYOUTS
+    """The model group (conf/model) of a model folder sampled without ``--run``: of the groups of released models
+    (those without a tiny ``build``), the one whose spec's DiT has the folder's transformer's input and output
+    channels. Its spec says how the model takes an image; its ``fps``, the rate the videos are written at."""
+    from wanexp.config import model_group, model_group_files
+    from wanexp.models.family import load_class
 
     config = path / "transformer" / "config.json"
     t = json.loads(config.read_text()) if config.is_file() else {}
     channels = (t.get("in_channels"), t.get("out_channels"))
-    lay = next((x for x in LAYOUTS.values() if (x.in_channels, x.latent_channels) == channels), None)
-    if lay is None:
-        raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
-                          f"of the Wan2.2 layouts ({', '.join(x.model for x in LAYOUTS.values())}); pass a Wan2.2 "
-                          "diffusers folder, or --run with the run folder")
-    return compose([f"model={lay.model}"]).model
+    released = {name: own for name, own in model_group_files().items() if own.get("build") is None}
+    for name, own in released.items():  # a group that names no spec class takes its defaults' (composed)
+        spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
+        if (spec.in_channels, spec.latent_channels) == channels:
+            return model_group(name, "--model-path")
+    raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
+                      f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
+                      "--run with the run folder")
 
 
 def _images(args, spec, model: str, height: int, width: int) -> list:
@@ -144,7 +146,7 @@ def _images(args, spec, model: str, height: int, width: int) -> list:
                           "one --image per --prompt, in the same order")
     if not args.image:
         return []
-    from wanexp.sampling import condition_image
+    from wanexp.generation import condition_image
 
     try:
         return [condition_image(p, height, width) for p in args.image]
@@ -173,30 +175,29 @@ def _main(args) -> dict:
     s = _settings(args)
     import torch
 
-    from wanexp import sampling
-    from wanexp.sampling import expert_routing, load_adapter, lora_header, pipeline_experts, psnr, recorded_experts
-    from wanexp.sampling import recorded_timesteps, ssim, student_scheduler, use_routing, write_mp4
+    from wanexp.generation import expert_routing, lora_header, psnr, recorded_experts, ssim, write_mp4
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pipe = sampling.pipeline_class(s["pipeline"]).from_pretrained(s["model_path"], dtype=dtype).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    modules = pipeline_experts(pipe)
+    from hydra.utils import instantiate
+
+    spec = instantiate(s["model_group"], path=str(s["model_path"]), _convert_="all")  # the folder sampled
+    pipe = spec.load_pipeline(device, dtype, image=bool(s["images"]))
+    modules = pipe.experts
     distilled, trained = None, []
     for path in s["loras"]:
         header = lora_header(path)
         expert = _lora_expert(path, header, modules)
-        load_adapter(pipe, path, f"wanexp_{expert}", transformer_2=expert == "low")  # each kind by its route
+        pipe.load_adapter(path, f"wanexp_{expert}", expert)  # each kind by its route
         trained.append(expert)
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
                          float(header["wanexp_student_shift"]))
-    ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.config.boundary_ratio
+    ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.boundary_ratio
     routing = expert_routing(list(modules), ratio, trained, distilled is not None)  # as the training routed
     teacher_routing = expert_routing(list(modules), ratio, [], False)
     if distilled:  # exactly the training's student steps, no CFG
-        default_scheduler = pipe.scheduler
-        pipe.scheduler = student_scheduler(*distilled)
+        pipe.use_student(*distilled)
         steps, guidance = len(distilled[0]), 1.0
     else:
         steps, guidance = args.steps, args.guidance
@@ -210,14 +211,14 @@ def _main(args) -> dict:
         results["teacher"] = {"steps": args.teacher_steps, "guidance": s["teacher_guidance"]}
     # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), and the expert that served
     # it with its adapter on or off
-    with recorded_timesteps(pipe) as record, recorded_experts(modules) as served:
+    with pipe.recorded_timesteps() as record, recorded_experts(modules) as served:
         for i, prompt in enumerate(args.prompt):
             image = s["images"][i] if s["images"] else None
             for seed in seeds:
                 served.clear()
-                with use_routing(pipe, routing, modules):
-                    lat, video, used = sampling.generate(pipe, prompt, seed, s, steps, guidance,
-                                                         s["negative_prompt"], device, record, image)
+                with pipe.routed(routing):
+                    lat, video, used = pipe.generate(prompt, seed, s, steps, guidance, s["negative_prompt"], device,
+                                                     record, image)
                 name = f"p{i}_s{seed}"
                 write_mp4(out / f"{name}.mp4", video, s["fps"])
                 entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used,
@@ -226,21 +227,20 @@ def _main(args) -> dict:
                     entry["image"] = args.image[i]
                 if args.teacher:
                     if s["loras"]:
-                        pipe.disable_lora()
+                        pipe.adapters_on(False)
                     if distilled:
-                        pipe.scheduler = default_scheduler
-                    with use_routing(pipe, teacher_routing, modules):
-                        t_lat, t_video, _ = sampling.generate(pipe, prompt, seed, s, args.teacher_steps,
-                                                              s["teacher_guidance"], s["negative_prompt"], device,
-                                                              record, image)
+                        pipe.use_student(None)
+                    with pipe.routed(teacher_routing):
+                        t_lat, t_video, _ = pipe.generate(prompt, seed, s, args.teacher_steps, s["teacher_guidance"],
+                                                          s["negative_prompt"], device, record, image)
                     write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"])
                     entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
                                  latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),
                                  ssim=ssim(video, t_video))
                     if s["loras"]:
-                        pipe.enable_lora()
+                        pipe.adapters_on(True)
                     if distilled:
-                        pipe.scheduler = student_scheduler(*distilled)
+                        pipe.use_student(*distilled)
                 results["samples"].append(entry)
                 print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
                                                          f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"

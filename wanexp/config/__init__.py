@@ -24,7 +24,8 @@ if not CONF_DIR.is_dir():  # a checkout whose link was lost (e.g. copied without
     CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
-__all__ = ["CONF_DIR", "ConfigError", "check_config", "check_paths", "compose", "one_line_error", "register"]
+__all__ = ["CONF_DIR", "ConfigError", "check_config", "check_paths", "compose", "model_group", "model_group_files",
+           "one_line_error", "register"]
 
 
 def check_config(cfg: DictConfig, model_folder: bool = False) -> None:
@@ -43,3 +44,22 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+def model_group(name: str, flag: str) -> DictConfig:
+    """The ``model`` group ``conf/model/<name>.yaml`` composed (its defaults and schema applied), for a command's
+    ``--model`` and the like; a name with no such file is one line naming ``flag``."""
+    from hydra.errors import HydraException
+
+    try:
+        return compose([f"model={name}"]).model
+    except HydraException:
+        raise ConfigError(f"{flag} {name}: no such model group (conf/model/{name}.yaml)") from None
+
+
+def model_group_files() -> dict[str, DictConfig]:
+    """Each model group's own file (``conf/model/<name>.yaml``) by name, as written: its defaults not applied (read in
+    milliseconds, where composing every group takes seconds)."""
+    from omegaconf import OmegaConf
+
+    return {f.stem: OmegaConf.load(f) for f in sorted((CONF_DIR / "model").glob("*.yaml"))}

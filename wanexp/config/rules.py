@@ -388,7 +388,7 @@ def _check_low_vram(m, p) -> None:
 
 
 def check_dora(cfg: DictConfig) -> None:
-    """adapter.use_dora: the DoRA export reads each adapted base weight whole on rank 0 (lora.comfy_module_params)."""
+    """adapter.use_dora: the DoRA export reads each adapted base weight whole on rank 0 (adapters.merge.comfy_module_params)."""
     a, p, m = cfg.adapter, cfg.parallel, cfg.model
     if not a.get("use_dora"):
         return

@@ -88,7 +88,7 @@ class BoundaryConfig:
 # ---- adapter, objective, optim ---------------------------------------------------------------------------------
 @dataclass
 class LoraConfig:
-    _target_: str = "wanexp.lora.LoraAdapter"
+    _target_: str = "wanexp.adapters.LoraAdapter"
     name: str = MISSING
     rank: int = knob(MISSING, ge=1)
     alpha: float = knob(MISSING, gt=0.0, doc="scale = alpha / rank")
@@ -97,20 +97,21 @@ class LoraConfig:
     attention: List[str] = knob(MISSING)
     init_from: Optional[str] = MISSING  # a LoRA file (ComfyUI or diffusers format) to start from
     use_dora: bool = knob(MISSING, doc="DoRA: a trained magnitude per output row besides the LoRA (adapter=lora only)")
+    family: str = "${model._target_}"  # the model's spec class: its adapter_naming names the modules adapters train
 
 
 @dataclass
 class LokrConfig(LoraConfig):
     """``adapter=lokr``: peft's LoKr with the LoRA group's keys (dropout is its rank dropout)."""
 
-    _target_: str = "wanexp.lora.LokrAdapter"
+    _target_: str = "wanexp.adapters.LokrAdapter"
 
 
 @dataclass
 class LohaConfig(LoraConfig):
     """``adapter=loha``: peft's LoHa with the LoRA group's keys (dropout is its rank dropout)."""
 
-    _target_: str = "wanexp.lora.LohaAdapter"
+    _target_: str = "wanexp.adapters.LohaAdapter"
 
 
 @dataclass

@@ -1,8 +1,11 @@
-"""The latent/text cache: VAE latents and UMT5 embeddings, encoded once (``python -m wanexp.cli.cache``), read by training.
+"""The latent/text cache: the family's latents, conditioning and prompt embeddings, encoded once, read by training.
+
+(``python -m wanexp.cli.cache`` writes it.)
 
 Format (readable without wanexp: safetensors + JSON lines)::
 
-    <cache_dir>/latent-r<rank>-<n>.safetensors   tensors "<key>.latents" (C, F, H, W) [+ "<key>.image_latent" for I2V]
+    <cache_dir>/latent-r<rank>-<n>.safetensors   tensors "<key>.latents" (C, F, H, W) + "<key>.<name>" for every
+                                                 conditioning tensor the family's encoders give (its cond)
     <cache_dir>/text-r<rank>-<n>.safetensors     tensors "<key>.text" (L, D): the prompt's real tokens only
     <cache_dir>/index-r<rank>.jsonl              one line per entry: {"key", "kind", "shard", "tensors", ...}
     <cache_dir>/rejects.jsonl                    samples the cache command could not use, with the reason
@@ -13,7 +16,8 @@ are appended to the index: an interrupted cache loses at most the shards not yet
 those waiting for the writer thread, ShardQueue), and a rerun encodes exactly the entries no index lists. An index
 line cut short by a kill is skipped when read, and the next append starts on a new line.
 
-Keys: a latent entry is keyed by the VAE (its config, weight files and dtype), the media file (path, size, mtime),
+Keys: a latent entry is keyed by the VAE (its config, weight files and dtype), the media file (path, size, mtime)
+and each of the sample's input files (the family's sample_inputs),
 the bucket shape (frames, height, width), the frame rate the clip is resampled to, the frame stride and the window
 start; a text entry by the text encoder, the tokenizer, the text length and the prompt. A change of any of these
 invalidates exactly the entries it affects (a new prompt re-encodes that prompt's text, not its video; a new
@@ -52,9 +56,11 @@ def file_identity(path: str | os.PathLike) -> list:
 
 
 def latent_key(vae_id: str, media: str, shape: tuple[int, int, int], stride: int, start: int,
-               image_latent: bool, fps: int | None = None) -> str:
-    """``fps``: the rate the clip is resampled to (None: its own frames; an image's is None at any rate)."""
-    return _digest(["latent", vae_id, file_identity(media), list(shape), stride, start, image_latent, fps])
+               image_latent: bool, fps: int | None = None, inputs: list[str] = ()) -> str:
+    """``fps``: the rate the clip is resampled to (None: its own frames; an image's is None at any rate);
+    ``inputs``: the sample's input files (a sample without any keeps the key it had without them)."""
+    parts = ["latent", vae_id, file_identity(media), list(shape), stride, start, image_latent, fps]
+    return _digest(parts + [[file_identity(p) for p in inputs]] if inputs else parts)
 
 
 def text_key(text_id: str, text_len: int, prompt: str) -> str:

@@ -88,8 +88,9 @@ def _weight(value, where: str) -> float:
     return float(value)
 
 
-def _part(entry, name: str, top: dict) -> Part:
-    """A ``data.datasets`` entry, its missing keys taken from the data group (``top``); one line for a bad entry."""
+def _part(entry, name: str, top: dict, frame_rule: tuple[int, int] = (1, 0)) -> Part:
+    """A ``data.datasets`` entry, its missing keys taken from the data group (``top``); one line for a bad entry.
+    ``frame_rule``: (m, r), the model's frame counts n keep n % m == r (EncoderInfo.frame_rule)."""
     where = f"data.datasets.{name}"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: an entry is a mapping with at least `metadata`; got {entry!r}")
@@ -103,8 +104,10 @@ def _part(entry, name: str, top: dict) -> Part:
                      ("windows_per_clip", 0)):
         if not isinstance(v[key], int) or isinstance(v[key], bool) or v[key] < low:
             raise ConfigError(f"{where}.{key}={v[key]!r}: must be an integer >= {low}")
-    if (v["num_frames"] - 1) % 4:
-        raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be 4k+1 (e.g. {v['num_frames'] // 4 * 4 + 1})")
+    m, r = frame_rule
+    if v["num_frames"] % m != r:
+        raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be {m}k+{r} "
+                          f"(e.g. {v['num_frames'] // m * m + r})")
     fps = v.get("fps")
     if fps is not None and (not isinstance(fps, int) or isinstance(fps, bool) or fps < 1):
         raise ConfigError(f"{where}.fps={fps!r}: must be an integer >= 1 (the frame rate its clips are resampled "
@@ -119,12 +122,12 @@ def _part(entry, name: str, top: dict) -> Part:
                 caption_prefix=str(v.get("caption_prefix") or ""), weight=_weight(v.get("weight", 1), where), fps=fps)
 
 
-def parse_datasets(datasets, top: dict) -> list[Part]:
+def parse_datasets(datasets, top: dict, frame_rule: tuple[int, int] = (1, 0)) -> list[Part]:
     """``data.datasets`` (a list, or a mapping name -> entry) as Parts; names must differ (rejects files, counts)."""
     if isinstance(datasets, dict):
-        parts = [_part(entry, str(name), top) for name, entry in datasets.items()]
+        parts = [_part(entry, str(name), top, frame_rule) for name, entry in datasets.items()]
     elif isinstance(datasets, (list, tuple)):
-        parts = [_part(entry, str(i), top) for i, entry in enumerate(datasets)]
+        parts = [_part(entry, str(i), top, frame_rule) for i, entry in enumerate(datasets)]
     else:
         raise ConfigError(f"data.datasets={datasets!r}: a list of datasets or a mapping name -> dataset")
     if not parts:
@@ -249,6 +252,16 @@ def caption_dropped(seed: int, epoch: int, index: int, p: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < p
 
 
+def load_media(sample: Sample, frames: int, height: int, width: int, stride: int = 1, start: int = 0,
+               fps: int | None = None, load_input: Callable | None = None) -> dict:
+    """A sample's clip ``{"pixels": (3, F, H, W) in [-1, 1]}`` and each of its sample inputs under its column's name,
+    read by the family's ``load_input`` (ModelSpec.load_sample_input) for this clip's frames and rate."""
+    item = {"pixels": load_clip(sample, frames, height, width, stride, start=start, fps=fps)}
+    for name, path in sample.inputs:
+        item[name] = load_input(name, path, frames, fps)
+    return item
+
+
 class ClipDataset(Dataset):
     """Decodes one sample at its bucket's shape into ``{"pixels": (3, F, H, W) in [-1, 1], "prompt", "index"}``.
 
@@ -261,8 +274,10 @@ class ClipDataset(Dataset):
 
     def __init__(self, samples: list[Sample], shapes: list[Shape], frame_stride: int | list[int] = 1,
                  starts: list[int] | None = None, available: list[int] | None = None, seed: int = 0,
-                 caption_dropout: float = 0.0, fps: int | None | list[int | None] = None):
+                 caption_dropout: float = 0.0, fps: int | None | list[int | None] = None,
+                 load_input: Callable | None = None):
         self.samples, self.shapes, self.frame_stride, self.fps = samples, shapes, frame_stride, fps
+        self.load_input = load_input  # ModelSpec.load_sample_input (the samples' inputs; None: they have none)
         self.starts = starts or [0] * len(samples)
         self.available, self.seed, self.caption_dropout = available, seed, caption_dropout
         self.same_shape: dict[Shape, list[int]] = {}
@@ -280,9 +295,9 @@ class ClipDataset(Dataset):
         fps = self.fps[i] if isinstance(self.fps, list) else self.fps
         if start == RANDOM_START:
             start = random_start(self.available[i], frames, stride, self.seed, epoch, i)
-        pixels = load_clip(s, frames, height, width, stride, start=start, fps=fps)
+        item = load_media(s, frames, height, width, stride, start, fps, self.load_input)
         prompt = "" if caption_dropped(self.seed, epoch, i, self.caption_dropout) else s.prompt
-        return {"pixels": pixels, "prompt": prompt, "index": i}
+        return dict(item, prompt=prompt, index=i)
 
     def __getitem__(self, i) -> dict:
         """A sample that fails to decode now (it passed the pre-flight check) is replaced by the next one of its
@@ -498,8 +513,10 @@ def heldout_rows(paths: list[str], fraction: float) -> list[bool]:
 
 
 def collate(items: list[dict]) -> dict:
-    batch = {k: torch.stack([it[k] for it in items]) for k in ("pixels", "latents", "text", "image_latent")
-             if k in items[0]}
+    """Loader items -> a batch: every tensor stacked (pixels or cached latents and text, the family's sample inputs
+    and cached conditioning), the prompts and indexes listed."""
+    batch = {k: torch.stack([it[k] for it in items]) for k, v in items[0].items()
+             if isinstance(v, torch.Tensor) and k != "index"}
     return dict(batch, prompt=[it["prompt"] for it in items], index=torch.tensor([it["index"] for it in items]),
                 rejected=[r for it in items for r in it.get("rejected", ())])
 
@@ -566,9 +583,10 @@ class MediaDataModule(L.LightningDataModule):
                "height": self.height, "width": self.width, "buckets": self.resolutions, "fps": self.fps,
                "frame_stride": self.frame_stride, "window": self.window, "windows_per_clip": self.windows_per_clip,
                "caption_prefix": ""}
+        rule = tuple(getattr(self.encoders, "frame_rule", (1, 0)))
         if datasets is None:  # the single-dataset keys: one dataset
-            return [_part(dict(top, metadata=str(self.metadata)), self.name, top)]
-        return parse_datasets(datasets, top)
+            return [_part(dict(top, metadata=str(self.metadata)), self.name, top, rule)]
+        return parse_datasets(datasets, top, rule)
 
     def prepare(self) -> None:
         """Generate the synthetic clips if this data group asks for them (idempotent, safe across ranks)."""
@@ -588,7 +606,8 @@ class MediaDataModule(L.LightningDataModule):
         image) are left out and written with their reason to ``rejects`` (JSON lines); past
         ``max_reject_fraction`` of the rows the run stops with one line, before any weights load.
         """
-        samples, rejects = read_metadata_with_rejects(self.metadata, self.root)
+        samples, rejects = read_metadata_with_rejects(self.metadata, self.root,
+                                                      tuple(getattr(self.encoders, "sample_inputs", ())))
         if self.max_samples:
             samples = samples[: self.max_samples]
         sizes: list[tuple[int, int] | None] = [None] * len(samples)
@@ -788,14 +807,16 @@ class MediaDataModule(L.LightningDataModule):
             self.dataset = CachedDataset(samples, shapes, self.keys, index, self.encoders.text_len, p, empty_key,
                                          self.seed)
         else:
-            self.dataset = ClipDataset(samples, shapes, strides, starts, available, self.seed, p, fps=rates)
+            self.dataset = ClipDataset(samples, shapes, strides, starts, available, self.seed, p, fps=rates,
+                                       load_input=self.load_input)
         if val:
             vs, vsh, vst, vav, vstr, vfps = val_items
             vkeys = self.cache_keys(vs, vsh, vst, vstr, vfps) if cacheable else []
             if self.cached and all(k in index for pair in vkeys for k in pair):
                 self.val_dataset = CachedDataset(vs, vsh, vkeys, index, self.encoders.text_len)
             else:  # fixed windows (a random window is drawn for epoch 0: the same every time)
-                self.val_dataset = ClipDataset(vs, vsh, vstr, vst, vav, self.seed, fps=vfps)
+                self.val_dataset = ClipDataset(vs, vsh, vstr, vst, vav, self.seed, fps=vfps,
+                                               load_input=self.load_input)
         sp = self.run_context.sp_size
         if sp > 1 and self.encoders:
             check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, sp)
@@ -827,12 +848,17 @@ class MediaDataModule(L.LightningDataModule):
         rates = rates or [self.fps] * len(samples)
         return [(None if s.kind == PROMPT_KIND else  # a prompt alone has text only
                  latent_key(vae_id, s.path, shape, stride if shape[0] > 1 else 1, start, e.image_latent,
-                            fps if shape[0] > 1 else None),
+                            fps if shape[0] > 1 else None, inputs=[path for _, path in s.inputs]),
                  self.text_cache_key(s.prompt))
                 for s, shape, start, stride, fps in zip(samples, shapes, starts, strides, rates)]
 
+    @property
+    def load_input(self) -> Callable | None:
+        """The family's reader of its sample inputs (ModelSpec.load_sample_input; None: it has none)."""
+        return getattr(self.encoders, "load_sample_input", None)
+
     def text_cache_key(self, prompt: str) -> str:
-        """The cache key of a prompt's UMT5 embedding (training captions and validation prompts alike)."""
+        """The cache key of a prompt's text embedding (training captions and validation prompts alike)."""
         e = self.encoders
         if self._text_id is None:
             self._text_id = folder_identity(e.text_encoder, e.text_dtype) + "+" + folder_identity(e.tokenizer)

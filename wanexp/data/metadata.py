@@ -65,11 +65,13 @@ CAPTION_EXTENSION = ".txt"
 
 @dataclass(frozen=True)
 class Sample:
-    """One captioned media file: absolute ``path``, ``prompt`` and ``kind`` ("video"/"image")."""
+    """One captioned media file: absolute ``path``, ``prompt`` and ``kind`` ("video"/"image"); ``inputs``: the
+    model family's sample inputs as (column, absolute file path) pairs (ModelSpec.sample_inputs)."""
 
     path: str
     prompt: str
     kind: str
+    inputs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -209,15 +211,34 @@ def _check_columns(path: Path, found: Iterable[str], *, accepted: tuple[str, ...
         )
 
 
-def _row_sample(row: Mapping[str, Any] | None, base: Path) -> tuple[Sample | None, str, str]:
+def _resolved(value: str, base: Path) -> str:
+    """A metadata path as an absolute, normalised path (relative ones from ``base``)."""
+    path = Path(os.path.expanduser(value))
+    return os.path.normpath(_printable(str(path if path.is_absolute() else base / path)))
+
+
+def _row_inputs(row: Mapping[str, Any], base: Path, inputs: tuple[str, ...]) -> tuple[tuple | None, str]:
+    """((column, path), ...) of the sample inputs a row names, or (None, reject reason)."""
+    found = []
+    for column in inputs:
+        value = _first_value(row, (column,))
+        if not value:
+            return None, f"no {column} (a sample input of this model: set the {column} column)"
+        if not _is_utf8(value):
+            return None, f"{column} path is not UTF-8"
+        found.append((column, _resolved(value, base)))
+    return tuple(found), ""
+
+
+def _row_sample(row: Mapping[str, Any] | None, base: Path,
+                inputs: tuple[str, ...] = ()) -> tuple[Sample | None, str, str]:
     """(sample, media path, "") for a good row, else (None, media path or "", reject reason)."""
     if row is None:
         return None, "", "entry is not a JSON object"
     media = _first_value(row, MEDIA_COLUMNS)
     if not media:
         return None, "", "empty media path"
-    media_path = Path(os.path.expanduser(media))
-    shown = os.path.normpath(_printable(str(media_path if media_path.is_absolute() else base / media_path)))
+    shown = _resolved(media, base)
     if not _is_utf8(media):
         return None, shown, "media path is not UTF-8"
     prompt = _first_value(row, PROMPT_COLUMNS)
@@ -231,10 +252,13 @@ def _row_sample(row: Mapping[str, Any] | None, base: Path) -> tuple[Sample | Non
     kind = declared or media_kind(media)
     if kind is None:
         return None, shown, f"unknown media type {_printable(Path(media).suffix) or '(no extension)'!r}"
-    return Sample(path=shown, prompt=prompt, kind=kind), shown, ""
+    found, reason = _row_inputs(row, base, inputs)
+    if found is None:
+        return None, shown, reason
+    return Sample(path=shown, prompt=prompt, kind=kind, inputs=found), shown, ""
 
 
-def _read_file(path: Path, base: Path) -> tuple[list[Sample], list[Reject]]:
+def _read_file(path: Path, base: Path, inputs: tuple[str, ...] = ()) -> tuple[list[Sample], list[Reject]]:
     ext = path.suffix.lower()
     if ext not in METADATA_EXTENSIONS:
         raise MetadataError(
@@ -262,7 +286,7 @@ def _read_file(path: Path, base: Path) -> tuple[list[Sample], list[Reject]]:
     samples: list[Sample] = []
     rejects: list[Reject] = []
     for where, row in rows:
-        sample, media, reason = _row_sample(row, base)
+        sample, media, reason = _row_sample(row, base, inputs)
         if sample is None:
             rejects.append(Reject(source=f"{path}:{where}", path=media, reason=reason))
         else:
@@ -285,7 +309,7 @@ def _read_caption(media: Path) -> tuple[str, str]:
     return (text, "") if text else ("", "empty caption")
 
 
-def _read_folder(folder: Path) -> tuple[list[Sample], list[Reject]]:
+def _read_folder(folder: Path, inputs: tuple[str, ...] = ()) -> tuple[list[Sample], list[Reject]]:
     media: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -300,6 +324,8 @@ def _read_folder(folder: Path) -> tuple[list[Sample], list[Reject]]:
     for path in sorted(media, key=lambda p: p.relative_to(folder).as_posix()):
         prompt, reason = _read_caption(path)
         shown = _printable(os.fspath(path))
+        if not reason and inputs:  # a caption file names no other file
+            reason = f"no {inputs[0]} (a sample input of this model: list the samples in a metadata file)"
         if reason:
             rejects.append(Reject(source=shown, path=shown, reason=reason))
         else:
@@ -312,24 +338,26 @@ def _absolute(path: str | os.PathLike[str]) -> Path:
 
 
 def read_metadata_with_rejects(
-    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
+    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, inputs: tuple[str, ...] = ()
 ) -> tuple[list[Sample], list[Reject]]:
     """Read a CSV/JSON/JSONL metadata file, or a folder of captioned media, into (samples, rejects).
 
     Samples have absolute media paths; rows that cannot become a sample are returned as
-    ``Reject`` records, in file order. ``root`` (relative media paths) is not used for a folder.
+    ``Reject`` records, in file order. ``root`` (relative media paths) is not used for a folder. ``inputs``: the
+    model family's sample input columns (ModelSpec.sample_inputs), each a path resolved like the media's; a row
+    without one is a reject.
     Raises a one-line ``MetadataError`` for problems with the whole file (see the module doc).
     Media files themselves are not opened (see ``missing_files`` and ``wanexp.data.probe``).
     """
     path = _absolute(metadata_path)
     if path.is_dir():
-        return _read_folder(path)
+        return _read_folder(path, inputs)
     if not path.is_file():
         raise MetadataError(
             f"{path}: metadata file not found; check the path (relative paths are taken from {os.getcwd()})"
         )
     base = _absolute(root) if root is not None else path.parent
-    return _read_file(path, base)
+    return _read_file(path, base, inputs)
 
 
 def read_metadata(

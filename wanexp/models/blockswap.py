@@ -308,14 +308,15 @@ def _prefetch_hook(swap: BlockSwap, position: int):
     return hook
 
 
-# ---- wiring and the fit check -------------------------------------------------------------------------------------
+# ---- wiring -------------------------------------------------------------------------------------
 def swap_count(spec, expert: str, layers: int) -> int:
     """``model.blocks_to_swap`` for the ``expert`` transformer of ``layers`` blocks; one line for more blocks than it
-    has, or for ``auto`` not sized (wanexp.train checks it on the meta-built model before the run folder is touched)."""
+    has, or for ``auto`` not sized (the pre-flight, wanexp.composition, checks it on the meta-built model before the
+    run folder is touched)."""
     from wanexp.errors import ConfigError
 
     n = getattr(spec, "blocks_to_swap", 0) or 0
-    if n == "auto":  # a command that builds the model without wanexp.train.run's resolve_blocks_to_swap
+    if n == "auto":  # a command that builds the model without the pre-flight's resolve_blocks_to_swap
         raise ConfigError("model.blocks_to_swap=auto: this command does not size block swap; set "
                           "model.blocks_to_swap=N (wanexp-train prints the N auto picks on its start line)")
     if n > layers:
@@ -333,11 +334,12 @@ def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) ->
         if verbose:
             print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8",
                   flush=True)
-    layers = len(transformer.blocks)
+    blocks = spec.blocks(transformer)
+    layers = len(blocks)
     n = swap_count(spec, expert, layers)
     if not n:
         return None
-    swap = enable(transformer.blocks, n)
+    swap = enable(blocks, n)
     transformer._wanexp_blockswap = swap
     if verbose:
         pinned = "pinned host memory" if torch.cuda.is_available() else "host memory"
@@ -345,190 +347,3 @@ def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) ->
               f"transformer in {pinned} ({swap.host_bytes / 2**30:.1f} GiB), at most {swap.keep} on the GPU at once",
               flush=True)
     return swap
-
-
-def _tokens(data, spec, sp_size: int) -> int:
-    """The most DiT tokens one device's batch holds under the data settings (a sequence-parallel rank: its share)."""
-    shapes = [list(b) for b in data.buckets] if data.get("buckets") else [[data.height, data.width]]
-    ft, fh, fw = spec.vae_stride
-    pt, ph, pw = spec.patch
-    frames = ((int(data.num_frames) - 1) // ft + 1) // pt
-    per_sample = max(frames * (int(h) // (fh * ph)) * (int(w) // (fw * pw)) for h, w in shapes)
-    tokens = int(data.token_budget) if data.get("token_budget") else per_sample * int(data.batch_size)
-    return max(tokens, per_sample) // max(1, sp_size)
-
-
-def base_gib(config: dict, weight_bytes: float, other_bytes: float, resident_blocks: int) -> float:
-    """GiB of a WanTransformer3DModel's weights on the device: ``resident_blocks`` blocks' linears at
-    ``weight_bytes`` per element, the embeddings and output projection at ``other_bytes``."""
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    per_block = 8 * d * d + 2 * d * config["ffn_dim"]  # self- and cross-attention q,k,v,o; the FFN's two linears
-    patch = 1
-    for p in config["patch_size"]:
-        patch *= p
-    other = (config["text_dim"] * d + d * d + config["freq_dim"] * d + d * d + 6 * d * d
-             + (config["in_channels"] + config["out_channels"]) * patch * d)
-    return (resident_blocks * per_block * weight_bytes + other * other_bytes) / 2**30
-
-
-# The working memory of one checkpointed block's recompute and backward, in bf16 elements per token per unit of the
-# model width and of the FFN width, and the eager blocks' factor over compiled ones. Fitted to peaks measured on one
-# H100 (2026-11-27, LoRA r32, bf16-mixed, every block checkpointed), less the weights, the kept block inputs and the
-# LoRA state: TI2V-5B at 27,280 tokens compiled (21.4 GiB), the A14B expert at 32,760 tokens compiled (53.2 GiB; with
-# FP8 storage and offloaded inputs 26.9 GiB) and eager with every block swapped and offloaded inputs (18.2 GiB;
-# benchmarks/a14b_h100_2026-11-27.md).
-RECOMPUTE_PER_DIM, RECOMPUTE_PER_FFN, RECOMPUTE_EAGER = 35.0, 1.02, 1.2
-TRAINABLE_BYTES = 16  # an fp32 adapter parameter, its gradient and AdamW's two moments
-
-
-def recompute_gib(config: dict, tokens: int, compiled: bool) -> float:
-    """GiB one checkpointed block needs while it recomputes and runs its backward (see the constants above)."""
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    per_token = RECOMPUTE_PER_DIM * d + RECOMPUTE_PER_FFN * config["ffn_dim"]
-    return tokens * per_token * 2 / 2**30 * (1.0 if compiled else RECOMPUTE_EAGER)
-
-
-def trainable_gib(cfg, spec) -> float:
-    """GiB of the adapter's parameters, gradients and optimizer moments on one device (counted on the meta device
-    from the transformers' config.json, as the disk estimate counts them)."""
-    from wanexp.lora import adapter_size
-
-    if cfg.get("adapter") is None:
-        return 0.0
-    with torch.device("meta"):
-        transformers = [spec.transformer_type().from_config(spec.transformer_config(e))
-                        for e in spec.trained_experts(cfg.boundary.name)]
-    return sum(adapter_size(t, cfg.adapter).parameters for t in transformers) * TRAINABLE_BYTES / 2**30
-
-
-class FitEstimate:
-    """A run's least memory on one device in GiB, from the transformers' config.json (nothing loads): the weights
-    with ``n`` blocks swapped (2 of them on the device at once) plus the least activation memory (with activation
-    checkpointing: every block checkpointed)."""
-
-    def __init__(self, cfg, spec):
-        from types import SimpleNamespace
-
-        from wanexp.models.wan22.fast import block_activation_gib, compile_supported
-
-        m = cfg.model
-        self.sp = int(cfg.parallel.get("sp_size", 1) or 1)
-        shards = 1
-        if cfg.parallel.name in ("fsdp", "deepspeed") and isinstance(cfg.trainer.devices, int):
-            shards = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-        self.shards, self.tokens = shards, _tokens(cfg.data, spec, self.sp)
-        self.checkpointing = bool(m.get("gradient_checkpointing"))
-        self.offloading = self.checkpointing and bool(m.get("offload_activations"))
-        self._dtype_bytes = spec.dtype.itemsize
-        self._weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else self._dtype_bytes
-        self._configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
-        self.layers = max(int(c["num_layers"]) for c in self._configs)
-        compiled = bool(m.get("compile")) and compile_supported()[0]
-        self.trainable = trainable_gib(cfg, spec)
-        self.activations = 0.0
-        for c in self._configs:
-            if self.checkpointing:  # every block keeps its bf16 input; one block's backward recomputes it (fast.py)
-                d = c["num_attention_heads"] * c["attention_head_dim"]
-                kept = 1 if self.offloading else c["num_layers"]  # offloaded: one input on its way to the host
-                act = kept * self.tokens * d * 2 / 2**30 + recompute_gib(c, self.tokens, compiled)
-            else:  # every block keeps its activations for the backward
-                act = c["num_layers"] * block_activation_gib(SimpleNamespace(**c), self.tokens)
-            self.activations = max(self.activations, act + self.trainable)
-
-    def weights(self, n: int) -> float:
-        """GiB of weights per device with n blocks swapped (at most 2 of them on the device at once)."""
-        return sum(base_gib(c, self._weight_bytes, self._dtype_bytes,
-                            c["num_layers"] - min(n, c["num_layers"]) + min(2, n)) for c in self._configs) / self.shards
-
-    def need(self, n: int) -> float:
-        return self.weights(n) + self.activations
-
-    def fewest(self, budget: float, start: int = 0) -> int | None:
-        """The smallest block count from ``start`` whose need fits ``budget``; None when even every block does not."""
-        return next((n for n in range(start, self.layers + 1) if self.need(n) <= budget), None)
-
-    def refusal(self, source: str, n: int, budget: float):
-        """The one-line ConfigError of a run that needs more than ``budget`` with ``n`` blocks swapped."""
-        from wanexp.errors import ConfigError
-
-        fits = self.fewest(budget, start=n + 1)
-        options = [f"model.blocks_to_swap={fits} (frozen weights in host memory)"] if fits is not None else []
-        if not self.checkpointing:
-            options.append("model.gradient_checkpointing=true")
-        elif not self.offloading:
-            options.append("model.offload_activations=true (the checkpointed blocks' inputs in host memory)")
-        options += [f"parallel.sp_size={2 * self.sp} (sequence parallel: each GPU holds a share of the tokens)",
-                    "parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
-        base, ckpt = self.weights(n), "every block" if self.checkpointing else "no block"
-        return ConfigError(f"{source}: this run needs at least {self.need(n):.1f} GiB per GPU ({base:.1f} GiB of "
-                           f"weights, {self.activations:.1f} GiB of activations at {self.tokens} tokens with {ckpt} "
-                           f"checkpointed); set " + ", or ".join(options))
-
-
-AUTO_HEADROOM = 0.9  # of a GPU's free memory, the share auto plans for (fast.blocks_to_checkpoint keeps 10 % free too)
-
-
-def usable_gib(cfg) -> float | None:
-    """GiB this rank's GPU has free for the run (within the process's memory fraction), or None on the CPU."""
-    import os
-
-    from omegaconf import OmegaConf
-
-    if str(cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available():
-        return None
-    local = int(os.environ.get("LOCAL_RANK", 0))  # Lightning's and torchrun's ranks on this node
-    devices = cfg.trainer.devices
-    index = int(devices[local]) if OmegaConf.is_list(devices) else local % torch.cuda.device_count()
-    free, total = torch.cuda.mem_get_info(index)
-    capped = total * torch.cuda.get_per_process_memory_fraction(index) - torch.cuda.memory_reserved(index)
-    return min(free, capped) / 2**30
-
-
-def resolve_blocks_to_swap(cfg, spec, verbose: bool = True) -> int:
-    """``model.blocks_to_swap=auto``: the fewest blocks whose weights and least activations (:class:`FitEstimate`)
-    fit ``model.memory_budget_gib``, or 90 % of this GPU's free memory without one (0 on the CPU). Sets the count in
-    the config (``cfg.model.blocks_to_swap``: what config.yaml and wanexp-plan read) and on the spec, says why on
-    the start line, and refuses in one line when even every block does not fit. A count is returned as it is."""
-    from omegaconf import open_dict
-
-    m = cfg.model
-    if m.get("blocks_to_swap") != "auto":
-        return int(m.get("blocks_to_swap") or 0)
-    est, budget = FitEstimate(cfg, spec), m.get("memory_budget_gib")
-    if budget is not None:
-        source, where = f"model.memory_budget_gib={budget:g}", f"model.memory_budget_gib={budget:g}"
-    else:
-        usable = usable_gib(cfg)
-        budget = None if usable is None else usable * AUTO_HEADROOM
-        source = f"model.blocks_to_swap=auto on a GPU with {usable or 0:.1f} GiB free"
-        where = f"{AUTO_HEADROOM:.0%} of this GPU's {usable or 0:.1f} GiB free ({budget or 0:.1f} GiB)"
-    if budget is None:
-        n, why = 0, "no model.memory_budget_gib to size it from, and no GPU"
-    else:
-        n = est.fewest(budget)
-        if n is None:
-            raise est.refusal(source, est.layers, budget)
-        why = (f"the fewest whose weights and least activations fit {where}: {est.need(n):.1f} GiB estimated, "
-               f"{est.weights(n):.1f} of weights and {est.activations:.1f} of activations at {est.tokens} tokens")
-        if n:
-            why += f"; {n - 1} would need {est.need(n - 1):.1f}"
-    with open_dict(m):
-        m.blocks_to_swap = n
-    spec.blocks_to_swap = n
-    if verbose:
-        print(f"wanexp: model.blocks_to_swap=auto: {n} of {est.layers} blocks swapped ({why})", flush=True)
-    return n
-
-
-def check_fit(cfg, spec) -> None:
-    """With ``model.memory_budget_gib`` set, refuse a run whose weights on one device plus the least activation
-    memory it can have (:class:`FitEstimate`) exceed the budget, naming what would make room (the block count that
-    fits, when one does). ``blocks_to_swap=auto`` is resolved first. Reads the transformers' config.json only;
-    nothing loads."""
-    n = resolve_blocks_to_swap(cfg, spec, verbose=False)
-    budget = cfg.model.get("memory_budget_gib")
-    if budget is None:
-        return
-    est = FitEstimate(cfg, spec)
-    if est.need(n) > budget:
-        raise est.refusal(f"model.memory_budget_gib={budget:g}", n, budget)

@@ -1,7 +1,8 @@
 """The trained DiT(s) of a run as one velocity predictor, which is what an objective calls.
 
-It builds the layout's DiT input from the spec (per-token timesteps, I2V channels, loss mask), sends each sample to
-the expert that owns its noise level, and runs each expert in its base weights' dtype.
+It builds the layout's DiT input from the spec (per-token timesteps, conditioning channels, loss mask), sends each
+sample to the expert that owns its noise level (``spec.route``), and calls each expert through the spec
+(``spec.transformer_call``) in its base weights' dtype.
 """
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from wanexp.models.encode import EncodedBatch
-from wanexp.models.family import ModelSpec, route
-from wanexp.perf import transformer_step_flops
+from wanexp.models.encoders import EncodedBatch
+from wanexp.models.family import ModelSpec
 
 
 @dataclass
@@ -36,11 +36,10 @@ class Denoiser:
     def experts(self) -> list[str]:
         return list(self.transformers)
 
-    def _forward(self, expert: str, hidden, timestep, text) -> torch.Tensor:
+    def _forward(self, expert: str, hidden, timestep, text, cond: dict) -> torch.Tensor:
         transformer = self.transformers[expert]
         dtype = self.spec.compute_dtype(transformer)  # the base weights' dtype (bf16-true converts them)
-        return transformer(hidden_states=hidden.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype),
-                           return_dict=False)[0]
+        return self.spec.transformer_call(transformer, hidden.to(dtype), timestep, text.to(dtype), cond)
 
     def __call__(self, x_t: torch.Tensor, sigma: torch.Tensor, batch: EncodedBatch) -> Prediction:
         """``sigma`` (B,) may live on the CPU (the objective draws it there): with several experts the routing then
@@ -49,22 +48,22 @@ class Denoiser:
         sigma_dev = sigma.to(device, non_blocking=True)  # a host tensor of B values: staged, no sync
         hidden, timestep, mask = self.spec.model_inputs(x_t, batch.x0, sigma_dev, batch.cond)
         if len(self.experts) == 1:
-            routes = route(sigma_dev, self.experts, self.spec.boundary_ratio)
-            return Prediction(self._forward(self.experts[0], hidden, timestep, batch.text), mask, routes)
+            routes = self.spec.route(sigma_dev, self.experts)
+            return Prediction(self._forward(self.experts[0], hidden, timestep, batch.text, batch.cond), mask, routes)
         if self.step_expert is not None:  # one expert for the whole step (sharded experts): no per-sample routing
             routes_host = torch.full((hidden.shape[0],), self.experts.index(self.step_expert), dtype=torch.long)
         else:
-            routes_host = route(sigma.cpu(), self.experts, self.spec.boundary_ratio)  # no sync for a host sigma
+            routes_host = self.spec.route(sigma.cpu(), self.experts)  # no sync for a host sigma
         velocity = None
         for k, expert in enumerate(self.experts):
             idx_host = (routes_host == k).nonzero().squeeze(1)
             if idx_host.numel() == 0:
                 continue
             if idx_host.numel() == hidden.shape[0]:  # the whole batch: no gather/scatter
-                return Prediction(self._forward(expert, hidden, timestep, batch.text), mask,
+                return Prediction(self._forward(expert, hidden, timestep, batch.text, batch.cond), mask,
                                   routes_host.to(device, non_blocking=True))
             idx = idx_host.to(device, non_blocking=True)
-            out = self._forward(expert, hidden[idx], timestep[idx], batch.text[idx])
+            out = self._forward(expert, hidden[idx], timestep[idx], batch.text[idx], _Rows(batch.cond, idx))
             if velocity is None:
                 velocity = out.new_zeros((hidden.shape[0], *out.shape[1:]))
             velocity = velocity.index_put((idx,), out)
@@ -73,23 +72,25 @@ class Denoiser:
     def step_flops(self, latent_shape, text_len: int) -> float:
         """Model FLOPs of one forward + backward (LoRA: no base-weight gradients) over latents of this shape."""
         config = next(iter(self.transformers.values())).config
-        return transformer_step_flops(config, latent_shape, text_len, checkpointing=self.spec.gradient_checkpointing)
+        flops = self.spec.step_flops(config, latent_shape, text_len, self.spec.gradient_checkpointing)
+        return 0.0 if flops is None else flops  # a family without a FLOP formula: no TFLOP/s
 
 
-def expert_for_step(sampler, sigma_range: tuple[float, float], boundary_ratio: float, seed: int,
-                    step: int) -> tuple[str, tuple[float, float]]:
-    """The expert every rank trains at ``step`` when the experts are sharded (FSDP: a rank that ran one expert while
-    another ran the other would pair their weight all-gathers -- both experts have the same shapes -- and mix them
-    silently), and the sigma range its samples are then drawn from.
 
-    One noise level is drawn from the objective's own distribution with a generator seeded by (seed, step) -- the
-    same on every rank, and again after a resume -- and its expert is the step's. Each rank then draws its samples'
-    noise levels from that distribution truncated to the expert's part of the range, so every sample's noise level
-    keeps exactly the distribution of per-sample routing; only the samples of one step share an expert.
-    ``sampler``: an object with ``sample_sigmas(n, lo, hi, generator=...)`` (objectives.FlowMatching)."""
-    lo, hi = sigma_range
-    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
-    s = float(sampler.sample_sigmas(1, lo, hi, generator=g)[0])
-    if s >= boundary_ratio:
-        return "high", (max(lo, boundary_ratio), hi)
-    return "low", (lo, min(hi, boundary_ratio))
+
+class _Rows(Mapping):
+    """The conditioning of the samples ``idx`` (an expert's part of a batch): a per-sample tensor's rows are taken
+    when the family's transformer_call reads it, so a family that reads none adds no gather to the step."""
+
+    def __init__(self, cond: dict, idx: torch.Tensor):
+        self.cond, self.idx = cond, idx
+
+    def __getitem__(self, key):
+        value = self.cond[key]
+        return value[self.idx] if isinstance(value, torch.Tensor) and value.dim() else value
+
+    def __iter__(self):
+        return iter(self.cond)
+
+    def __len__(self) -> int:
+        return len(self.cond)

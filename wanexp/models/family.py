@@ -9,14 +9,14 @@ attributes defined here, so a family is added without editing any file outside i
 A family sets the class attributes (layout, channels, strides, the component classes) and implements
 :meth:`ModelSpec.model_inputs` (the DiT input of a training sample) and :meth:`ModelSpec.write_random_model` (its tiny
 random build, for tests). Components are loaded from a local diffusers-format folder: ``model_index.json`` and one
-subfolder per component (``transformer/``, ``transformer_2/`` for a second expert, ``vae/``, ``text_encoder/``,
-``tokenizer/``).
+subfolder per component (each expert's, ``ModelSpec.expert_folders``, and the encoders', ``encoder_folders``).
 """
 from __future__ import annotations
 
 import importlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +25,6 @@ import torch
 from wanexp.config.rules import missing_model_folder
 from wanexp.config.schema import DTYPES
 from wanexp.errors import ConfigError
-
-# Which diffusers subfolder holds each expert (a two-expert pipeline names the second one transformer_2).
-EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}
-
 
 @dataclass(frozen=True)
 class EncoderInfo:
@@ -45,6 +41,10 @@ class EncoderInfo:
     vae_stride: tuple[int, int, int]  # pixels per latent (frames, height, width)
     patch: tuple[int, int, int]  # latents per DiT token (frames, height, width)
     fps: int | None = None  # the native frame rate: training clips are resampled to it unless data.fps says otherwise
+    frame_rule: tuple[int, int] = (1, 0)  # a sample's frame count n keeps n % m == r (ModelSpec.frame_rule)
+    sample_inputs: tuple[str, ...] = ()  # the family's extra metadata columns (ModelSpec.sample_inputs)
+    # ModelSpec.load_sample_input(name, path, num_frames, fps) -> Tensor: reads one sample input (None: none)
+    load_sample_input: Callable | None = None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
@@ -121,11 +121,6 @@ class ModelSpec:
     vae_class: str = ""
     text_encoder_class: str = ""
     tokenizer_class: str = "transformers.AutoTokenizer"
-    # Validation videos and cli/sample: the diffusers pipeline class, its extra arguments, and the pipeline of an
-    # image-to-video sample (a first frame given); "": none.
-    pipeline_class: str = ""
-    pipeline_extras: dict = {}
-    image_pipeline_class: str = ""
 
     def __init__(
         self,
@@ -197,11 +192,11 @@ class ModelSpec:
 
     # ---- the local folder -----------------------------------------------------------------------------------
     def required_folders(self, experts: list[str]) -> list[str]:
-        return [EXPERT_FOLDERS[e] for e in experts] + ["vae", "text_encoder", "tokenizer"]
+        return list(dict.fromkeys(self.expert_folders[e] for e in experts)) + list(self.encoder_folders)
 
     def load_bytes(self, experts: list[str], encoders: bool) -> int:
-        """Bytes of the weight files one rank reads for these experts (and the VAE and text encoder)."""
-        folders = [EXPERT_FOLDERS[e] for e in experts] + (["vae", "text_encoder"] if encoders else [])
+        """Bytes of the weight files one rank reads for these experts (and the encoders' components)."""
+        folders = [self.expert_folders[e] for e in experts] + (list(self.encoder_folders) if encoders else [])
         return sum(f.stat().st_size for sub in folders for f in weight_files(self.path / sub))
 
     def not_diffusers_hint(self, path: Path) -> str | None:
@@ -227,11 +222,11 @@ class ModelSpec:
                     f"model.path={p}: component '{sub}/' is missing or has no {marker} "
                     f"(model={self.name} with experts {experts} needs {', '.join(self.required_folders(experts))})"
                 )
-        if "transformer" in [EXPERT_FOLDERS[e] for e in experts]:
-            cfg = json.loads((p / "transformer" / "config.json").read_text())
+        for sub in dict.fromkeys(self.expert_folders[e] for e in experts):
+            cfg = json.loads((p / sub / "config.json").read_text())
             if cfg.get("in_channels") != self.in_channels:
                 raise ConfigError(
-                    f"model.path={p}: transformer has in_channels={cfg.get('in_channels')} but model={self.name} "
+                    f"model.path={p}: {sub} has in_channels={cfg.get('in_channels')} but model={self.name} "
                     f"expects {self.in_channels}; pick the model group that matches this folder"
                 )
         self.check_weight_files(experts)
@@ -239,8 +234,8 @@ class ModelSpec:
     def check_weight_files(self, experts: list[str]) -> None:
         """Each safetensors file of the components a run loads, by its header alone (no tensor is read): a corrupt
         or truncated file (a partial download) is one line naming it, before anything loads or is written."""
-        what = {EXPERT_FOLDERS[e]: f"the {e} transformer" for e in experts} | {"vae": "the VAE",
-                                                                                "text_encoder": "the text encoder"}
+        what = {self.expert_folders[e]: f"the {e} transformer" for e in experts} | {"vae": "the VAE",
+                                                                                    "text_encoder": "the text encoder"}
         for sub in self.required_folders(experts):
             for f in weight_files(self.path / sub):
                 problem = safetensors_problem(f) if f.suffix == ".safetensors" else None
@@ -249,7 +244,17 @@ class ModelSpec:
 
     def transformer_config(self, expert: str) -> dict:
         """The diffusers config.json of an expert's transformer (read from the folder; nothing loads)."""
-        return json.loads((self.path / EXPERT_FOLDERS[expert] / "config.json").read_text())
+        return json.loads((self.path / self.expert_folders[expert] / "config.json").read_text())
+
+    def meta_transformers(self, boundary: str) -> dict:
+        """Each trained expert's transformer built on the meta device from its config.json (shapes, no values): what
+        the pre-flight checks and counts (the built model, the disk, the memory plan), built once."""
+        import warnings
+
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")  # no values: shapes
+            return {e: self.transformer_type().from_config(self.transformer_config(e)).requires_grad_(False)
+                    for e in self.trained_experts(boundary)}
 
     # ---- loading --------------------------------------------------------------------------------------------
     def transformer_type(self) -> type:
@@ -258,7 +263,8 @@ class ModelSpec:
         return load_class(self.transformer_class)
 
     def load_transformer(self, expert: str):
-        model = self.transformer_type().from_pretrained(self.path, subfolder=EXPERT_FOLDERS[expert], dtype=self.dtype)
+        model = self.transformer_type().from_pretrained(self.path, subfolder=self.expert_folders[expert],
+                                                      dtype=self.dtype)
         model.requires_grad_(False)
         if self.attention_backend:
             model.set_attention_backend(self.attention_backend)
@@ -294,14 +300,9 @@ class ModelSpec:
                            text_encoder=str(self.path / "text_encoder"), text_dtype=str(self.text_encoder_dtype),
                            tokenizer=str(self.path / "tokenizer"), text_len=self.text_len,
                            image_latent=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
-                           patch=tuple(self.patch), fps=self.fps)
-
-    def load_encoders(self):
-        """The frozen VAE + text encoder + tokenizer as one module (see wanexp.models.encode.Encoders)."""
-        from wanexp.models.encode import Encoders
-
-        return Encoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len,
-                        self.needs_image_latent)
+                           patch=tuple(self.patch), fps=self.fps, frame_rule=tuple(self.frame_rule),
+                           sample_inputs=tuple(self.sample_inputs),
+                           load_sample_input=self.load_sample_input if self.sample_inputs else None)
 
     # ---- the tiny random build (model.build) ------------------------------------------------------------------
     def write_random_model(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -319,26 +320,117 @@ class ModelSpec:
         raise NotImplementedError
 
     # ---- [seam: adapters] adapter naming and external key maps (wanexp.adapters asks these) ---------------------
+    # How the family names the modules adapters train and their names in other trainers' files (a
+    # wanexp.adapters.naming.AdapterNaming); None: the family trains no adapter (a run with one is refused in one line).
+    adapter_naming = None
 
     # ---- [seam: conditioning] experts, encoders, per-sample inputs, the transformer call, sequence parallel ------
+    # Which diffusers subfolder holds each expert, and the component folders the encoders load (folder checks, bytes
+    # read, cache keys).
+    expert_folders: dict[str, str] = {"dense": "transformer"}
+    encoder_folders: tuple[str, ...] = ("vae", "text_encoder", "tokenizer")
+    # Extra metadata columns every sample carries (column -> what it is), each a file path relative to the metadata's
+    # folder like ``video``; loaded by load_sample_input into the loader item under the column's name.
+    sample_inputs: dict[str, str] = {}
+
+    def route(self, sigma: torch.Tensor, loaded: list[str]) -> torch.Tensor:
+        """Each sample's expert as an index into ``loaded`` (long, on sigma's device): here every sample goes to the
+        one loaded expert."""
+        return torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
+
+    def expert_for_step(self, sampler, sigma_range: tuple[float, float], seed: int,
+                        step: int) -> tuple[str, tuple[float, float]]:
+        """The expert every rank trains at ``step`` when the experts are sharded, and the sigma range its samples are
+        drawn from; one expert: it, over the whole range."""
+        return self.experts[0], sigma_range
+
+    def load_encoders(self):
+        """The family's frozen encoders as one module (a wanexp.models.encoders.Encoders)."""
+        raise ConfigError(f"model={self.name}: its family provides no encoders (ModelSpec.load_encoders)")
+
+    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None) -> torch.Tensor:
+        """One of ``sample_inputs`` of a sample, read from its file for a clip of ``num_frames`` at ``fps``."""
+        raise ConfigError(f"model={self.name}: its family declares the sample input {name!r} but provides no "
+                          "load_sample_input to read it")
+
+    def transformer_call(self, transformer, hidden: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+                         cond: dict) -> torch.Tensor:
+        """The DiT's velocity for its input (inputs already in the compute dtype)."""
+        return transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+
+    def blocks(self, transformer):
+        """The DiT's repeated blocks, an nn.ModuleList (block swap, FP8, compilation and FSDP work per block)."""
+        return transformer.blocks
+
+    def enable_sequence_parallel(self, transformer, sp) -> None:
+        """Split every training forward's tokens over the ranks of ``sp`` (a wanexp.models.sequence.SequenceGroup)."""
+        raise ConfigError(f"parallel.sp_size={sp.size}: model={self.name} has no sequence parallel; set "
+                          "parallel.sp_size=1")
+
+    def set_sequence_parallel(self, transformer, active: bool) -> None:
+        """Turn the sequence split of an enabled transformer on (training forwards) or off (gradient-free ones)."""
+        if active:
+            raise ConfigError(f"model={self.name} has no sequence parallel; set parallel.sp_size=1")
 
     # ---- [seam: shapes, memory, FLOPs] shape rules, the memory and FLOP formulas the planner and perf read ------
+    frame_rule: tuple[int, int] = (1, 0)
+
+    def step_flops(self, config, latent_shape, text_len: int, checkpointing: bool) -> float | None:
+        """Model FLOPs of one LoRA training step (forward + backward) over latents of ``latent_shape`` through a
+        transformer of this ``config``; None: the family gives no formula (no TFLOP/s is shown)."""
+        return None
+
+    def memory_formula(self):
+        """What wanexp.memory_plan asks for a transformer config's block count and weight / activation GiB
+        (``block_count(config)``, ``weights_gib(config, weight_bytes, other_bytes, resident_blocks)``,
+        ``activations_gib(config, tokens, checkpointing, offloading, compiled)``, ``compiled(compile)``); None: the
+        family gives no estimate, and nothing is planned automatically."""
+        return None
+
 
     # ---- [seam: generation, bench, conversion] the sampling pipeline, the plain reference loop, converters -----
+    # What `python -m wanexp.cli.convert` can turn into this family's diffusers-format folder: a source layout's name
+    # -> ``package.module.function(src, dst, layout, **options) -> lines`` (ModelSpec.convert).
+    converters: dict = {}
+
+    def load_pipeline(self, device, dtype, image: bool):
+        """The family's sampling pipeline (``wanexp.models.pipeline.Pipeline``) loaded whole from ``model.path``
+        (``wanexp-sample``); ``image``: an image-to-video sample (a first frame given)."""
+        raise ConfigError(f"model={self.name}: its family provides no sampling pipeline")
+
+    def make_pipeline(self, transformers: dict, vae, scheduler, image: bool):
+        """The family's sampling pipeline around modules already in memory (validation: the run's transformers,
+        expert name -> module, and its VAE; prompts come as embeddings), nothing loaded or copied."""
+        raise ConfigError(f"model={self.name}: its family provides no sampling pipeline")
+
+    def load_scheduler(self):
+        """The sampling scheduler the model folder ships."""
+        raise ConfigError(f"model={self.name}: its family provides no sampling scheduler")
+
+    def encode_prompts(self, prompts: list[str], device, encoders=None) -> dict:
+        """Each prompt's text embedding (text_len, D) on the CPU: with ``encoders`` (the run's), else with the text
+        encoder of ``model.path``, loaded for this call and freed after it."""
+        raise ConfigError(f"model={self.name}: its family provides no prompt encoding")
+
+    @classmethod
+    def convert(cls, source: str, src, dst, **options) -> list[str]:
+        """Write this layout's diffusers-format folder at ``dst`` from ``src`` in the ``source`` layout (one of
+        ``converters``); returns one line per written component."""
+        if source not in cls.converters:
+            have = ", ".join(sorted(cls.converters)) or "none"
+            raise ConfigError(f"--from {source}: {cls.__name__} converts from {have}")
+        return load_class(cls.converters[source])(src, dst, cls.layout, **options)
+
+    @classmethod
+    def plain_loop(cls):
+        """The plain reference loop ``wanexp-bench`` times and checks the step against, or None: the family has none.
+        A module-like object with ``supports(model)``, ``folder(model)``, ``dense(model)``, ``geometry(model,
+        model_path)``, ``step_flops``, ``plain_model``, ``plain_inputs``, ``plain_forward``, ``plain_loss`` and
+        ``plain_step`` (Wan2.2's: wanexp/models/wan22/plain_loop.py)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"
-
-
-def route(sigma: torch.Tensor, loaded: list[str], boundary_ratio: float | None) -> torch.Tensor:
-    """Each sample's expert as an index into ``loaded``: HIGH when shifted sigma >= boundary_ratio.
-
-    A run that loaded one expert (dense, or one boundary of a two-expert model) sends every sample to it.
-    """
-    if len(loaded) == 1:
-        return torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
-    high = sigma >= boundary_ratio
-    return torch.where(high, loaded.index("high"), loaded.index("low")).long()
 
 
 def check_attention_backend(name: str) -> None:

@@ -1,10 +1,11 @@
-"""Sequence parallelism (Ulysses) for Wan DiTs: ``parallel.sp_size=N`` splits every sample's tokens over N ranks.
+"""Sequence parallelism (Ulysses): ``parallel.sp_size=N`` splits every sample's tokens over N ranks.
 
 The ranks form a 2-D grid (data x sequence): ranks ``[k*N, (k+1)*N)`` are sequence group k (neighbours, so the
 all-to-alls stay inside a node) and see the same samples, noise and timesteps; data sharding, the effective batch,
 samples/s and FLOP accounting use the data-parallel size ``world / N``.
 
-Inside the transformer (models/wan22/fast.py's forward) each rank keeps ``tokens / N`` consecutive tokens after the
+Inside the transformer (a family's forward, e.g. models/wan22/fast.py; ModelSpec.enable_sequence_parallel sets
+it up) each rank keeps ``tokens / N`` consecutive tokens after the
 patch embedding: modulation, feed-forward, cross-attention (queries local, the text keys whole) and the LoRA layers
 run on the local tokens only. Self-attention swaps the split: an all-to-all turns (local tokens, all heads) into (all
 tokens, heads / N), attention runs per head over the whole sequence, and a second all-to-all turns it back. The
@@ -16,6 +17,9 @@ the mean over the ``world / N`` samples of their full gradients: the same as dat
 The frozen base is sharded (FSDP) over the whole world, not per group.
 
 Limits (checked with a one-line error): the heads and each sample's token count must divide by N.
+
+Here: the family-neutral pieces (the groups, shard/gather, the all-to-alls that swap tokens and heads, the checks);
+a family's attention processor that uses them lives in its package (Wan2.2's: models/wan22/sequence.py).
 """
 from __future__ import annotations
 
@@ -117,56 +121,3 @@ def shard_modulation(temb: torch.Tensor, tokens: int, sp: SequenceGroup) -> torc
     unit = gcd(per_group, per_rank)
     units = temb.repeat_interleave(per_group // unit, dim=1)  # (B, tokens/unit, ...): a handful of rows
     return units.narrow(1, sp.rank * (per_rank // unit), per_rank // unit)
-
-
-class UlyssesAttnProcessor:
-    """Self-attention of a ``WanAttention`` over sequence-split tokens (see the module doc); the projections, norms,
-    rotary embedding and output layers are the module's own (peft's LoRA layers included). ``active`` is set by the
-    transformer's forward: off (gradient-free forwards: validation, a teacher) it is diffusers' processor."""
-
-    def __init__(self, base, sp: SequenceGroup):
-        self.base, self.sp, self.active = base, sp, False
-        self._attention_backend = getattr(base, "_attention_backend", None)
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if not self.active or encoder_hidden_states is not None:
-            return self.base(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)  # over all heads of a token: local
-        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-        if rotary_emb is not None:  # this rank's tokens' rows of the tables
-            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        query, key, value = (tokens_to_heads(x, self.sp) for x in (query, key, value))
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-                                    backend=self._attention_backend)
-        out = heads_to_tokens(out, self.sp).flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
-
-
-def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on (B, S, H, d) (the same operations as diffusers' WanAttnProcessor)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
-def enable(transformer, sp: SequenceGroup) -> None:
-    """Set Ulysses self-attention on every block of a loaded transformer (wanexp's forward: models/wan22/fast.py)."""
-    check_heads(transformer.config.num_attention_heads, sp.size)
-    transformer._wanexp_sp = sp
-    for block in transformer.blocks:
-        block.attn1.set_processor(UlyssesAttnProcessor(block.attn1.processor, sp))
-
-
-def set_active(transformer, active: bool) -> None:
-    for block in transformer.blocks:
-        proc = block.attn1.processor
-        if isinstance(proc, UlyssesAttnProcessor):
-            proc.active = active

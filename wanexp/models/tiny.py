@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError
-from wanexp.models.family import EXPERT_FOLDERS, ModelSpec
+from wanexp.models.family import ModelSpec
 
 
 def quiet_libraries() -> None:
@@ -31,7 +31,7 @@ def quiet_libraries() -> None:
 def built_from_spec(spec: ModelSpec, folder: Path) -> bool:
     """Whether ``folder`` holds a model built from ``spec.build`` (its DiT config has the build's sizes)."""
     wanted = dict(spec.build.get("transformer") or {})
-    for sub in dict.fromkeys(EXPERT_FOLDERS.values()):
+    for sub in dict.fromkeys(spec.expert_folders.values()):
         cfg = folder / sub / "config.json"
         if cfg.is_file():
             have = json.loads(cfg.read_text())

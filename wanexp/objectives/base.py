@@ -100,7 +100,7 @@ class Objective:
                  negative_text: torch.Tensor | None = None) -> ObjectiveOutput:
         """The loss of one training step; the LightningModule calls it with exactly these arguments.
 
-        ``batch``: a ``wanexp.models.encode.EncodedBatch`` (``x0`` latents, ``text`` embeddings, ``cond``, ``size``).
+        ``batch``: a ``wanexp.models.encoders.EncodedBatch`` (``x0`` latents, ``text`` embeddings, ``cond``, ``size``).
         ``denoiser``: a ``wanexp.models.denoiser.Denoiser``; ``denoiser(x_t, sigma, batch)`` returns the velocity,
         loss mask and expert route, handling conditioning, expert routing and dtypes; ``denoiser.sigma_range`` is the
         range of noise levels to train. ``generator``: the random stream for noise and timesteps (None: torch's

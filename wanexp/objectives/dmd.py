@@ -31,7 +31,7 @@ import torch
 
 from wanexp.config.schema import DMDConfig
 from wanexp.errors import ConfigError
-from wanexp.lora import use_adapter
+from wanexp.adapters import use_adapter
 from wanexp.objectives.base import Objective, ObjectiveOutput, StudentSteps
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 from wanexp.objectives.timesteps import shift_sigma
@@ -87,11 +87,10 @@ def first_frame_fraction(setting: float | None, draws_first_frame: bool, layout:
 def check_options(cfg) -> None:
     """DMD's options against the other groups, at composition (nothing loaded): the model's layout for
     ``first_frame_cond``, the boundary's sigma range for ``score_sigma_clamp``."""
-    import importlib
+    from hydra.utils import get_class  # the spec class by its dotted name: nothing loads
 
     o, b = cfg.objective, cfg.boundary
-    module, _, name = str(cfg.model._target_).rpartition(".")
-    spec_class = getattr(importlib.import_module(module), name)
+    spec_class = get_class(str(cfg.model._target_))
     first_frame_fraction(o.first_frame_cond, spec_class.draws_first_frame, spec_class.layout)
     clamp = check_clamp(o.score_sigma_clamp)
     if clamp is not None and not (clamp[0] < b.sigma_max and clamp[1] > b.sigma_min):

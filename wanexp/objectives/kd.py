@@ -1,6 +1,6 @@
 """Knowledge distillation into a smaller student DiT (``objective=kd``): full fine-tuning, the teacher frozen.
 
-The student is a ``WanTransformer3DModel`` with the teacher's config and the overrides in ``objective.student``
+The student is the family's DiT class with the teacher's config and the overrides in ``objective.student``
 (fewer layers, another width); ``num_layers: null`` halves the teacher's. It starts from the teacher where shapes
 allow: student block i copies teacher block round(i * (L_t - 1) / (L_s - 1)) (evenly spaced, first and last kept),
 and the embeddings, output head and modulation tables are copied when their shapes match; the rest keeps its random
@@ -10,8 +10,8 @@ Loss: on noised real latents at a sampled sigma (the boundary's range, the flow-
 the student's and the teacher's velocity, with the layout's conditioning and loss mask (TI2V: a clean first frame is
 left out). With ``objective.feature_weight`` > 0 it adds that weight times the MSE between each student block's output
 and the output of the teacher block it started from (intermediate feature matching; the student must keep the
-teacher's width), averaged over the student's blocks. The student is exported with every checkpoint as a diffusers pipeline folder (its ``transformer/`` plus
-the teacher's VAE, text encoder, tokenizer and scheduler, linked) that ``WanPipeline.from_pretrained`` loads.
+teacher's width), averaged over the student's blocks. The student is exported with every checkpoint as a diffusers pipeline folder (its dense expert's folder plus
+the teacher's VAE, text encoder, tokenizer and scheduler, linked) that the family's pipeline loads.
 """
 from __future__ import annotations
 
@@ -100,10 +100,10 @@ class KnowledgeDistillation(Objective):
             student.set_attention_backend(spec.attention_backend)
         self.student = student
         if self.feature_weight > 0:
-            self._hook_features(student, teacher)
+            self._hook_features(student, teacher, spec)
         return {STUDENT: student}
 
-    def _hook_features(self, student: nn.Module, teacher: nn.Module) -> None:
+    def _hook_features(self, student: nn.Module, teacher: nn.Module, spec) -> None:
         """Forward hooks that keep each student block's output and its teacher block's, while a loss is evaluated."""
         s_dim = student.config.num_attention_heads * student.config.attention_head_dim
         t_dim = teacher.config.num_attention_heads * teacher.config.attention_head_dim
@@ -121,8 +121,8 @@ class KnowledgeDistillation(Objective):
             return hook
 
         for i, j in self._pairs:
-            student.blocks[i].register_forward_hook(keep(("student", i)))
-            teacher.blocks[j].register_forward_hook(keep(("teacher", j)))
+            spec.blocks(student)[i].register_forward_hook(keep(("student", i)))
+            spec.blocks(teacher)[j].register_forward_hook(keep(("teacher", j)))
 
     @staticmethod
     def _init_from_teacher(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
@@ -182,13 +182,15 @@ class KnowledgeDistillation(Objective):
         tmp = folder.with_name(f".{folder.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        student.save_pretrained(tmp / "transformer")
+        experts = set(module.spec.expert_folders.values())  # the student is the dense expert; no other is kept
+        student.save_pretrained(tmp / module.spec.expert_folders["dense"])
         base = Path(module.spec.path)
         index = json.loads((base / "model_index.json").read_text())
         for name in index:
-            if not name.startswith("_") and name not in ("transformer", "transformer_2") and (base / name).exists():
+            if not name.startswith("_") and name not in experts and (base / name).exists():
                 os.symlink((base / name).resolve(), tmp / name)  # the teacher's VAE, text encoder, ...: not copied
-        index.pop("transformer_2", None)
+        for name in experts - {module.spec.expert_folders["dense"]}:
+            index.pop(name, None)
         index.pop("boundary_ratio", None)
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
         shutil.rmtree(folder, ignore_errors=True)

@@ -109,8 +109,9 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     sp = getattr(self, "_wanexp_sp", None) if torch.is_grad_enabled() else None
     if getattr(self, "_wanexp_sp", None) is not None:
         from wanexp.models import sequence
+        from wanexp.models.wan22 import sequence as wan_sequence
 
-        sequence.set_active(self, sp is not None)
+        wan_sequence.set_active(self, sp is not None)
     tokens = hidden_states.shape[1]
     if sp is not None:
         sequence.check_divisible(tokens, self.config.num_attention_heads, sp.size)

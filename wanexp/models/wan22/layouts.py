@@ -40,3 +40,5 @@ LAYOUTS = {lay.name: lay for lay in (
 )}
 # conf/model name (convert's --model) -> layout
 MODELS = {lay.model: lay for lay in LAYOUTS.values()}
+# Which diffusers subfolder holds each expert (a two-expert pipeline names the second, low-noise, one transformer_2).
+EXPERT_FOLDERS = {"dense": "transformer", "high": "transformer", "low": "transformer_2"}

@@ -11,7 +11,8 @@ import torch
 
 from wanexp.models.family import ModelSpec
 from wanexp.models.wan22 import conditioning, fast
-from wanexp.models.wan22.layouts import LAYOUTS
+from wanexp.models.wan22.adapter_naming import WAN_NAMING
+from wanexp.models.wan22.layouts import EXPERT_FOLDERS, LAYOUTS
 
 
 class WanSpec(ModelSpec):
@@ -20,8 +21,11 @@ class WanSpec(ModelSpec):
     transformer_class = "diffusers.WanTransformer3DModel"
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
+    # the diffusers pipeline of the folder, its extra arguments (from LAYOUTS), and the pipeline of an image-to-video
+    # sample (I2V-A14B, and TI2V-5B given a first frame)
     pipeline_class = "WanPipeline"
-    image_pipeline_class = "WanImageToVideoPipeline"  # I2V-A14B, and TI2V-5B given a first frame
+    pipeline_extras: dict = {}
+    image_pipeline_class = "WanImageToVideoPipeline"
     vae_layout: dict = {"z_dim": 16}  # the VAE's architecture (tiny builds, conversion): from LAYOUTS
 
     def __init_subclass__(cls, **kwargs):
@@ -57,12 +61,105 @@ class WanSpec(ModelSpec):
         return transformer.patch_embedding.weight.dtype  # stays in the base dtype under FP8 and sharding
 
     # ---- [seam: adapters] ----------------------------------------------------------------------------------------
+    adapter_naming = WAN_NAMING
 
     # ---- [seam: conditioning] ------------------------------------------------------------------------------------
+    expert_folders = EXPERT_FOLDERS
+
+    def route(self, sigma, loaded):
+        """HIGH when shifted sigma >= boundary_ratio; a run that loaded one expert (dense, or one boundary of a
+        two-expert model) sends every sample to it."""
+        if len(loaded) == 1:
+            return torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
+        high = sigma >= self.boundary_ratio
+        return torch.where(high, loaded.index("high"), loaded.index("low")).long()
+
+    def expert_for_step(self, sampler, sigma_range, seed, step):
+        """The expert every rank trains at ``step`` when the experts are sharded (FSDP: a rank that ran one expert
+        while another ran the other would pair their weight all-gathers -- both experts have the same shapes -- and
+        mix them silently), and the sigma range its samples are then drawn from.
+
+        One noise level is drawn from the objective's own distribution with a generator seeded by (seed, step) --
+        the same on every rank, and again after a resume -- and its expert is the step's. Each rank then draws its
+        samples' noise levels from that distribution truncated to the expert's part of the range, so every sample's
+        noise level keeps exactly the distribution of per-sample routing; only the samples of one step share an
+        expert. ``sampler``: an object with ``sample_sigmas(n, lo, hi, generator=...)`` (objectives.FlowMatching)."""
+        lo, hi = sigma_range
+        boundary = self.boundary_ratio
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+        s = float(sampler.sample_sigmas(1, lo, hi, generator=g)[0])
+        if s >= boundary:
+            return "high", (max(lo, boundary), hi)
+        return "low", (lo, min(hi, boundary))
+
+    def load_encoders(self):
+        """The Wan VAE, UMT5 and its tokenizer (wanexp.models.wan22.encoders.WanEncoders)."""
+        from wanexp.models.wan22.encoders import WanEncoders
+
+        return WanEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len,
+                           self.needs_image_latent)
+
+    def enable_sequence_parallel(self, transformer, sp):
+        from wanexp.models.wan22 import sequence
+
+        sequence.enable(transformer, sp)
+
+    def set_sequence_parallel(self, transformer, active):
+        from wanexp.models.wan22 import sequence
+
+        sequence.set_active(transformer, active)
 
     # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
+    frame_rule = (4, 1)
+
+    def step_flops(self, config, latent_shape, text_len, checkpointing):
+        from wanexp.models.wan22.flops import transformer_step_flops
+
+        return transformer_step_flops(config, latent_shape, text_len, checkpointing)
+
+    def memory_formula(self):
+        from wanexp.models.wan22.memory import WanMemory
+
+        return WanMemory()
+
 
     # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
+    converters = {"original": "wanexp.models.wan22.original.convert_original"}  # the Wan-AI release layout
+
+    def load_pipeline(self, device, dtype, image):
+        from wanexp.models.wan22.pipeline import WanPipelineRunner, pipeline_class
+
+        name = self.image_pipeline_class if image else self.pipeline_class
+        pipe = pipeline_class(name).from_pretrained(self.path, dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return WanPipelineRunner(pipe)
+
+    def make_pipeline(self, transformers, vae, scheduler, image):
+        from wanexp.models.wan22.pipeline import WanPipelineRunner, build_pipeline
+
+        return WanPipelineRunner(build_pipeline(self, transformers, vae, None, None, scheduler, image))
+
+    def load_scheduler(self):
+        from wanexp.models.wan22.pipeline import load_scheduler
+
+        return load_scheduler(self.path)
+
+    def encode_prompts(self, prompts, device, encoders=None):
+        from wanexp.models.wan22.encoders import encode_text
+
+        if encoders is not None:
+            te, tok = encoders.text_encoder, encoders.tokenizer
+        else:
+            te, tok = self.load_text_encoder().to(device), self.load_tokenizer()
+        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
+            emb = encode_text(tok, te, list(prompts), self.text_len)
+        return {p: e.cpu() for p, e in zip(prompts, emb)}
+
+    @classmethod
+    def plain_loop(cls):
+        from wanexp.models.wan22 import plain_loop
+
+        return plain_loop
 
     def write_random_model(self, folder, device="cpu", dtype=torch.float32) -> None:
         from wanexp.models.wan22.build import build_components, save_pipeline_folder

@@ -1,14 +1,13 @@
-"""Frozen encoders: VAE latents (posterior mode, normalised) and UMT5 text embeddings, exactly as Wan2.2 uses them.
+"""Wan2.2's frozen encoders: VAE latents (posterior mode, normalised by the VAE's latents_mean/std), UMT5 text
+embeddings, and the I2V-A14B image condition, exactly as Wan2.2 uses them.
 
-These run once per sample: online inside the training step for now, and into the latent/text cache later.
+They run once per sample: online inside the training step, or into the latent/text cache (wanexp.cli.cache).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-from torch import nn
 
+from wanexp.models.encoders import Encoders
 from wanexp.text import clean_prompt
 
 
@@ -70,43 +69,25 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], max_length: int) ->
     return hidden * mask.unsqueeze(-1).to(hidden.dtype)
 
 
-@dataclass
-class EncodedBatch:
-    """What an objective trains on: normalised latents, text embeddings and the layout's conditioning."""
-
-    x0: torch.Tensor  # (B, C, F, H, W) fp32
-    text: torch.Tensor  # (B, text_len, D)
-    cond: dict = field(default_factory=dict)  # e.g. image_latent (I2V); objectives add per-step draws
-
-    @property
-    def size(self) -> int:
-        return self.x0.shape[0]
-
-
-class Encoders(nn.Module):
-    """The frozen VAE and text encoder of a run (always in eval mode) and the tokenizer."""
+class WanEncoders(Encoders):
+    """The Wan VAE, the UMT5 text encoder and its tokenizer; ``image_latent``: each sample also carries its first
+    frame's latent (I2V-A14B's ``cond["image_latent"]``)."""
 
     def __init__(self, vae, text_encoder, tokenizer, text_len: int, image_latent: bool = False):
         super().__init__()
         self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
         self.text_len, self.image_latent = text_len, image_latent
 
-    def train(self, mode: bool = True):
-        return super().train(False)  # no dropout in the encoders, ever
-
-    def forward(self, batch: dict) -> EncodedBatch:
-        """A loader batch (pixels in [-1, 1] + prompts) -> EncodedBatch; encoders run in fp32/their own dtype."""
+    def encode_media(self, batch: dict) -> tuple[torch.Tensor, dict]:
         pixels = batch["pixels"]
+        x0 = encode_video(self.vae, pixels)
         cond = {}
-        with torch.autocast(device_type=pixels.device.type, enabled=False):
-            x0 = encode_video(self.vae, pixels)
-            if self.image_latent:
-                cond["image_latent"] = encode_image_condition(self.vae, pixels[:, :, 0], pixels.shape[2])
-            text = encode_text(self.tokenizer, self.text_encoder, list(batch["prompt"]), self.text_len)
-        return EncodedBatch(x0, text, cond)
+        if self.image_latent:
+            cond["image_latent"] = encode_image_condition(self.vae, pixels[:, :, 0], pixels.shape[2])
+        return x0, cond
 
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
+        return encode_text(self.tokenizer, self.text_encoder, prompts, self.text_len)
 
-def cached_batch(batch: dict) -> EncodedBatch:
-    """A loader batch that already carries latents and text embeddings (the cache) -> EncodedBatch."""
-    cond = {"image_latent": batch["image_latent"]} if "image_latent" in batch else {}
-    return EncodedBatch(batch["latents"].float(), batch["text"], cond)
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        return decode_latents(self.vae, x0)

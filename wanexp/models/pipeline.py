@@ -1,0 +1,48 @@
+"""What a model family's sampling pipeline offers the shared sampling code (wanexp.generation, cli/sample.py, the
+validation callback): the base class a family's ``ModelSpec.load_pipeline`` / ``ModelSpec.make_pipeline`` return."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Pipeline:
+    """A family's sampling pipeline around loaded modules (what ``ModelSpec.load_pipeline`` and
+    ``ModelSpec.make_pipeline`` return). ``experts``: expert name -> transformer, as the pipeline holds them. A
+    family's pipeline implements every method; one it lacks says so when the shared code reaches it."""
+
+    experts: dict
+    boundary_ratio: float | None = None  # the model's own (a folder's model_index.json), for expert_routing
+
+    def generate(self, prompt: str, seed: int, shape: dict, steps: int, guidance: float, negative: str, device,
+                 record: list, image=None, embeds=None):
+        """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
+        ``shape``: height, width, frames, text_len. ``image``: the first frame (PIL) of an image-to-video sample.
+        ``embeds``: the (prompt, negative prompt) text embeddings, each (text_len, D), for a pipeline built without
+        its text encoder (validation reads them from the cache). The same seed gives the same sample."""
+        raise self._missing("generate")
+
+    def recorded_timesteps(self):
+        """A context manager: collect the timestep each transformer call gets into the list it yields (cleared by
+        :meth:`generate`); the recording stops on exit."""
+        raise self._missing("recorded_timesteps")
+
+    def routed(self, routing):
+        """A context manager: run the pipeline's steps over its experts by ``routing``
+        (wanexp.generation.ExpertRouting); restored on exit."""
+        raise self._missing("routed")
+
+    def load_adapter(self, path: Path, adapter_name: str, expert: str) -> str:
+        """Load an adapter file into ``expert``'s transformer as ``adapter_name``; returns the call that loaded it."""
+        raise self._missing("load_adapter")
+
+    def adapters_on(self, on: bool) -> None:
+        """Switch the loaded adapters on or off (the teacher of ``wanexp-sample --teacher`` runs without them)."""
+        raise self._missing("adapters_on")
+
+    def use_student(self, timesteps: list[float] | None, shift: float = 0.0) -> None:
+        """Sample on exactly these student timesteps (a distilled adapter), re-noising from each sample's seed; None:
+        the pipeline's own scheduler again."""
+        raise self._missing("use_student")
+
+    def _missing(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} (a family's sampling pipeline) provides no {what}")
