@@ -240,7 +240,7 @@ def test_only_the_class_loader_imports_a_computed_module_name():
     assert found == allowed, f"modules imported by a computed name outside load_class: {sorted(found - allowed)}"
 
 
-# ---- a model family's facts stay in its package -----------------------------------------------------------------------
+# ---- a model family's facts stay in its package ---------------------------------------------------------------------
 FAMILY = ROOT / "models" / "wan22"
 # Names that are Wan2.2's alone (its diffusers module and class names, its folders, its VAE's constants, its frame
 # rule, its original and kohya key names): shared code asks the family's spec (wanexp.models.family.ModelSpec) instead.

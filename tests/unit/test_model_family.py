@@ -163,6 +163,8 @@ from contextlib import contextmanager
 
 import torch
 
+from wanexp.adapters import load_adapter_file
+from wanexp.errors import ConfigError
 from wanexp.models.encoders import Encoders
 from wanexp.models.pipeline import Pipeline
 from wanexp.text import clean_prompt
@@ -198,19 +200,16 @@ class ToyPipeline(Pipeline):
     """Euler steps of flow matching over the DiT with classifier-free guidance, decoded by the VAE. A sample has no
     recorded signal: it is conditioned on zero signal features."""
 
-    def __init__(self, spec, transformer, encoders, scheduler):
-        self.spec, self.encoders, self.scheduler = spec, encoders, scheduler
-        self.experts = {"dense": transformer}
-        self.adapters = []
-        self._record = None
+    def __init__(self, spec, transformers, vae, scheduler, encoders=None):
+        self.spec, self.experts, self.vae, self.scheduler = spec, dict(transformers), vae, scheduler
+        self.encoders = encoders  # for prompts given as text (wanexp-sample); validation gives their embeddings
 
     @torch.no_grad()
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None):
         spec, transformer = self.spec, self.experts["dense"]
         st, sh, sw = spec.vae_stride
         grid = ((shape["frames"] - 1) // st + 1, shape["height"] // sh, shape["width"] // sw)
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(1, spec.latent_channels, *grid, generator=g).to(device)
+        x = torch.randn(1, spec.latent_channels, *grid, generator=torch.Generator().manual_seed(seed)).to(device)
         text = torch.stack(embeds) if embeds is not None else self.encoders.encode_prompts([prompt, negative])
         signal = torch.zeros(2, grid[0], transformer.config.signal_dim, device=device)
         self.scheduler.set_timesteps(steps, device=device)
@@ -219,26 +218,29 @@ class ToyPipeline(Pipeline):
             record.append(float(t))
             v = spec.transformer_call(transformer, x.repeat(2, 1, 1, 1, 1), t.expand(2), text.to(device),
                                       {"signal": signal})
-            v = v[1:] + guidance * (v[:1] - v[1:])
-            x = self.scheduler.step(v, t, x).prev_sample
-        video = self.encoders.decode(x)[0].permute(1, 2, 3, 0)  # (F, H, W, 3)
+            x = self.scheduler.step(v[1:] + guidance * (v[:1] - v[1:]), t, x).prev_sample
+        video = self.vae.decode(x.to(self.vae.dtype)).float().clamp(-1, 1)[0].permute(1, 2, 3, 0)  # (F, H, W, 3)
         return x.float().cpu(), ((video + 1) / 2).cpu(), list(record)
 
     @contextmanager
     def recorded_timesteps(self):
-        yield []
+        yield []  # generate fills it
 
     @contextmanager
     def routed(self, routing):
-        yield
+        yield  # one expert serves every step
 
     def load_adapter(self, path, adapter_name, expert):
-        self.experts[expert].load_lora_adapter(str(path), prefix="transformer", adapter_name=adapter_name)
-        self.adapters.append(adapter_name)
-        return "load_lora_adapter"
+        load_adapter_file(self.experts[expert], path, self.spec.adapter_naming, adapter_name, what=f"--lora {path}")
+        return "wanexp.adapters.load_adapter_file"
 
     def adapters_on(self, on):
-        (self.experts["dense"].enable_adapters if on else self.experts["dense"].disable_adapters)()
+        for t in self.experts.values():
+            (t.enable_adapters if on else t.disable_adapters)()
+
+    def use_student(self, timesteps, shift=0.0):
+        if timesteps is not None:
+            raise ConfigError("the toy family samples no distilled adapter")
 '''
 
 FILES["spec.py"] = '''
@@ -286,9 +288,9 @@ class ToySpec(ModelSpec):
 
     # ---- adapters: the LoRA aliases users write and the original names of a ComfyUI file ----
     adapter_naming = AdapterNaming(
-        attention_targets={"wq": "query", "wk": "key", "wv": "value", "wo": "proj"},
-        block_targets={"w1": "mlp.fc_in", "w2": "mlp.fc_out"},
-        attention_kinds={"joint": "mix"}, original_attention={"joint": "attn"}, blocks="layers", family="toy",
+        blocks="layers", attention={"joint": "mix"}, original_attention={"joint": "attn"},
+        projections={"wq": "query", "wk": "key", "wv": "value", "wo": "proj"},
+        feedforward={"w1": "mlp.fc_in", "w2": "mlp.fc_out"},
         formats="ComfyUI (diffusion_model.layers.N.attn.wq.lora_down/lora_up), diffusers/peft "
                 "(transformer.layers.N.mix.query.lora_A/lora_B)")
 
@@ -342,8 +344,18 @@ class ToySpec(ModelSpec):
     def load_pipeline(self, device, dtype, image):
         from toyfamily.parts import ToyPipeline
 
-        transformer = self.load_transformer("dense").to(device, dtype)
-        return ToyPipeline(self, transformer, self.load_encoders().to(device), self.load_scheduler())
+        encoders = self.load_encoders().to(device)
+        return ToyPipeline(self, {"dense": self.load_transformer("dense").to(device, dtype)}, encoders.vae,
+                           self.load_scheduler(), encoders)
+
+    def make_pipeline(self, transformers, vae, scheduler, image):
+        from toyfamily.parts import ToyPipeline
+
+        return ToyPipeline(self, transformers, vae, scheduler)
+
+    def encode_prompts(self, prompts, device, encoders=None):
+        encoders = encoders if encoders is not None else self.load_encoders().to(device)
+        return dict(zip(prompts, encoders.encode_prompts(list(prompts)).cpu()))
 
     # ---- the tiny random build ----
     def write_random_model(self, folder, device="cpu", dtype=torch.float32):
@@ -419,7 +431,8 @@ def toy(tmp_path, monkeypatch):
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "toy.yaml").write_text(MODEL_YAML)
     monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
-    data = make_demo_dataset(tmp_path / "data", num_videos=4, num_images=2, num_frames=9, height=48, width=48).parent
+    data = make_demo_dataset(tmp_path / "data", num_videos=4, num_images=2, num_frames=9, height=48, width=48,
+                             fps=16).parent  # the model's rate (model.fps)
     rows = list(csv.DictReader((data / "metadata.csv").open()))
     for i, row in enumerate(rows):
         np.save(data / f"signal_{i}.npy", np.sin(np.arange(200) * (i + 1) / 20).astype(np.float32))
@@ -437,7 +450,7 @@ def _overrides(root, *extra) -> list[str]:
     """The family's config folder and model group, the signals' metadata, its own LoRA target aliases."""
     return [f"hydra.searchpath=[file://{root}/conf]", "experiment=demo", "model=toy",
             f"paths.tiny_model_dir={root}/models", f"paths.output_dir={root}/run", f"data.cache_dir={root}/cache",
-            f"data.metadata={root}/data/signals.csv", "data.generate=null", "data.num_frames=5", "data.height=32",
+            f"data.metadata={root}/data/signals.csv", "data.generate=null", "data.num_frames=7", "data.height=32",
             "data.width=32", "adapter.targets=[wq,wk,wv,wo,w1,w2]", "adapter.attention=[joint]", "adapter.rank=4",
             "adapter.alpha=2", "optim.lr=1e-2", "optim.warmup_steps=0", "optim.scheduler=constant",
             "trainer.log_every_n_steps=1", "callbacks.progress=null", "callbacks.checkpoint.every_n_train_steps=2",
@@ -466,6 +479,7 @@ def test_a_family_of_its_own_caches_plans_trains_resumes_exports_and_samples(toy
     from tests.conftest import compose_cfg
     from wanexp.cli import cache, plan, sample
     from wanexp.data.cache import CacheIndex
+    from wanexp.data.media import load_clip
     from wanexp.train import main as train
 
     root, run = toy, toy / "run"
@@ -480,18 +494,22 @@ def test_a_family_of_its_own_caches_plans_trains_resumes_exports_and_samples(toy
     encoders = spec.load_encoders()
     for row in csv.DictReader((root / "data" / "signals.csv").open()):
         stored = index.load(latents[str(root / "data" / row["video"])])
-        frames = 1 if row["video"].endswith(".png") else 5
+        frames = 1 if row["video"].endswith(".png") else 7
         signal = spec.load_sample_input("signal", str(root / "data" / row["signal"]), frames, 16)
         assert stored["latents"].shape == (8, 1 + (frames - 1) // 2, 8, 8)
         assert torch.equal(stored["signal"], encoders.signal_encoder(signal[None])[0])
 
-    # 2. the plan, on the CPU without calibrating: the run's steps, every sample from the cache
+    # 2. the plan, on the CPU without calibrating: the run's steps, every sample from the cache; 7 frames are the
+    # family's 2k+1 (not 4k+1), and a count off its rule is one line
+    with pytest.raises(SystemExit) as refused:
+        _command(monkeypatch, capsys, plan.main, ["wanexp-plan", *_overrides(root, "data.num_frames=6")])
+    assert refused.value.code == 2 and "data.num_frames=6: must be 2k+1" in capsys.readouterr().err
     report = root / "plan.json"
     _command(monkeypatch, capsys, plan.main, ["wanexp-plan", "--no-calibrate", "--json", str(report),
                                               *_overrides(root, "trainer.max_steps=2")])
     p = json.loads(report.read_text())
     assert p["data"]["samples"] == 6 and p["data"]["total_steps"] == 2 and p["problems"] == []
-    assert p["data"]["buckets"]["5x32x32"]["clips"] == 4 and p["data"]["buckets"]["1x32x32"]["images"] == 2
+    assert p["data"]["buckets"]["7x32x32"]["clips"] == 4 and p["data"]["buckets"]["1x32x32"]["images"] == 2
     assert p["cache"]["used"] is True and p["cache"]["missing_latents"] == 0
 
     # 3. train from the cache to a checkpoint; the family's memory formula sizes block swap (2 layers, none needed)
@@ -503,13 +521,19 @@ def test_a_family_of_its_own_caches_plans_trains_resumes_exports_and_samples(toy
     assert step == 2 and modules == {f"layers.{i}.{m}" for i in (0, 1) for m in
                                      ("mix.query", "mix.key", "mix.value", "mix.proj", "mlp.fc_in", "mlp.fc_out")}
 
-    # 4. resume to a later step: the history goes on from step 2
-    out = _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4",
-                                                                        "model.blocks_to_swap=auto", "resume=last")])
+    # 4. resume to a later step: the history goes on from step 2; at the end a validation video through the
+    # family's pipeline around the run's DiT (its prompt is not in the cache: the family encodes it)
+    validation = ["callbacks.validation.every_n_steps=4", "callbacks.validation.steps=2",
+                  "callbacks.validation.prompts=[a red ball]", "callbacks.validation.at_start=false",
+                  "callbacks.validation.first_frame=false"]
+    out = _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4", "resume=last",
+                                                                        "model.blocks_to_swap=auto", *validation)])
     step, last = _lora(run / "checkpoints" / "last.ckpt")
     history = [json.loads(x)["step"] for x in (run / "status.jsonl").read_text().splitlines()]
     assert step == 4 and history == [1, 2, 3, 4]
     assert all(not torch.equal(first[k], last[k]) for k in first if ".lora_B." in k)  # steps 3-4 trained on
+    assert "validation: encoding 2 prompt(s) with the text encoder from model.path" in out  # and the negative
+    assert load_clip(run / "validation" / "step_000004" / "p0_s0.mp4", 7, 32, 32).shape == (3, 7, 32, 32)
 
     # 5. the LoRA files: ComfyUI's keys are the family's original names; the diffusers file loads back as trained
     final = run / "lora" / "final"
@@ -521,7 +545,8 @@ def test_a_family_of_its_own_caches_plans_trains_resumes_exports_and_samples(toy
     from toyfamily.nets import ToyNet
 
     net = ToyNet.from_pretrained(root / "models" / "toy", subfolder="transformer")
-    net.load_lora_adapter(str(final / "toy_lora_diffusers.safetensors"), prefix="transformer", adapter_name="back")
+    net.load_lora_adapter(str(final), weight_name="toy_lora_diffusers.safetensors", prefix="transformer",
+                          adapter_name="back")  # its header's lora_adapter_metadata: the run's rank and alpha
     loaded = {k: v for k, v in net.state_dict().items() if ".lora_" in k}
     assert len(loaded) == len(last) == 24
     for key, value in loaded.items():
@@ -534,7 +559,5 @@ def test_a_family_of_its_own_caches_plans_trains_resumes_exports_and_samples(toy
     (entry,) = res["samples"]
     assert res["loras"] == [str(final / "toy_lora_diffusers.safetensors")] and len(entry["timesteps"]) == 3
     assert entry["experts"] == [["dense", True]] * 3
-    from wanexp.data.media import load_clip
-
-    assert load_clip(entry["file"], 5, 32, 32).shape == (3, 5, 32, 32)
+    assert load_clip(entry["file"], 7, 32, 32).shape == (3, 7, 32, 32)
 
