@@ -1,9 +1,7 @@
 """The package structure (docs/extending.md, layout of the code): dependencies point one way, no two packages import
-each other, and no two modules do, directly or around a loop; a model family's facts stay in its own package.
+each other, and no two modules do, directly or around a loop.
 
-The graph is built from every import statement (at any depth, TYPE_CHECKING included) of every module in wanexp/, and
-from every ``importlib.import_module("wanexp....")`` of a literal name; a module imported by a name computed at run
-time is invisible to it, so only the one loader of configured class names may do that.
+The graph is built from every import statement (at any depth, TYPE_CHECKING included) of every module in wanexp/.
 """
 from __future__ import annotations
 
@@ -51,23 +49,20 @@ ALLOWED = {
 }
 
 
-def string_import(node: ast.AST) -> str | None:
-    """The module a call imports by a literal name (``importlib.import_module("x.y")``, ``import_module("x.y")``,
-    ``__import__("x.y")``), else None."""
-    if not isinstance(node, ast.Call) or not node.args:
-        return None
+def string_imports(node) -> list[str]:
+    """The module a call imports by name: ``importlib.import_module("wanexp.x")``, ``import_module(...)``,
+    ``__import__(...)`` and hydra's ``get_class("wanexp.x.Class")``/``get_method`` with a literal name (a dynamic
+    import is an import too: it must point the same way)."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return []
     f = node.func
-    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-    arg = node.args[0]
-    if name in ("import_module", "__import__") and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-        return arg.value
-    return None
-
-
-def dynamic_imports(tree: ast.AST) -> list[int]:
-    """The lines of the calls that import a module by a name computed at run time (no literal: unseen by the graph)."""
-    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and string_import(n) is None
-            and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in ("import_module", "__import__")]
+    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    if name in ("import_module", "__import__"):
+        return [node.args[0].value]
+    if name in ("get_class", "get_method", "load_class"):
+        return [node.args[0].value.rpartition(".")[0]]
+    return []
 
 
 def unit_imports() -> dict[str, set[str]]:
@@ -85,8 +80,8 @@ def unit_imports() -> dict[str, set[str]]:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            elif string_import(node):
-                names = [string_import(node)]
+            else:
+                names = string_imports(node)
             for n in names:
                 parts = n.split(".")
                 if parts[0] == "wanexp" and len(parts) > 1 and parts[1] in units and parts[1] != unit:
@@ -147,18 +142,17 @@ def test_nothing_is_unpickled():
 
 
 # ---- module level: no two modules import each other, directly or around a loop --------------------------------------
-def _module_name(f: Path, root: Path = ROOT) -> str:
-    parts = (root.name, *f.relative_to(root).with_suffix("").parts)
+def _module_name(f: Path) -> str:
+    parts = ("wanexp", *f.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 @functools.cache  # one parse of the package for the tests below
-def module_imports(root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the modules of the package at ``root`` it imports, from every import statement at any depth (inside
-    functions too: a lazy import only moves the cycle's failure to the first call) and every import of a literal
-    name (``importlib.import_module("wanexp.x")``). ``from pkg import name`` counts as an import of the module
-    ``pkg.name`` when that is a module, else of ``pkg``."""
-    files = {_module_name(f, root): f for f in root.rglob("*.py")}
+def module_imports() -> dict[str, set[str]]:
+    """Module -> the wanexp modules it imports, from every import statement at any depth (inside functions too: a
+    lazy import only moves the cycle's failure to the first call). ``from pkg import name`` counts as an import of
+    the module ``pkg.name`` when that is a module, else of ``pkg``."""
+    files = {_module_name(f): f for f in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, f in files.items():
         is_pkg = f.name == "__init__.py"
@@ -172,10 +166,8 @@ def module_imports(root: Path = ROOT) -> dict[str, set[str]]:
                     pkg = mod.split(".")[: len(mod.split(".")) - node.level + (1 if is_pkg else 0)]
                     base = ".".join([*pkg, *([base] if base else [])])
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            elif string_import(node):
-                targets = [string_import(node)]
             else:
-                continue
+                targets = string_imports(node)
             deps |= {t for t in targets if t in files and t != mod}
     return graph
 
@@ -216,59 +208,68 @@ def test_the_cycle_check_sees_a_lazy_import():
     assert "wanexp.models.wan22.original" in graph["wanexp.models.wan22.spec"]
 
 
-def test_the_graph_sees_a_module_imported_by_its_name(tmp_path):
-    pkg = tmp_path / "wanexp"
-    (pkg / "sub").mkdir(parents=True)
-    for f in ("__init__.py", "sub/__init__.py", "sub/b.py", "c.py", "d.py"):
-        (pkg / f).write_text("")
-    (pkg / "a.py").write_text("import importlib\n\ndef load():\n    return importlib.import_module('wanexp.sub.b')\n")
-    (pkg / "c.py").write_text("from importlib import import_module\nx = import_module('wanexp.d')\n")
-    graph = module_imports(pkg)
-    assert graph["wanexp.a"] == {"wanexp.sub.b"} and graph["wanexp.c"] == {"wanexp.d"}
+# ---- the model-family seam: a family's facts live in its folder ----------------------------------------------------
+# Names only Wan2.2 has (its diffusers module names, its second expert's folder, its components and pipelines, its
+# original release's key names, its frame rule): shared code asks the family's spec instead (docs/extending.md).
+WAN_ONLY = re.compile(r"\battn[12]\b|\bto_[qkv]\b|\bto_out\b|ffn\.net|\btransformer_2\b|EXPERT_FOLDERS|"
+                      r"WanTransformer3DModel|AutoencoderKLWan|UMT5|latents_(mean|std)|4k\+1|WanPipeline|"
+                      r"WanImageToVideoPipeline|\b(self|cross)_attn\b|lora_unet_blocks")
+FAMILY = ("models", "wan22")
 
 
-def test_only_the_class_loader_imports_a_computed_module_name():
-    """A module imported by a name computed at run time is no edge of the graphs above: the one place that does it is
-    wanexp.models.family.load_class (a config's dotted class name); everything else imports by a literal name or
-    asks load_class."""
+def wan_only_names(root: Path = ROOT) -> list[str]:
+    """Each line of the package outside its Wan2.2 folder that names a Wan-only fact (code and docstrings alike)."""
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        if f.relative_to(root).parts[:2] == FAMILY:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if WAN_ONLY.search(line):
+                found.append(f"{f.relative_to(root)}:{i}: {line.strip()}")
+    return found
+
+
+def test_wan22_facts_live_in_its_family_folder():
+    found = wan_only_names()
+    assert not found, "Wan-only names outside wanexp/models/wan22/ (ask the family's spec):\n" + "\n".join(found)
+
+
+def test_the_rule_sees_a_wan_name_in_a_shared_file(tmp_path):
+    (tmp_path / "models" / "wan22").mkdir(parents=True)
+    (tmp_path / "models" / "wan22" / "spec.py").write_text("folders = {'low': 'transformer_2'}\n")
+    (tmp_path / "lora.py").write_text('TARGETS = ["to_q"]  # fine in wan22, not here\n')
+    assert wan_only_names(tmp_path) == ['lora.py:1: TARGETS = ["to_q"]  # fine in wan22, not here']
+
+
+def test_a_string_import_is_an_import():
+    """``importlib.import_module("wanexp.x")`` and hydra's ``get_class("wanexp.x.C")`` count in both graphs."""
+    calls = ast.parse('importlib.import_module("wanexp.module")\nget_class("wanexp.models.family.ModelSpec")\n'
+                      'load_class(name)\nprint("wanexp.disk")')
+    assert [t for node in ast.walk(calls) for t in string_imports(node)] == ["wanexp.module", "wanexp.models.family"]
+
+
+def test_cli_uses_train_only_to_run_training():
+    """The commands share their builders and pre-flight through wanexp.composition; the one import of wanexp.train
+    in cli/ is wanexp-plan's calibration, which is a training run."""
+    users = sorted(m for m, deps in module_imports().items() if m.startswith("wanexp.cli.") and "wanexp.train" in deps)
+    assert users == ["wanexp.cli.plan"], users
+
+
+def computed_imports(tree: ast.AST) -> list[int]:
+    """The lines of the calls that import a module by a name computed at run time (``import_module(name)``,
+    ``__import__(name)``): an edge neither graph can see."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and not string_imports(n)
+            and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in ("import_module", "__import__")]
+
+
+def test_only_the_class_loader_imports_a_computed_name():
+    """One function imports a module by a computed name: wanexp.models.family.load_class, the loader of a config's
+    dotted class names (hydra's get_class does the same for a ``_target_``); any other module imports by a literal
+    name, which the graphs above see."""
     found = {f"{f.relative_to(ROOT.parent)}:{line}" for f in ROOT.rglob("*.py")
-             for line in dynamic_imports(ast.parse(f.read_text()))}
+             for line in computed_imports(ast.parse(f.read_text()))}
     tree = ast.parse((ROOT / "models" / "family.py").read_text())
     loader = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "load_class")
-    allowed = {f"wanexp/models/family.py:{line}" for line in dynamic_imports(loader)}
-    assert allowed, "wanexp.models.family.load_class no longer imports by name: update this rule"
+    allowed = {f"wanexp/models/family.py:{line}" for line in computed_imports(loader)}
+    assert allowed, "wanexp.models.family.load_class no longer imports by a computed name: update this rule"
     assert found == allowed, f"modules imported by a computed name outside load_class: {sorted(found - allowed)}"
-
-
-# ---- a model family's facts stay in its package ---------------------------------------------------------------------
-FAMILY = ROOT / "models" / "wan22"
-# Names that are Wan2.2's alone (its diffusers module and class names, its folders, its VAE's constants, its frame
-# rule, its original and kohya key names): shared code asks the family's spec (wanexp.models.family.ModelSpec) instead.
-WAN_ONLY = ("attn1", "attn2", "to_q", "to_k", "to_v", "to_out", "ffn.net", "transformer_2", "EXPERT_FOLDERS",
-            "WanTransformer3DModel", "AutoencoderKLWan", "UMT5", "latents_mean", "latents_std", "4k+1", "WanPipeline",
-            "WanImageToVideoPipeline", "self_attn", "cross_attn", "lora_unet_blocks")
-# a name is found where no letter or digit touches its start (``blocks.0.attn1``, ``_self_attn_q``, ``UMT5Encoder``);
-# a short module name also not its end (``to_q`` is not ``to_quantize``)
-_SHORT = {"attn1", "attn2", "to_q", "to_k", "to_v", "to_out"}
-WAN_NAME = re.compile("|".join(rf"(?<![A-Za-z0-9])({re.escape(n)}){'(?![A-Za-z0-9])' if n in _SHORT else ''}"
-                               for n in WAN_ONLY))
-
-
-def wan_only_names(text: str) -> list[tuple[int, str]]:
-    """(line, name) of every Wan-only name in a file's text: code, strings, docstrings and comments alike."""
-    return [(text.count("\n", 0, m.start()) + 1, m.group()) for m in WAN_NAME.finditer(text)]
-
-
-def test_the_name_rule_reads_code_and_prose():
-    text = ('"""Loads UMT5EncoderModel; Wan2.2 prose and the word Wan are fine."""\n'
-            'x = m.blocks[0].attn1.to_q  # a to_quantize() is not to_q\nkey = "lora_unet_blocks_0_self_attn_q"\n')
-    assert wan_only_names(text) == [(1, "UMT5"), (2, "attn1"), (2, "to_q"), (2, "to_q"), (3, "lora_unet_blocks"),
-                                    (3, "self_attn")]
-
-
-def test_no_wan_only_name_outside_the_wan_family():
-    """Shared code never names a Wan2.2 fact (docs/extending.md, adding a model family): a second family would
-    inherit it. The family's package (wanexp/models/wan22/) says them; everything else asks the spec."""
-    found = [f"{f.relative_to(ROOT.parent)}:{line}: {name}" for f in sorted(ROOT.rglob("*.py"))
-             if FAMILY not in f.parents for line, name in wan_only_names(f.read_text())]
-    assert not found, f"{len(found)} Wan-only name(s) outside wanexp/models/wan22/:\n" + "\n".join(found[:40])

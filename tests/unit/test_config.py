@@ -209,6 +209,8 @@ CLI_BAD = [
     (["model=ti2v5b", "boundary=low", "model.path=/nowhere"], "boundary=low with model=ti2v5b"),
     (["model.path=/nowhere/Wan2.2-TI2V-5B"], "model.path=/nowhere/Wan2.2-TI2V-5B: folder not found"),
     (["experiment=demo", "data.num_frames=8"], "data.num_frames=8: must be 4k+1"),
+    (["experiment=demo", "callbacks.validation.shapes=[[32,64,8]]"],
+     "callbacks.validation.shapes: [32, 64, 8] has 8 frames; frames must be 4k+1 (e.g. 5 or 9)"),
     # types and ranges, at composition
     (["optim.lr=abc"], "optim.lr=abc: must be a number"),
     (["trainer.max_steps=abc"], "trainer.max_steps=abc: must be an integer"),

@@ -321,9 +321,7 @@ class ToySpec(ModelSpec):
     def blocks(self, transformer):
         return transformer.layers
 
-    # ---- shapes, memory, FLOPs ----
-    frame_rule = (2, 1)
-
+    # ---- memory, FLOPs (its frame rule, 2k+1, is model.frame_rule in its YAML) ----
     def step_flops(self, config, latent_shape, text_len, checkpointing):
         """Linears and attention of every layer over text + video tokens, forward and input gradients (LoRA)."""
         b, _, f, h, w = latent_shape
@@ -402,6 +400,7 @@ experts: [dense]
 boundary_ratio: null
 shift: 3.0
 hw_multiple: 16
+frame_rule: [2, 1]      # frame counts 2k+1: the VAE's first frame alone, then pairs
 text_len: 64
 fps: 16
 gradient_checkpointing: false

@@ -1,4 +1,4 @@
-"""Encode a data set once: VAE latents (posterior mode, normalised) and UMT5 text embeddings into the cache.
+"""Encode a data set once: the family's latents, conditioning and text embeddings into the cache.
 
     python -m wanexp.cli.cache [the same overrides as train.py]
     torchrun --nproc_per_node=8 -m wanexp.cli.cache data=mbc_full model.path=...   # ranks split the entries
@@ -228,7 +228,7 @@ def build_cache(cfg: DictConfig, overlap: bool = True, progress_every_s: float =
             texts.setdefault(tkey, (tkey, sample.prompt))
     wanted = {k for pair in keys for k in pair if k is not None}
     dropout = [""] if dm.caption_dropout > 0 else []  # a dropped caption trains on the empty prompt's embedding
-    for prompt in [*extra_prompts(cfg), *dropout]:  # validation's, negative prompts: training never loads UMT5
+    for prompt in [*extra_prompts(cfg), *dropout]:  # validation's, negative prompts: training never loads the text encoder
         tkey = dm.text_cache_key(prompt)
         wanted.add(tkey)
         if tkey not in index:

@@ -1,7 +1,7 @@
 """Configuration: typed schemas in Hydra's ConfigStore, composition, and the checks that run before anything loads.
 
     schema.py  dataclass schemas of every group (types, defaults, allowed values, ranges) + check_schema
-    rules.py   rules across groups (boundary vs dense model, frames 4k+1, resolution multiples, ...) + path checks
+    rules.py   rules across groups (boundary vs dense model, the model's frame rule, resolution multiples, ...) + path checks
     messages.py  a composition error as one line
 
 Only this package and ``wanexp/train.py`` touch Hydra.

@@ -55,6 +55,27 @@ def command_line(cfg: DictConfig) -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def frame_rule_problem(n: int, rule) -> str | None:
+    """What is wrong with a frame count under the model's frame rule [m, r] (n % m == r), or None."""
+    m, r = (int(x) for x in rule)
+    if n % m == r % m:
+        return None
+    lower = n - (n - r) % m
+    lower = lower if lower >= 1 else lower + m
+    upper = lower + m if lower < n else lower
+    return f"must be {m}k+{r} (e.g. {lower} or {upper}) for the {m}x temporal VAE"
+
+
+def validation_frames(cfg: DictConfig) -> list[tuple[str, int]]:
+    """(the refusal's head, the frame count) of each [height, width, frames] entry of ``callbacks.validation.shapes``."""
+    v = (cfg.get("callbacks") or {}).get("validation") or {}
+    shapes = v.get("shapes") if OmegaConf.is_dict(v) or isinstance(v, dict) else None
+    if not OmegaConf.is_list(shapes):
+        return []
+    return [(f"callbacks.validation.shapes: {list(c)} has {c[2]} frames; frames", int(c[2])) for c in shapes
+            if OmegaConf.is_list(c) and len(c) == 3 and isinstance(c[2], int)]
+
+
 def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
     """The rules across groups; ``model_folder``: also whether ``model.path`` exists, before the rules that import the
     model's or the objective's class (and torch)."""
@@ -64,10 +85,10 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
         raise ConfigError(f"model.path is not set: pass model.path=/path/to/local/diffusers/folder for model={m.name}")
     if not b.sigma_min < b.sigma_max:
         raise ConfigError(f"boundary sigma range [{b.sigma_min}, {b.sigma_max}]: sigma_min must be below sigma_max")
-    if (d.num_frames - 1) % 4:
-        lower, upper = d.num_frames - (d.num_frames - 1) % 4, d.num_frames + 4 - (d.num_frames - 1) % 4
-        raise ConfigError(f"data.num_frames={d.num_frames}: must be 4k+1 (e.g. {lower} or {upper}) for the 4x "
-                          "temporal VAE")
+    for head, frames in [(f"data.num_frames={d.num_frames}:", d.num_frames), *validation_frames(cfg)]:
+        problem = frame_rule_problem(frames, m.frame_rule)
+        if problem:
+            raise ConfigError(f"{head} {problem}")
     for key in ("height", "width"):
         v = d[key]
         if v % m.hw_multiple:

@@ -57,6 +57,8 @@ class ModelConfig:
     boundary_ratio: Optional[float] = knob(MISSING, gt=0.0, lt=1.0, doc="HIGH expert when shifted sigma >= this")
     shift: float = knob(MISSING, gt=0.0)
     hw_multiple: int = knob(MISSING, ge=1, doc="height/width must divide by this")
+    frame_rule: List[int] = knob(MISSING, doc="[m, r]: a sample's frame count n keeps n % m == r (the VAE's temporal "
+                                              "stride m; Wan2.2: [4, 1])")
     text_len: int = knob(MISSING, ge=1)
     fps: int = knob(MISSING, ge=1, doc="native frame rate: training clips are resampled to it (data.fps: null) and "
                     "generated videos are written at it")
@@ -175,7 +177,7 @@ class KDConfig(ObjectiveConfig):
     _target_: str = "wanexp.objectives.kd.KnowledgeDistillation"
     name: str = "kd"
     timestep: TimestepConfig = MISSING  # the noise levels the student learns the teacher's velocity at
-    student: Dict[str, Any] = knob(MISSING, doc="WanTransformer3DModel config overrides (num_layers null: half)")
+    student: Dict[str, Any] = knob(MISSING, doc="the teacher transformer's config overrides (num_layers null: half)")
     feature_weight: float = knob(MISSING, ge=0.0, doc="weight of the block-output MSE (student block vs its teacher block)")
 
 
@@ -207,7 +209,7 @@ class DataConfig:
     name: str = MISSING
     metadata: str = MISSING
     root: Optional[str] = MISSING  # media paths resolve against this folder; null = the metadata file's folder
-    num_frames: int = knob(MISSING, ge=1, doc="4k+1")
+    num_frames: int = knob(MISSING, ge=1, doc="kept to model.frame_rule")
     height: int = knob(MISSING, ge=1)
     width: int = knob(MISSING, ge=1)
     fps: Optional[int] = knob(MISSING, ge=1, doc="frame rate clips are resampled to (nearest frame); null: model.fps")

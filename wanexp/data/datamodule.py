@@ -38,6 +38,7 @@ from wanexp.data.media import load_clip
 from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
 from wanexp.data.prompts import prompt_dataset, prompt_items
 from wanexp.context import RunContext
+from wanexp.config.rules import frame_rule_problem
 from wanexp.disk import write_atomic
 from wanexp.errors import ConfigError, MediaError
 from wanexp.data.probe import nearest_resolution, probe_samples  # (probe assigns buckets the same way)
@@ -104,10 +105,9 @@ def _part(entry, name: str, top: dict, frame_rule: tuple[int, int] = (1, 0)) -> 
                      ("windows_per_clip", 0)):
         if not isinstance(v[key], int) or isinstance(v[key], bool) or v[key] < low:
             raise ConfigError(f"{where}.{key}={v[key]!r}: must be an integer >= {low}")
-    m, r = frame_rule
-    if v["num_frames"] % m != r:
-        raise ConfigError(f"{where}.num_frames={v['num_frames']}: must be {m}k+{r} "
-                          f"(e.g. {v['num_frames'] // m * m + r})")
+    problem = frame_rule_problem(v["num_frames"], frame_rule)
+    if problem:
+        raise ConfigError(f"{where}.num_frames={v['num_frames']}: {problem}")
     fps = v.get("fps")
     if fps is not None and (not isinstance(fps, int) or isinstance(fps, bool) or fps < 1):
         raise ConfigError(f"{where}.fps={fps!r}: must be an integer >= 1 (the frame rate its clips are resampled "

@@ -148,6 +148,7 @@ class ModelSpec:
         fp8_storage: bool = False,
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
+        frame_rule: list[int] | None = None,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -158,6 +159,7 @@ class ModelSpec:
         self.boundary_ratio = boundary_ratio
         self.shift = shift
         self.hw_multiple = hw_multiple
+        self.frame_rule = tuple(frame_rule or (1, 0))  # a sample's frame count n keeps n % m == r (model.frame_rule)
         self.text_len = text_len
         self.fps = fps  # native frame rate: clips are resampled to it, generated videos written at it
         self.gradient_checkpointing = gradient_checkpointing
@@ -373,7 +375,6 @@ class ModelSpec:
             raise ConfigError(f"model={self.name} has no sequence parallel; set parallel.sp_size=1")
 
     # ---- [seam: shapes, memory, FLOPs] shape rules, the memory and FLOP formulas the planner and perf read ------
-    frame_rule: tuple[int, int] = (1, 0)
 
     def step_flops(self, config, latent_shape, text_len: int, checkpointing: bool) -> float | None:
         """Model FLOPs of one LoRA training step (forward + backward) over latents of ``latent_shape`` through a

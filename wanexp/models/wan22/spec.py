@@ -110,7 +110,6 @@ class WanSpec(ModelSpec):
         sequence.set_active(transformer, active)
 
     # ---- [seam: shapes, memory, FLOPs] ---------------------------------------------------------------------------
-    frame_rule = (4, 1)
 
     def step_flops(self, config, latent_shape, text_len, checkpointing):
         from wanexp.models.wan22.flops import transformer_step_flops
