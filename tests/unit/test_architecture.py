@@ -253,3 +253,23 @@ def test_cli_uses_train_only_to_run_training():
     in cli/ is wanexp-plan's calibration, which is a training run."""
     users = sorted(m for m, deps in module_imports().items() if m.startswith("wanexp.cli.") and "wanexp.train" in deps)
     assert users == ["wanexp.cli.plan"], users
+
+
+def computed_imports(tree: ast.AST) -> list[int]:
+    """The lines of the calls that import a module by a name computed at run time (``import_module(name)``,
+    ``__import__(name)``): an edge neither graph can see."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and not string_imports(n)
+            and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in ("import_module", "__import__")]
+
+
+def test_only_the_class_loader_imports_a_computed_name():
+    """One function imports a module by a computed name: wanexp.models.family.load_class, the loader of a config's
+    dotted class names (hydra's get_class does the same for a ``_target_``); any other module imports by a literal
+    name, which the graphs above see."""
+    found = {f"{f.relative_to(ROOT.parent)}:{line}" for f in ROOT.rglob("*.py")
+             for line in computed_imports(ast.parse(f.read_text()))}
+    tree = ast.parse((ROOT / "models" / "family.py").read_text())
+    loader = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "load_class")
+    allowed = {f"wanexp/models/family.py:{line}" for line in computed_imports(loader)}
+    assert allowed, "wanexp.models.family.load_class no longer imports by a computed name: update this rule"
+    assert found == allowed, f"modules imported by a computed name outside load_class: {sorted(found - allowed)}"
