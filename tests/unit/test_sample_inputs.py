@@ -71,3 +71,25 @@ def test_the_cache_stores_every_cond_tensor_and_gives_it_back(tmp_path):
     assert list(encoded.cond) == ["signal_features"]
     assert torch.equal(encoded.cond["signal_features"], 2 * item["signal"][None])
     assert encoded.text.shape == (1, 4, 3)
+
+
+def test_the_latent_keys_cover_the_familys_other_media_encoders(tmp_path):
+    """A family's extra media encoder (EncoderInfo.media_encoders: e.g. the signal's) is part of every latent key:
+    new weights there re-encode the latents' conditioning instead of reading stale entries."""
+    from types import SimpleNamespace
+
+    from wanexp.data.datamodule import MediaDataModule
+
+    samples, _ = _data(tmp_path)
+    for name in ("vae", "signal_encoder"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    info = dict(vae=str(tmp_path / "vae"), vae_dtype="fp32", layout="toy", image_latent=False, media_encoders=())
+    dm = SimpleNamespace(cache_dtype="fp32", frame_stride=1, fps=None, text_cache_key=lambda p: "t",
+                         encoders=SimpleNamespace(**info))
+    keys = lambda: MediaDataModule.cache_keys(dm, samples, [(1, 16, 16)], [0])  # noqa: E731
+    alone = keys()
+    dm.encoders.media_encoders = (str(tmp_path / "signal_encoder"),)
+    with_signal = keys()
+    (tmp_path / "signal_encoder" / "config.json").write_text('{"dim": 8}')  # other weights of the signal encoder
+    assert len({alone[0][0], with_signal[0][0], keys()[0][0]}) == 3

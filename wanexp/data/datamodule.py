@@ -844,6 +844,8 @@ class MediaDataModule(L.LightningDataModule):
         an image's are 1 and None at any setting)."""
         e = self.encoders
         vae_id = folder_identity(e.vae, [e.vae_dtype, e.layout, self.cache_dtype])
+        for folder in getattr(e, "media_encoders", ()):  # a family's other media encoders: their weights too
+            vae_id += "+" + folder_identity(folder)
         strides = strides or [self.frame_stride] * len(samples)
         rates = rates or [self.fps] * len(samples)
         return [(None if s.kind == PROMPT_KIND else  # a prompt alone has text only

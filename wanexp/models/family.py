@@ -45,6 +45,9 @@ class EncoderInfo:
     sample_inputs: tuple[str, ...] = ()  # the family's extra metadata columns (ModelSpec.sample_inputs)
     # ModelSpec.load_sample_input(name, path, num_frames, fps) -> Tensor: reads one sample input (None: none)
     load_sample_input: Callable | None = None
+    # the folders of the family's other media encoders (encoder_folders besides the VAE, the text encoder and the
+    # tokenizer: e.g. an audio encoder), whose weights the latent cache keys cover too
+    media_encoders: tuple[str, ...] = ()
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
@@ -304,7 +307,9 @@ class ModelSpec:
                            image_latent=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
                            patch=tuple(self.patch), fps=self.fps, frame_rule=tuple(self.frame_rule),
                            sample_inputs=tuple(self.sample_inputs),
-                           load_sample_input=self.load_sample_input if self.sample_inputs else None)
+                           load_sample_input=self.load_sample_input if self.sample_inputs else None,
+                           media_encoders=tuple(str(self.path / f) for f in self.encoder_folders
+                                                if f not in ("vae", "text_encoder", "tokenizer")))
 
     # ---- the tiny random build (model.build) ------------------------------------------------------------------
     def write_random_model(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
