@@ -96,22 +96,24 @@ class AdapterNaming:
 
     # ---- module names <-> the original release's ------------------------------------------------------------
     def to_original(self, module: str) -> str:
-        m = self.module_re.match(module)
-        if m is None:
-            raise ValueError(f"no original name for adapter module {module!r}")
-        if m.group(2):
-            kind = next(k for k, v in self.attention.items() if v == m.group(2))
-            return f"{self.blocks}.{m.group(1)}.{self.original_attention[kind]}.{self.aliases[m.group(3)]}"
-        return f"{self.blocks}.{m.group(1)}.{self.aliases[m.group(4)]}"
+        return self._rename(module, self.module_re, self.attention, self.original_attention, self.aliases,
+                            self.aliases, "no original name for adapter module")
 
     def from_original(self, name: str) -> str:
-        m = self.original_re.match(name)
+        return self._rename(name, self.original_re, self.original_attention, self.attention, self.projections,
+                            self.feedforward, "no module for the original adapter name")
+
+    def _rename(self, name: str, pattern, kinds_from: dict, kinds_to: dict, projections: dict, feedforward: dict,
+                missing: str) -> str:
+        """``name`` (matched by ``pattern``) in the other naming: its attention layer's kind through ``kinds_from``
+        to ``kinds_to``, its projection or block-level linear through ``projections``/``feedforward``."""
+        m = pattern.match(name)
         if m is None:
-            raise ValueError(f"no module for the original adapter name {name!r}")
+            raise ValueError(f"{missing} {name!r}")
         if m.group(2):
-            kind = next(k for k, v in self.original_attention.items() if v == m.group(2))
-            return f"{self.blocks}.{m.group(1)}.{self.attention[kind]}.{self.projections[m.group(3)]}"
-        return f"{self.blocks}.{m.group(1)}.{self.feedforward[m.group(4)]}"
+            kind = next(k for k, v in kinds_from.items() if v == m.group(2))
+            return f"{self.blocks}.{m.group(1)}.{kinds_to[kind]}.{projections[m.group(3)]}"
+        return f"{self.blocks}.{m.group(1)}.{feedforward[m.group(4)]}"
 
     def kohya_to_comfy(self, key: str) -> str:
         """kohya/musubi-tuner/LyCORIS module names (``lora_unet_<blocks>_0_<original attention>_<alias>.<param>``,

@@ -179,9 +179,9 @@ def _main(args) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    from hydra.utils import instantiate
+    from wanexp.composition import build
 
-    spec = instantiate(s["model_group"], path=str(s["model_path"]), _convert_="all")  # the folder sampled
+    spec = build(s["model_group"], path=str(s["model_path"]))  # the folder sampled, whatever the run's path
     pipe = spec.load_pipeline(device, dtype, image=bool(s["images"]))
     modules = pipe.experts
     distilled, trained = None, []
