@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from wanexp.adapters import peft_compat
 from wanexp.adapters.keys import _PARAM_NAMES, peft_config
-from wanexp.adapters.merge import _COMFY_KIND, DORA_EPS, KIND_NAMES, comfy_diff, comfy_module_params
+from wanexp.adapters.merge import _COMFY_KIND, DORA_EPS, KIND_NAMES, _comfy_scale, comfy_diff, comfy_module_params
 from wanexp.adapters.naming import COMFY_PREFIX
 from wanexp.errors import ConfigError
 
@@ -39,9 +39,8 @@ class AdapterFile:
     """A LoRA/DoRA/LoKr/LoHa file as {diffusers module name: ComfyUI-named params (alpha, dora_scale included)}; a
     diffusers/peft file's DoRA magnitude stays ``lora_magnitude_vector`` (see :func:`patched_weight`)."""
 
-    def __init__(self, modules: dict[str, dict[str, torch.Tensor]], what: str, lora: tuple | None = None):
-        """``lora``: a plain LoRA's (peft-named weights, rank, alpha) as the LoRA reader gives them."""
-        self.modules, self.what, self.lora = modules, what, lora
+    def __init__(self, modules: dict[str, dict[str, torch.Tensor]], what: str):
+        self.modules, self.what = modules, what
         kinds = {_COMFY_KIND[k] for p in modules.values() for k in p if k in _COMFY_KIND}
         if len(kinds) != 1:
             raise ConfigError(f"{what}: the file mixes adapter kinds ({', '.join(sorted(kinds)) or 'none found'}); "
@@ -124,7 +123,7 @@ def _peft_scale_to_comfy(modules: dict, header: dict, what: str) -> dict:
     return out
 
 
-def check_adapter_fits(f: AdapterFile, adapter, what: str) -> None:
+def check_fits(f: AdapterFile, adapter, what: str) -> None:
     """Refuse (one line, before weights load) a file of another kind, DoRA-ness, rank or targets than the run."""
     want = "DoRA" if adapter.use_dora else KIND_NAMES[adapter.kind]
     if f.kind != adapter.kind or f.dora != adapter.use_dora:
@@ -144,7 +143,7 @@ def check_adapter_fits(f: AdapterFile, adapter, what: str) -> None:
                  adapter.naming)
 
 
-def copy_adapter_into(transformer, f: AdapterFile, adapter_name: str = "default", what: str = "adapter file") -> None:
+def copy_into(transformer, f: AdapterFile, adapter_name: str = "default", what: str = "adapter file") -> None:
     """Copy a checked :class:`AdapterFile` into the run's adapter of the same kind: every module then makes the
     file's weight under the run's alpha (the file's scale is folded into one factor; DoRA's magnitude is derived
     from the base weight)."""
@@ -167,15 +166,17 @@ def _file_module(transformer, module: str, what: str):
     try:
         return transformer.get_submodule(module)
     except AttributeError:
-        raise ConfigError(f"{what}: {module} is not in the model ({transformer.config.num_layers} blocks): the file "
-                          "is an adapter of another model; use one trained on this model (see model=)") from None
+        blocks = getattr(transformer.config, "num_layers", None)
+        size = f" ({blocks} blocks)" if blocks is not None else ""
+        raise ConfigError(f"{what}: {module} is not in the model{size}: the file is an adapter of another model; use "
+                          "one trained on this model (see model=)") from None
 
 
 def load_adapter_file(transformer, path, naming, adapter_name: str = "default", what: str = "adapter file") -> AdapterFile:
     """Add the adapter of a file :func:`read_adapter` reads (LoRA, DoRA, LoKr or LoHa under wanexp's, ComfyUI's,
     kohya's or peft's names) to ``transformer`` as ``adapter_name``, through peft: a config of the file's kind on
     exactly its modules (its rank, or for a LoKr of full factors one at which peft keeps them full; alpha = rank),
-    then its weights with the file's scale folded in (:func:`copy_adapter_into`). This loads what diffusers' loaders
+    then its weights with the file's scale folded in (:func:`copy_into`). This loads what diffusers' loaders
     do not: a LoHa, a ComfyUI-named LoKr or DoRA (diffusers drops a ``dora_scale``)."""
     f = read_adapter(path, what, naming)
     for module in f.modules:
@@ -188,7 +189,10 @@ def load_adapter_file(transformer, path, naming, adapter_name: str = "default", 
 
 def _peft_values(kind: str, p: dict, run_scale: float, layer) -> dict[str, torch.Tensor]:
     """One module's ComfyUI-named params -> peft's parameter values under the run's scale."""
-    diff, scale = comfy_diff(p, layer.get_base_layer().weight.shape)
+    if kind == "lora" and "dora_scale" not in p:  # the scale alone: no weight difference is built
+        scale = _comfy_scale(p, p["lora_down.weight"].shape[0])
+    else:
+        diff, scale = comfy_diff(p, layer.get_base_layer().weight.shape)
     ratio = scale / run_scale
     if kind == "lora":
         out = {"lora_A": p["lora_down.weight"], "lora_B": p["lora_up.weight"] * ratio}
@@ -243,7 +247,7 @@ def convert_lora_state_dict(sd: dict[str, torch.Tensor], naming, header: dict | 
     ComfyUI/original (also ai-toolkit's lora_A/lora_B) keys and folds each module's ``alpha/rank`` into its A and B;
     without one, the names the naming knows are read as they are. When every module has the same ``alpha/rank`` it
     is handed over as rank (scale 1) instead, so A and B come back as trained and the file's scale is returned as
-    alpha; the caller folds it into B once (see :func:`copy_lora_into`)."""
+    alpha; the caller folds it into B once (see :func:`copy_into`)."""
     neutral, scale = _neutral_alphas(sd)
     try:
         converted = naming.convert_lora(neutral) if naming.convert_lora else _renamed(neutral, naming)
@@ -321,21 +325,6 @@ def _unknown_format(sd: dict, what: str, naming, detail: str = "") -> ConfigErro
                        f"accepted: {naming.formats}")
 
 
-def check_lora_fits(weights: dict[str, torch.Tensor], rank: int, alpha: float, run_rank: int, run_kinds: list[str],
-                    what: str, naming) -> None:
-    """Refuse (one line) a LoRA whose rank or targets differ from the run's adapter. A file that covers fewer blocks
-    is fine: the blocks it lacks start as a new adapter does (B = 0)."""
-    if rank != run_rank:
-        raise ConfigError(f"{what}: file has rank {rank}, run has rank {run_rank}; set adapter.rank={rank}")
-    modules = sorted({_LORA_KEY.match(k).group(1) for k in weights})
-    other = [m for m in modules if naming.kind(m) is None] + [k for k in weights if k.endswith(".lora_B.bias")]
-    if other:
-        raise ConfigError(f"{what}: the file adapts {len(other)} module(s) or biases wanexp's LoRA does not train "
-                          f"(e.g. {other[0]}); wanexp trains {', '.join(naming.allowed)} of the blocks: use a LoRA "
-                          "of those modules")
-    _check_kinds(modules, run_kinds, what, naming)
-
-
 def _check_kinds(modules: list[str], run_kinds: list[str], what: str, naming) -> None:
     """Refuse a file whose modules are not the ones the run's targets/attention select."""
     other = [m for m in modules if naming.kind(m) is None]
@@ -354,31 +343,10 @@ def _check_kinds(modules: list[str], run_kinds: list[str], what: str, naming) ->
                           f"{naming.setting_for(kinds)}")
 
 
-def copy_lora_into(transformer, weights: dict[str, torch.Tensor], rank: int, alpha: float,
-                   adapter_name: str = "default", what: str = "LoRA file") -> None:
-    """Copy checked LoRA weights (see :func:`read_lora_file`) into an existing adapter of the same rank and targets.
-    The file's ``alpha/rank`` is folded into B, so the update ``scale * B @ A`` is the file's under the run's alpha."""
-    from peft.utils import set_peft_model_state_dict
-
-    tag = f".{adapter_name}."
-    own = {k.replace(tag, "."): v.shape for k, v in transformer.state_dict().items() if ".lora_" in k and tag in k}
-    for key, w in weights.items():
-        if key not in own or w.shape != own[key]:
-            model = (f"is {list(own[key])} in the model" if key in own
-                     else f"is not in the model ({transformer.config.num_layers} blocks)")
-            raise ConfigError(f"{what}: {key} {list(w.shape)} {model}: the file is a LoRA of another model; use one "
-                              "trained on this model (see model=)")
-    cfg = transformer.peft_config[adapter_name]
-    factor = (alpha / rank) / (cfg.lora_alpha / cfg.r)
-    if factor != 1.0:
-        weights = {k: (v * factor if ".lora_B." in k else v) for k, v in weights.items()}
-    set_peft_model_state_dict(transformer, weights, adapter_name=adapter_name)
-
-
 def read_adapter(path, what: str, naming) -> AdapterFile:
     """An adapter file of any kind and naming the family's ``naming`` accepts, as ComfyUI-named modules (a LoRA's
     scale is its ``alpha`` key): a LoKr/LoHa/DoRA file through :func:`read_adapter_file`, a LoRA through the
-    family's LoRA converter (:func:`read_lora_file`, its peft-named weights kept in ``lora``)."""
+    family's LoRA converter (:func:`read_lora_file`); :func:`check_fits` and :func:`copy_into` take either."""
     if is_typed_adapter_file(path):
         return read_adapter_file(path, what, naming)
     weights, rank, alpha = read_lora_file(path, what, naming)
@@ -386,32 +354,13 @@ def read_adapter(path, what: str, naming) -> AdapterFile:
     for key, w in weights.items():
         m = _LORA_KEY.match(key)
         if m.group(2) == "B.bias":
-            raise ConfigError(f"{what}: the file adapts biases ({key}); wanexp merges weight LoRAs only")
+            raise ConfigError(f"{what}: the file adapts biases ({key}); wanexp's adapters train the weights of "
+                              "linears only: use a LoRA without biases")
         name = "lora_down.weight" if m.group(2) == "A.weight" else "lora_up.weight"
         modules.setdefault(m.group(1), {})[name] = w
     for p in modules.values():
         p["alpha"] = torch.tensor(float(alpha))
-    return AdapterFile(modules, what, lora=(weights, rank, alpha))
-
-
-def check_fits(f: AdapterFile, adapter, what: str) -> None:
-    """Refuse (one line, before any weight loads) a file that cannot start the run's ``adapter``: another kind or
-    DoRA-ness, another rank, other targets."""
-    if f.lora is not None and adapter.kind == "lora" and not adapter.use_dora:
-        weights, rank, alpha = f.lora
-        check_lora_fits(weights, rank, alpha, adapter.rank,
-                        adapter.naming.configured_kinds(adapter.targets, adapter.attention), what, adapter.naming)
-    else:
-        check_adapter_fits(f, adapter, what)
-
-
-def copy_into(transformer, f: AdapterFile, adapter_name: str = "default", what: str = "adapter file") -> None:
-    """Copy a checked file into the transformer's adapter ``adapter_name`` of the same kind: every module then makes
-    the file's weight under the adapter's alpha."""
-    if f.lora is not None:
-        copy_lora_into(transformer, *f.lora, adapter_name, what=what)
-    else:
-        copy_adapter_into(transformer, f, adapter_name, what)
+    return AdapterFile(modules, what)
 
 
 def _renamed(sd: dict[str, torch.Tensor], naming) -> dict[str, torch.Tensor]:
