@@ -84,7 +84,7 @@ def test_the_latent_keys_cover_the_familys_other_media_encoders(tmp_path):
     for name in ("vae", "signal_encoder"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
-    info = dict(vae=str(tmp_path / "vae"), vae_dtype="fp32", layout="toy", image_latent=False, media_encoders=())
+    info = dict(vae=str(tmp_path / "vae"), vae_dtype="fp32", layout="toy", cond_id=False, media_encoders=())
     dm = SimpleNamespace(cache_dtype="fp32", frame_stride=1, fps=None, text_cache_key=lambda p: "t",
                          encoders=SimpleNamespace(**info))
     keys = lambda: MediaDataModule.cache_keys(dm, samples, [(1, 16, 16)], [0])  # noqa: E731

@@ -16,12 +16,12 @@ are appended to the index: an interrupted cache loses at most the shards not yet
 those waiting for the writer thread, ShardQueue), and a rerun encodes exactly the entries no index lists. An index
 line cut short by a kill is skipped when read, and the next append starts on a new line.
 
-Keys: a latent entry is keyed by the VAE (its config, weight files and dtype), the media file (path, size, mtime)
-and each of the sample's input files (the family's sample_inputs),
-the bucket shape (frames, height, width), the frame rate the clip is resampled to, the frame stride and the window
-start; a text entry by the text encoder, the tokenizer, the text length and the prompt. A change of any of these
-invalidates exactly the entries it affects (a new prompt re-encodes that prompt's text, not its video; a new
-resolution or frame rate re-encodes latents, not text).
+Keys: a latent entry is keyed by the VAE and the family's other media encoders (config, weight files, dtype), what
+the encoders store besides the latents (EncoderInfo.cond_id), the media file (path, size, mtime) and each of the
+sample's input files (the family's sample_inputs), the bucket shape (frames, height, width), the frame rate the clip
+is resampled to, the frame stride and the window start; a text entry by the text encoder, the tokenizer, the text
+length and the prompt. A change of any of these invalidates exactly the entries it affects (a new prompt re-encodes
+that prompt's text, not its video; a new resolution or frame rate re-encodes latents, not text).
 Text is stored at its real length; the reader pads zeros back to the text length, which is exactly what online
 encoding feeds the DiT (zeros after each prompt's length).
 """
@@ -56,10 +56,11 @@ def file_identity(path: str | os.PathLike) -> list:
 
 
 def latent_key(vae_id: str, media: str, shape: tuple[int, int, int], stride: int, start: int,
-               image_latent: bool, fps: int | None = None, inputs: list[str] = ()) -> str:
-    """``fps``: the rate the clip is resampled to (None: its own frames; an image's is None at any rate);
-    ``inputs``: the sample's input files (a sample without any keeps the key it had without them)."""
-    parts = ["latent", vae_id, file_identity(media), list(shape), stride, start, image_latent, fps]
+               cond_id: object, fps: int | None = None, inputs: list[str] = ()) -> str:
+    """``cond_id``: what the encoders store besides the latents (EncoderInfo.cond_id); ``fps``: the rate the clip is
+    resampled to (None: its own frames; an image's is None at any rate); ``inputs``: the sample's input files (a
+    sample without any keeps the key it had without them)."""
+    parts = ["latent", vae_id, file_identity(media), list(shape), stride, start, cond_id, fps]
     return _digest(parts + [[file_identity(p) for p in inputs]] if inputs else parts)
 
 

@@ -849,7 +849,7 @@ class MediaDataModule(L.LightningDataModule):
         strides = strides or [self.frame_stride] * len(samples)
         rates = rates or [self.fps] * len(samples)
         return [(None if s.kind == PROMPT_KIND else  # a prompt alone has text only
-                 latent_key(vae_id, s.path, shape, stride if shape[0] > 1 else 1, start, e.image_latent,
+                 latent_key(vae_id, s.path, shape, stride if shape[0] > 1 else 1, start, e.cond_id,
                             fps if shape[0] > 1 else None, inputs=[path for _, path in s.inputs]),
                  self.text_cache_key(s.prompt))
                 for s, shape, start, stride, fps in zip(samples, shapes, starts, strides, rates)]

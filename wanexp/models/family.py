@@ -37,7 +37,9 @@ class EncoderInfo:
     text_dtype: str
     tokenizer: str  # the tokenizer's folder
     text_len: int  # tokens per prompt the DiT sees
-    image_latent: bool  # samples also carry the first frame's latent (image-to-video conditioning)
+    # what the encoders store per sample besides the latents (their cond), a JSON value of the latent cache keys:
+    # entries encoded for other conditioning are never shared (ModelSpec.needs_image_latent: a first frame's latent)
+    cond_id: object
     vae_stride: tuple[int, int, int]  # pixels per latent (frames, height, width)
     patch: tuple[int, int, int]  # latents per DiT token (frames, height, width)
     fps: int | None = None  # the native frame rate: training clips are resampled to it unless data.fps says otherwise
@@ -304,7 +306,7 @@ class ModelSpec:
         return EncoderInfo(vae=str(self.path / "vae"), vae_dtype=str(self.vae_dtype), layout=self.layout,
                            text_encoder=str(self.path / "text_encoder"), text_dtype=str(self.text_encoder_dtype),
                            tokenizer=str(self.path / "tokenizer"), text_len=self.text_len,
-                           image_latent=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
+                           cond_id=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
                            patch=tuple(self.patch), fps=self.fps, frame_rule=tuple(self.frame_rule),
                            sample_inputs=tuple(self.sample_inputs),
                            load_sample_input=self.load_sample_input if self.sample_inputs else None,
