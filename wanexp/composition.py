@@ -150,13 +150,15 @@ def read_resume_checkpoint(ckpt: str, parallel: str) -> dict:
 # ---- the pre-flight ------------------------------------------------------------------------------------------------
 @dataclass
 class Preflight:
-    """What the pre-flight built and counted: the light components, and the trained parameters of the meta-built
-    model (``wanexp.disk.trained_parameters``: count, bytes per parameter, bytes of one export)."""
+    """What the pre-flight built and counted: the light components, the trained parameters of the meta-built model
+    (``wanexp.disk.trained_parameters``: count, bytes per parameter, bytes of one export) and the memory estimate
+    (``wanexp.memory_plan.check_fit``; None: the family gives none)."""
 
     spec: object
     adapter: object
     objective: object
     trained: tuple[int, int, int] = field(default=(0, 0, 0))
+    memory: dict | None = None
 
 
 def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
@@ -185,10 +187,10 @@ def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
 
     transformers = spec.meta_transformers(cfg.boundary.name)
     resolve_blocks_to_swap(cfg, spec, verbose=verbose, transformers=transformers)  # auto: N, and why
-    check_fit(cfg, spec, transformers=transformers)
+    memory = check_fit(cfg, spec, transformers=transformers)
     trained = trained_parameters(spec, adapter, objective, cfg.boundary.name, transformers)
     check_built_model(spec, adapter, objective, transformers)  # adds the adapters: after the counts
-    return Preflight(spec, adapter, objective, trained)
+    return Preflight(spec, adapter, objective, trained, memory)
 
 
 # ---- the Hydra entry -----------------------------------------------------------------------------------------------

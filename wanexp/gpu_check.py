@@ -19,6 +19,15 @@ LEGACY_INDEX = "https://download.pytorch.org/whl/cu126"  # CUDA 12.6 builds: sm_
 LEGACY_BELOW = (7, 5)  # capabilities that CUDA 13 no longer compiles for (Maxwell, Pascal, Volta)
 
 
+def gpu_capability_below(minimum: tuple[int, int]) -> str:
+    """"" when there is no GPU or its compute capability is at least ``minimum``, else the GPU's name and capability
+    (what a kernel needs: the FP8 GEMM 8.9, Triton's compiled blocks 8.0)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < minimum:
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        return f"{torch.cuda.get_device_name()} (compute capability {cap})"
+    return ""
+
+
 def runs_on(capability: tuple[int, int], archs: list[str]) -> bool:
     """Whether a GPU of ``capability`` (major, minor) runs code of a build compiled for ``archs``."""
     for arch in archs:

@@ -77,6 +77,11 @@ class FitEstimate:
     def need(self, n: int) -> float:
         return self.weights(n) + self.activations
 
+    def summary(self, n: int) -> dict:
+        """The estimate with ``n`` blocks swapped, as plain numbers (GiB per device)."""
+        return {"need_gib": self.need(n), "weights_gib": self.weights(n), "activations_gib": self.activations,
+                "tokens": self.tokens, "blocks_to_swap": n, "blocks": self.layers}
+
     def fewest(self, budget: float, start: int = 0) -> int | None:
         """The smallest block count from ``start`` whose need fits ``budget``; None when even every block does not."""
         return next((n for n in range(start, self.layers + 1) if self.need(n) <= budget), None)
@@ -155,15 +160,16 @@ def resolve_blocks_to_swap(cfg, spec, verbose: bool = True, transformers: dict |
     return n
 
 
-def check_fit(cfg, spec, transformers: dict | None = None) -> None:
+def check_fit(cfg, spec, transformers: dict | None = None) -> dict | None:
     """With ``model.memory_budget_gib`` set, refuse a run whose weights on one device plus the least activation
     memory it can have (:class:`FitEstimate`) exceed the budget, naming what would make room (the block count that
-    fits, when one does). ``blocks_to_swap=auto`` is resolved first. A family without a memory formula is not
-    checked. Reads the transformers' config.json only; nothing loads."""
+    fits, when one does). ``blocks_to_swap=auto`` is resolved first. Returns the estimate at the run's block count
+    (:meth:`FitEstimate.summary`: what wanexp-plan reports), or None for a family without a memory formula, which is
+    not checked. Reads the transformers' config.json only; nothing loads."""
     n = resolve_blocks_to_swap(cfg, spec, verbose=False, transformers=transformers)
-    budget = cfg.model.get("memory_budget_gib")
-    if budget is None or spec.memory_formula() is None:
-        return
-    est = FitEstimate(cfg, spec, transformers)
-    if est.need(n) > budget:
+    if spec.memory_formula() is None:
+        return None
+    est, budget = FitEstimate(cfg, spec, transformers), cfg.model.get("memory_budget_gib")
+    if budget is not None and est.need(n) > budget:
         raise est.refusal(f"model.memory_budget_gib={budget:g}", n, budget)
+    return est.summary(n)

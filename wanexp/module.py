@@ -92,7 +92,7 @@ class DiffusionModule(L.LightningModule):
             for name in self.objective.adapters:
                 self.adapter.apply(t, name)
             if self.spec.fp8:  # after the adapters: their base layers are what becomes FP8
-                n = fp8.convert_blocks(t)
+                n = fp8.convert_blocks(self.spec.blocks(t))
                 if self.global_rank == 0:
                     print(f"wanexp: model.fp8: {n} frozen linears of the {e} transformer in FP8", flush=True)
             self.transformers[e] = t

@@ -30,7 +30,8 @@ ALLOWED = {
     "adapters": {"errors"},
     "disk": {"errors", "adapters"},
     "optim": {"config"},
-    "models": {"errors", "config", "perf", "text", "adapters"},  # adapters: a family's adapter naming
+    "models": {"errors", "config", "perf", "text", "adapters", "gpu_check"},  # adapters: a family's adapter naming;
+    # gpu_check: a kernel's compute capability (the FP8 GEMM, compiled blocks)
     "objectives": {"config", "errors", "adapters"},
     "data": {"errors", "config", "text", "context", "disk"},  # disk: a full disk while caching is one line
     "parallel": {"config", "errors"},

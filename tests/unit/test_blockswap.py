@@ -94,7 +94,7 @@ def test_validation_sampling_without_grad_and_a_partial_swap():
 
 def test_fp8_storage_under_swap_moves_the_fp8_bytes_and_matches_fp8_storage_alone():
     ref = tiny_transformer()
-    fp8.store_blocks(ref)
+    fp8.store_blocks(ref.blocks)
     t = copy.deepcopy(ref)
     swap = blockswap.enable(t.blocks, 2)
     kinds = {v.dtype for layers in swap.host.values() for tensors in layers.values() for v in tensors.values()}
@@ -366,6 +366,22 @@ def test_auto_that_cannot_fit_is_the_one_line_refusal_and_no_budget_on_the_cpu_s
     assert memory_plan.resolve_blocks_to_swap(cfg, spec) == 0 and cfg.model.blocks_to_swap == 0
     assert "0 of 40 blocks swapped (no model.memory_budget_gib to size it from, and no GPU)" in capsys.readouterr().out
 
+
+def test_the_fit_check_returns_the_estimate_and_a_family_without_a_formula_plans_nothing(capsys):
+    """check_fit hands the pre-flight the estimate at the run's block count (what wanexp-plan reports); a family whose
+    spec gives no memory formula is neither checked nor sized: auto swaps none and says why."""
+    from types import SimpleNamespace as NS
+
+    cfg = fit_cfg("data.height=480", "data.width=832", "model.blocks_to_swap=20", "model.memory_budget_gib=null")
+    got = memory_plan.check_fit(cfg, a14b_spec())
+    est = memory_plan.FitEstimate(cfg, a14b_spec())
+    assert got == {"need_gib": est.need(20), "weights_gib": est.weights(20), "activations_gib": est.activations,
+                   "tokens": est.tokens, "blocks_to_swap": 20, "blocks": 40}
+    spec = NS(**{**vars(a14b_spec()), "memory_formula": lambda: None})
+    cfg = fit_cfg("data.height=720", "data.width=1280", "model.blocks_to_swap=auto")  # would not fit 28 GiB
+    assert memory_plan.check_fit(cfg, spec) is None and cfg.model.blocks_to_swap == 0 and spec.blocks_to_swap == 0
+    assert memory_plan.resolve_blocks_to_swap(fit_cfg("model.blocks_to_swap=auto"), spec) == 0
+    assert "0 blocks swapped (model=i2v14b's family gives no memory estimate)" in capsys.readouterr().out
 
 def test_auto_without_a_budget_sizes_from_the_gpus_free_memory(monkeypatch, capsys):
     """No model.memory_budget_gib on a GPU (its free memory stood in for): 90 % of it is the budget, the same N a

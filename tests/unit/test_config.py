@@ -12,6 +12,7 @@ from tests.conftest import CONF, compose_cfg, run_cli, run_cli_batch
 from wanexp.config import check_config, check_paths, compose
 from wanexp.config.schema import SCHEMAS, check_schema
 from wanexp.errors import ConfigError
+from wanexp.models.wan22.spec import TI2VSpec
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 
@@ -553,3 +554,28 @@ def test_hydra_writes_no_run_folder_of_a_single_run():
     run = compose(["model.path=/m"], return_hydra_config=True).hydra
     assert run.run.dir == "." and run.output_subdir is None and not run.job.chdir
     assert compose(["model.path=/m", "sweep=rank_lr"], return_hydra_config=True).hydra.output_subdir is None
+
+
+class OneClipSpec(TI2VSpec):
+    """A family whose own config check (ModelSpec.check_groups) takes one clip a batch and a LoRA of rank <= 8."""
+
+    seen: list = []
+
+    @classmethod
+    def check_groups(cls, data, adapter):
+        cls.seen.append((type(data), type(adapter)))
+        if data["batch_size"] != 1:
+            raise ConfigError(f"data.batch_size={data['batch_size']}: this family trains one clip a batch; set "
+                              "data.batch_size=1")
+        if adapter["rank"] > 8:
+            raise ConfigError(f"adapter.rank={adapter['rank']}: this family takes a rank of at most 8")
+
+
+def test_a_familys_own_config_check_sees_its_groups_as_plain_dicts():
+    base = ["model.path=/m", f"model._target_={__name__}.OneClipSpec", "adapter.rank=4"]
+    check_config(compose_cfg([*base, "data.batch_size=1"]))
+    assert OneClipSpec.seen[-1] == (dict, dict)
+    with pytest.raises(ConfigError, match=r"^data.batch_size=2: this family trains one clip a batch"):
+        check_config(compose_cfg([*base, "data.batch_size=2"]))
+    with pytest.raises(ConfigError, match=r"^adapter.rank=16: this family takes a rank of at most 8"):
+        check_config(compose_cfg([*base, "data.batch_size=1", "adapter.rank=16"]))

@@ -110,7 +110,7 @@ def test_fp8_linear_of_any_shape(monkeypatch):
 def test_convert_blocks_keeps_the_lora_and_trains_it():
     ref = tiny_transformer()
     t = copy.deepcopy(ref)
-    n = fp8.convert_blocks(t)
+    n = fp8.convert_blocks(t.blocks)
     linears = [m for m in ref.blocks.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
     assert n == len(linears) > 0
     assert not [m for m in t.blocks.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
@@ -194,7 +194,7 @@ def test_fp8_storage_linear_error_and_input_gradient():
 
 def test_fp8_storage_keeps_the_lora_and_it_trains():
     t = tiny_transformer()
-    n = fp8.store_blocks(t)
+    n = fp8.store_blocks(t.blocks)
     assert n == 2 * 10 and not [m for m in t.blocks.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
     params = [p for p in t.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)

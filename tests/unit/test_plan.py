@@ -280,3 +280,17 @@ def test_the_report_lists_every_bucket_and_says_which_were_not_timed():
     untimed = [line for line in lines if "not timed" in line]
     assert len(untimed) == 4 and untimed[0] == ("  bucket 21x64x64       not timed: the calibration stopped in bucket "
                                                 "21x64x64 (OutOfMemoryError)")
+
+
+def test_the_report_gives_the_memory_estimate_or_says_the_family_has_none():
+    """The pre-flight's estimate (wanexp.memory_plan, from the family's formula) is one line of the report; a family
+    without a formula is one line saying so, not a crash."""
+    e = {"need_gib": 26.04, "weights_gib": 12.5, "activations_gib": 13.54, "tokens": 32760, "blocks_to_swap": 20,
+         "blocks": 40}
+    assert plan.memory_estimate_lines({"estimate": e}) == [
+        "memory    estimate 26.0 GiB per GPU at least (12.5 of weights, 20 of 40 blocks swapped, 13.5 of activations "
+        "and adapter state at 32760 tokens)"]
+    assert plan.memory_estimate_lines({"estimate": {**e, "blocks_to_swap": 0}})[0].startswith(
+        "memory    estimate 26.0 GiB per GPU at least (12.5 of weights, 13.5 of activations")
+    none = {"estimate": None, "no_estimate": "model=toy's family gives no memory formula"}
+    assert plan.memory_estimate_lines(none) == ["memory    no estimate: model=toy's family gives no memory formula"]

@@ -581,6 +581,7 @@ def report(plan: dict) -> str:
                          f"then {e['validation_call_s']:.1f} s each), "
                          f"checkpoints {e['checkpoints']} x {e['checkpoint_s']:.1f} s")
     m = plan["memory"]
+    lines += memory_estimate_lines(m)
     if m.get("peak_gib") is not None:
         lines.append(f"memory    peak {m['peak_gib']:.2f} GiB (validation and checkpoint "
                      f"{m.get('end_peak_gib') or 0:.2f} GiB); card {m.get('card_gib') or '-'} GiB"
@@ -607,6 +608,17 @@ def report(plan: dict) -> str:
         lines.append(f"gpus      {comm.get('note')}")
     lines += ["", verdict(plan)] + [f"  {p}" for p in plan["problems"]]
     return "\n".join(lines)
+
+
+def memory_estimate_lines(memory: dict) -> list[str]:
+    """The pre-flight's memory estimate (wanexp.memory_plan, from the family's formula): the least GiB per GPU at the
+    run's block swap, or the one line saying the family gives none."""
+    e = memory.get("estimate")
+    if e:
+        swapped = f", {e['blocks_to_swap']} of {e['blocks']} blocks swapped" if e["blocks_to_swap"] else ""
+        return [f"memory    estimate {e['need_gib']:.1f} GiB per GPU at least ({e['weights_gib']:.1f} of weights"
+                f"{swapped}, {e['activations_gib']:.1f} of activations and adapter state at {e['tokens']} tokens)"]
+    return [f"memory    no estimate: {memory['no_estimate']}"] if memory.get("no_estimate") else []
 
 
 def untimed(calibration: dict) -> str:
@@ -698,7 +710,8 @@ def make_plan(cfg: DictConfig, opts: dict) -> dict:
         end_peak = (calib or {}).get("end_peak_gib")
         memory = {"peak_gib": max(peaks + [end_peak or 0.0]) if peaks else None, "end_peak_gib": end_peak,
                   "peak_all_ranks_gib": (calib or {}).get("peak_gib_all_ranks"), "card_gib": card and round(card, 1),
-                  "budget_gib": opts["budget_gib"]}
+                  "budget_gib": opts["budget_gib"], "estimate": pre.memory,
+                  "no_estimate": None if pre.memory else f"model={cfg.model.name}'s family gives no memory formula"}
         memory["not_checked"] = memory_not_checked(opts["calibrate"], calib is not None, on_cpu, memory["peak_gib"])
         if comm and comm.get("sizes") and eta_.get("mean_batch_s"):
             from wanexp.cli import plan_comm

@@ -149,6 +149,7 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
                 _check_target(f"{group}.{name}", node)
     if model_folder:
         check_model_path(cfg)
+    check_family(cfg)
     check_objective(cfg)
     check_validation_images(cfg)
 
@@ -165,18 +166,32 @@ def check_objective(cfg: DictConfig) -> None:
     cls.check(cfg)
 
 
-def check_validation_images(cfg: DictConfig) -> None:
-    """``callbacks.validation.images`` needs a model that samples image-to-video (its spec's image conditioning)."""
+def model_class(cfg: DictConfig) -> type:
+    """The spec class ``model._target_`` names, imported (nothing is built; its module imports torch, so the rules
+    that ask it run after ``model.path``'s check)."""
     from hydra.utils import get_class
 
+    return get_class(str(cfg.model._target_))
+
+
+def check_family(cfg: DictConfig) -> None:
+    """The model family's own rules (``ModelSpec.check_groups`` of the spec class), on the data and adapter groups as
+    plain dicts: the family sees its groups, never the whole config."""
+    adapter = cfg.get("adapter")
+    model_class(cfg).check_groups(OmegaConf.to_container(cfg.data, resolve=True),
+                                  None if adapter is None else OmegaConf.to_container(adapter, resolve=True))
+
+
+def check_validation_images(cfg: DictConfig) -> None:
+    """``callbacks.validation.images`` needs a model that samples image-to-video (its spec's image conditioning)."""
     v = (cfg.callbacks or {}).get("validation")
     if switched_off(v) or not v.get("images"):
         return
-    spec = get_class(str(cfg.model._target_))
+    spec = model_class(cfg)
     if not (spec.needs_image_latent or spec.draws_first_frame):
         raise ConfigError(f"callbacks.validation.images with model={cfg.model.name}: the model has no image "
                           "conditioning (text-to-video only); set callbacks.validation.images=null, or train a "
-                          "TI2V-5B or I2V-A14B model")
+                          "model with image conditioning (e.g. model=ti2v5b or model=i2v14b)")
 
 
 def objective_class(node: DictConfig) -> type:

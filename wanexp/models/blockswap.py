@@ -329,12 +329,12 @@ def low_vram(transformer: nn.Module, spec, expert: str, verbose: bool = True) ->
     """``model.fp8_storage`` then ``model.blocks_to_swap`` on a loaded transformer (adapters added, on the host)."""
     from wanexp.models import fp8
 
+    blocks = spec.blocks(transformer)
     if getattr(spec, "fp8_storage", False):
-        n = fp8.store_blocks(transformer)
+        n = fp8.store_blocks(blocks)
         if verbose:
             print(f"wanexp: model.fp8_storage: {n} frozen linears of the {expert} transformer stored in FP8",
                   flush=True)
-    blocks = spec.blocks(transformer)
     layers = len(blocks)
     n = swap_count(spec, expert, layers)
     if not n:

@@ -395,6 +395,11 @@ class ModelSpec:
         family gives no estimate, and nothing is planned automatically."""
         return None
 
+    @classmethod
+    def check_groups(cls, data: dict, adapter: dict | None) -> None:
+        """The family's own rules on the run's ``data`` and ``adapter`` groups (plain dicts, resolved; adapter None:
+        none), run with the config rules before anything loads: a ConfigError line naming the key and the fix.
+        Default: none beyond the shared rules (the frame rule, ``model.hw_multiple``)."""
 
     # ---- [seam: generation, bench, conversion] the sampling pipeline, the plain reference loop, converters -----
     # What `python -m wanexp.cli.convert` can turn into this family's diffusers-format folder: a source layout's name

@@ -126,11 +126,12 @@ class FrozenFP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 rowwise"
 
 
-def convert_blocks(transformer: nn.Module) -> int:
-    """Replace every frozen ``nn.Linear`` inside ``transformer.blocks`` (a LoRA layer's base layer included) by a
-    :class:`FrozenFP8Linear`, in place; trainable linears (LoRA A/B) stay. Returns how many were replaced."""
+def convert_blocks(blocks: nn.ModuleList) -> int:
+    """Replace every frozen ``nn.Linear`` inside ``blocks`` (a transformer's repeated blocks, ``spec.blocks``; a LoRA
+    layer's base layer included) by a :class:`FrozenFP8Linear`, in place; trainable linears (LoRA A/B) stay. Returns
+    how many were replaced."""
     count = 0
-    for block in transformer.blocks:
+    for block in blocks:
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and not child.weight.requires_grad and \
@@ -142,7 +143,7 @@ def convert_blocks(transformer: nn.Module) -> int:
 
 def fp8_supported() -> tuple[bool, str]:
     """Whether this machine runs the FP8 GEMM: a GPU of compute capability >= 8.9, or no GPU (the CPU kernel)."""
-    from wanexp.models.wan22.fast import gpu_capability_below
+    from wanexp.gpu_check import gpu_capability_below
 
     gpu = gpu_capability_below((8, 9))
     return (False, f"{gpu} has no FP8 GEMM (8.9+: Ada, Hopper)") if gpu else (True, "")
@@ -223,11 +224,12 @@ class StoredFP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, stored fp8_e4m3 rowwise"
 
 
-def store_blocks(transformer: nn.Module) -> int:
-    """Replace every frozen ``nn.Linear`` inside ``transformer.blocks`` (a LoRA layer's base layer included) by a
-    :class:`StoredFP8Linear`, in place; trainable linears stay. Returns how many were replaced."""
+def store_blocks(blocks: nn.ModuleList) -> int:
+    """Replace every frozen ``nn.Linear`` inside ``blocks`` (a transformer's repeated blocks, ``spec.blocks``; a LoRA
+    layer's base layer included) by a :class:`StoredFP8Linear`, in place; trainable linears stay. Returns how many
+    were replaced."""
     count = 0
-    for block in transformer.blocks:
+    for block in blocks:
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and not child.weight.requires_grad:

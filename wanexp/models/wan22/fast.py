@@ -225,16 +225,10 @@ def use_frame_modulation(transformer: nn.Module) -> nn.Module:
     return transformer
 
 
-def gpu_capability_below(minimum: tuple[int, int]) -> str:
-    """"" when there is no GPU or its compute capability is at least ``minimum``, else the GPU's name and capability."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < minimum:
-        cap = ".".join(map(str, torch.cuda.get_device_capability()))
-        return f"{torch.cuda.get_device_name()} (compute capability {cap})"
-    return ""
-
-
 def compile_supported() -> tuple[bool, str]:
     """Whether this machine compiles blocks: a GPU of compute capability >= 8.0 (Triton's), or no GPU at all."""
+    from wanexp.gpu_check import gpu_capability_below
+
     gpu = gpu_capability_below((8, 0))
     return (False, f"{gpu} is below Triton's 8.0") if gpu else (True, "")
 
