@@ -27,6 +27,8 @@ PARTS = {
     "run.py": "the runner (python -m tests.gpu.run)",
     "real_sizes.yaml": "the real-size build sections build_random_model.py reads",
     "setup_env.sh": "installs the carried wheels once per machine (run.py's prepare_env)",
+    "ab_bench.sh": "the step of two source trees on one card in one call (a change's before and after: "
+                   "benchmarks/ti2v5b_h200_2026-11-28.md)",
 }
 CAP_GIB = 28  # the user's 32 GB cards, less what the driver, CUDA context and other processes take
 
