@@ -10,6 +10,11 @@ A family sets the class attributes (layout, channels, strides, the component cla
 :meth:`ModelSpec.model_inputs` (the DiT input of a training sample) and :meth:`ModelSpec.write_random_model` (its tiny
 random build, for tests). Components are loaded from a local diffusers-format folder: ``model_index.json`` and one
 subfolder per component (each expert's, ``ModelSpec.expert_folders``, and the encoders', ``encoder_folders``).
+The rest of the protocol is in one section a part, each with defaults that fit one dense expert: adapters (the
+adapter naming), conditioning (experts and routing, encoders, per-sample inputs, the transformer call, blocks,
+sequence parallel), shapes, memory and FLOPs (the memory and FLOP formulas, the family's own config checks; the
+frame rule is the model YAML's ``frame_rule``), and generation, bench and conversion (the sampling pipeline, the plain
+reference loop, converters).
 """
 from __future__ import annotations
 
