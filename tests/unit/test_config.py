@@ -579,3 +579,13 @@ def test_a_familys_own_config_check_sees_its_groups_as_plain_dicts():
         check_config(compose_cfg([*base, "data.batch_size=2"]))
     with pytest.raises(ConfigError, match=r"^adapter.rank=16: this family takes a rank of at most 8"):
         check_config(compose_cfg([*base, "data.batch_size=1", "adapter.rank=16"]))
+
+
+def test_the_token_budget_counts_latent_frames_by_the_models_frame_rule():
+    """The budget's token count takes the latent frames from model.frame_rule [m, r] ((F - r) / m + r): Wan2.2's 4x
+    temporal VAE, and a family of another stride."""
+    from wanexp.config.rules import _dit_tokens
+
+    assert _dit_tokens(17, 704, 1280, 32, [4, 1]) == 5 * 22 * 40  # TI2V-5B: 4,400 tokens
+    assert _dit_tokens(7, 32, 32, 16, [2, 1]) == 4 * 2 * 2  # 2k+1 frames: the first alone, then pairs
+    assert _dit_tokens(3, 32, 32, 16, [1, 0]) == 3 * 2 * 2  # a latent per frame

@@ -447,7 +447,7 @@ def _other_expert(trainer, pl_module, name: str):
 
         def load(_several: bool) -> None:
             loaded.append(spec.load_transformer(name).requires_grad_(False))
-            shard(loaded[0])  # block by block: this rank's GPU gets only its shards
+            shard(loaded[0], spec.blocks(loaded[0]))  # block by block: this rank's GPU gets only its shards
 
         pl_module.in_turns(load, what=f"validation's {name} expert")
         t = loaded[0]

@@ -257,7 +257,7 @@ def check_buckets(cfg: DictConfig) -> None:
         # the base height x width trains every sample whose media size is unknown (data.probe=false) or no bucket
         shapes = buckets if buckets and d.probe else buckets + [[d.height, d.width]]
         for h, w in shapes:
-            tokens = _dit_tokens(d.num_frames, h, w, m.hw_multiple)
+            tokens = _dit_tokens(d.num_frames, h, w, m.hw_multiple, m.frame_rule)
             if tokens > d.token_budget:
                 where = f"data.buckets entry [{h}, {w}]" if [h, w] in buckets else f"data.height x data.width {h}x{w}"
                 raise ConfigError(f"data.token_budget={d.token_budget}: one sample of the {where} at "
@@ -298,10 +298,12 @@ def _multiple_near(value: int, multiple: int, side: int) -> int:
     return down if side < 0 else up
 
 
-def _dit_tokens(frames: int, height: int, width: int, hw_multiple: int) -> int:
-    """DiT tokens of one sample without loading the model: latent frames ((F - 1) / 4 + 1, the 4x temporal VAE; one
-    frame per temporal patch) x the spatial patches, which are hw_multiple pixels a side (VAE stride x patch size)."""
-    return ((frames - 1) // 4 + 1) * (height // hw_multiple) * (width // hw_multiple)
+def _dit_tokens(frames: int, height: int, width: int, hw_multiple: int, frame_rule) -> int:
+    """DiT tokens of one sample without loading the model: latent frames (a frame rule [m, r]'s (F - r) / m + r: the
+    m-x temporal VAE keeps the first r frames alone; one frame per temporal patch) x the spatial patches, which are
+    hw_multiple pixels a side (VAE stride x patch size)."""
+    m, r = (int(x) for x in frame_rule)
+    return ((frames - r) // m + r) * (height // hw_multiple) * (width // hw_multiple)
 
 def check_deepspeed(cfg: DictConfig) -> None:
     """parallel=deepspeed: what DeepSpeed through Lightning can train (one optimizer; every rank runs the same

@@ -1,7 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) for the DiTs through Lightning's ModelParallelStrategy.
 
 Order per transformer (as torchtitan does): activation checkpointing is already set by the spec -> ``fully_shard``
-each block of ``transformer.blocks`` -> ``fully_shard`` the transformer root. Per-parameter sharding (FSDP2) keeps
+each of the family's blocks (``ModelSpec.blocks``) -> ``fully_shard`` the transformer root. Per-parameter sharding (FSDP2) keeps
 a frozen bf16 base, fp32 LoRA weights and diffusers' fp32-kept norms in one unit. The frozen VAE and text encoder are
 not sharded. Checkpoints gather only the trainable (LoRA) tensors, so saving never assembles the 5B/14B base on rank 0.
 """
@@ -33,11 +33,12 @@ class BlockFSDPStrategy(ModelParallelStrategy):
         """Called by the LightningModule's configure_model once its transformers are loaded (LoRA added)."""
         # the loaded transformers, and models an objective trains in full (KD's student)
         for transformer in [*module.transformers.values(), *getattr(module, "students", {}).values()]:
-            self.shard_transformer(transformer)
+            self.shard_transformer(transformer, module.spec.blocks(transformer))
 
-    def shard_transformer(self, transformer) -> None:
-        """FSDP2 over every rank: each block of ``transformer.blocks``, then the root (also validation's frozen other
-        expert of a one-expert run). Parameters on the host move to this rank's GPU one block at a time, as shards."""
+    def shard_transformer(self, transformer, blocks) -> None:
+        """FSDP2 over every rank: each of ``blocks`` (the family's repeated blocks, ``ModelSpec.blocks``), then the
+        root (also validation's frozen other expert of a one-expert run). Parameters on the host move to this rank's
+        GPU one block at a time, as shards."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
@@ -51,7 +52,7 @@ class BlockFSDPStrategy(ModelParallelStrategy):
         # root computes in fp32 (rotary tables) reaches every block as fp32 in both passes, as under DDP.
         block_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32,
                                             cast_forward_inputs=False)
-        for block in transformer.blocks:  # the DiT's repeated blocks (any family's: a ModuleList named blocks)
+        for block in blocks:
             fully_shard(block, mp_policy=block_policy, **kwargs)
         fully_shard(transformer, mp_policy=root_policy, **kwargs)
 
