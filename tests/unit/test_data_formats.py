@@ -401,7 +401,9 @@ def test_compose_time_token_count_matches_the_models_latent_grid() -> None:
         m = OmegaConf.to_container(compose_cfg([f"model={path.stem}", "model.path=/x"]).model)
         spec = get_class(m["_target_"])
         assert m["hw_multiple"] == spec.vae_stride[1] * spec.patch[1] == spec.vae_stride[2] * spec.patch[2], path.stem
+        assert m["frame_rule"][0] == spec.vae_stride[0], path.stem  # the YAML's frame rule is its VAE's stride
         for frames, h, w in ((17, 704, 1280), (81, 480, 832), (1, 64, 96)):
             h, w = h // m["hw_multiple"] * m["hw_multiple"], w // m["hw_multiple"] * m["hw_multiple"]
-            assert _dit_tokens(frames, h, w, m["hw_multiple"]) == dit_tokens((frames, h, w), spec.vae_stride,
+            rule = m["frame_rule"]
+            assert _dit_tokens(frames, h, w, m["hw_multiple"], rule) == dit_tokens((frames, h, w), spec.vae_stride,
                                                                                spec.patch), (path.stem, frames, h, w)
