@@ -183,11 +183,10 @@ def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
         for e in spec.trained_experts(cfg.boundary.name):
             check_heads(int(spec.transformer_config(e)["num_attention_heads"]), int(cfg.parallel.sp_size))
     from wanexp.disk import trained_parameters
-    from wanexp.memory_plan import check_fit, resolve_blocks_to_swap  # weights + activations, nothing loads
+    from wanexp.memory_plan import check_fit  # weights + activations, nothing loads
 
     transformers = spec.meta_transformers(cfg.boundary.name)
-    resolve_blocks_to_swap(cfg, spec, verbose=verbose, transformers=transformers)  # auto: N, and why
-    memory = check_fit(cfg, spec, transformers=transformers)
+    memory = check_fit(cfg, spec, transformers=transformers, verbose=verbose)  # auto: N, and why; then the fit
     trained = trained_parameters(spec, adapter, objective, cfg.boundary.name, transformers)
     check_built_model(spec, adapter, objective, transformers)  # adds the adapters: after the counts
     return Preflight(spec, adapter, objective, trained, memory)

@@ -123,11 +123,13 @@ def _set_blocks_to_swap(cfg, spec, n: int) -> int:
     return n
 
 
-def resolve_blocks_to_swap(cfg, spec, verbose: bool = True, transformers: dict | None = None) -> int:
+def resolve_blocks_to_swap(cfg, spec, verbose: bool = True, transformers: dict | None = None,
+                           est: "FitEstimate | None" = None) -> int:
     """``model.blocks_to_swap=auto``: the fewest blocks whose weights and least activations (:class:`FitEstimate`)
     fit ``model.memory_budget_gib``, or 90 % of this GPU's free memory without one (0 on the CPU, or for a family
     that gives no memory estimate). Sets the count in the config and on the spec, says why on the start line, and
-    refuses in one line when even every block does not fit. A count is returned as it is."""
+    refuses in one line when even every block does not fit. A count is returned as it is. ``est``: the run's
+    estimate when the caller has it (it does not depend on the block count)."""
     m = cfg.model
     if m.get("blocks_to_swap") != "auto":
         return int(m.get("blocks_to_swap") or 0)
@@ -136,7 +138,7 @@ def resolve_blocks_to_swap(cfg, spec, verbose: bool = True, transformers: dict |
             print(f"wanexp: model.blocks_to_swap=auto: 0 blocks swapped (model={spec.name}'s family gives no memory "
                   "estimate)", flush=True)
         return _set_blocks_to_swap(cfg, spec, 0)
-    est, budget = FitEstimate(cfg, spec, transformers), m.get("memory_budget_gib")
+    est, budget = est or FitEstimate(cfg, spec, transformers), m.get("memory_budget_gib")
     if budget is not None:
         source, where = f"model.memory_budget_gib={budget:g}", f"model.memory_budget_gib={budget:g}"
     else:
@@ -160,16 +162,18 @@ def resolve_blocks_to_swap(cfg, spec, verbose: bool = True, transformers: dict |
     return n
 
 
-def check_fit(cfg, spec, transformers: dict | None = None) -> dict | None:
+def check_fit(cfg, spec, transformers: dict | None = None, verbose: bool = False) -> dict | None:
     """With ``model.memory_budget_gib`` set, refuse a run whose weights on one device plus the least activation
     memory it can have (:class:`FitEstimate`) exceed the budget, naming what would make room (the block count that
     fits, when one does). ``blocks_to_swap=auto`` is resolved first. Returns the estimate at the run's block count
     (:meth:`FitEstimate.summary`: what wanexp-plan reports), or None for a family without a memory formula, which is
-    not checked. Reads the transformers' config.json only; nothing loads."""
-    n = resolve_blocks_to_swap(cfg, spec, verbose=False, transformers=transformers)
+    not checked. Reads the transformers' config.json only; nothing loads. ``verbose``: auto's line is printed."""
     if spec.memory_formula() is None:
+        resolve_blocks_to_swap(cfg, spec, verbose=verbose, transformers=transformers)
         return None
-    est, budget = FitEstimate(cfg, spec, transformers), cfg.model.get("memory_budget_gib")
+    est = FitEstimate(cfg, spec, transformers)  # one estimate for auto's choice and the check
+    n = resolve_blocks_to_swap(cfg, spec, verbose=verbose, transformers=transformers, est=est)
+    budget = cfg.model.get("memory_budget_gib")
     if budget is not None and est.need(n) > budget:
         raise est.refusal(f"model.memory_budget_gib={budget:g}", n, budget)
     return est.summary(n)
