@@ -62,10 +62,9 @@ def plain_loop(model: str):
     """The plain reference loop of model group ``model``'s family (``ModelSpec.plain_loop``: a module with
     ``supports``, ``folder``, ``dense``, ``geometry``, ``step_flops``, ``plain_model``, ``plain_inputs``,
     ``plain_forward``, ``plain_loss``, ``plain_step``); one line when there is none for it."""
-    from wanexp.config import model_group
-    from wanexp.models.family import load_class
+    from wanexp.models.family import spec_class
 
-    loop = load_class(str(model_group(model, "--model")._target_)).plain_loop()
+    loop = spec_class(model, "--model").plain_loop()
     if loop is None or not loop.supports(model):
         raise ConfigError(f"--model {model}: its family has no plain reference loop for this model to compare "
                           "against (the bench times a DiT whose input is the latents alone)")

@@ -33,8 +33,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        lines = _spec_class(args.model).convert(args.source, args.src, args.dst, vae_config=args.vae_config,
-                                                max_shard_size=args.max_shard_size)
+        from wanexp.models.family import spec_class
+
+        lines = spec_class(args.model, "--model").convert(args.source, args.src, args.dst,
+                                                          vae_config=args.vae_config,
+                                                          max_shard_size=args.max_shard_size)
     except ConfigError as e:
         say_error(str(e))
         return 2
@@ -43,14 +46,6 @@ def main(argv=None) -> int:
         print(f"  {line}")
     print(f"now set model.path={args.dst}")
     return 0
-
-
-def _spec_class(model: str):
-    """The spec class of model group ``model`` (its family converts)."""
-    from wanexp.config import model_group
-    from wanexp.models.family import load_class
-
-    return load_class(str(model_group(model, "--model")._target_))
 
 
 if __name__ == "__main__":

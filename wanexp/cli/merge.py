@@ -89,19 +89,6 @@ def _shards(folder: Path) -> list[Path]:
                       "model folder (python -m wanexp.cli.convert makes one from the original layout)")
 
 
-def _family(group: str):
-    """The spec class of model group ``group``: its adapter naming and expert folders."""
-    from hydra.errors import HydraException
-
-    from wanexp.config import compose
-    from wanexp.models.family import load_class
-
-    try:
-        return load_class(str(compose([f"model={group}"]).model._target_))
-    except HydraException:
-        raise ConfigError(f"--model-group {group}: no such model group (conf/model/{group}.yaml)") from None
-
-
 def _expert(args, lora: Path) -> str:
     if args.expert:
         return args.expert
@@ -126,6 +113,7 @@ def bake(args) -> Path:
     """Check everything, then write the merged transformer into a temporary folder renamed to ``--out``."""
     from wanexp.adapters import read_adapter
     from wanexp.adapters.merge import comfy_diff
+    from wanexp.models.family import spec_class
 
     model, out = Path(args.model), Path(args.out)
     if not (model / "model_index.json").is_file() and not (model / "transformer").is_dir():
@@ -133,7 +121,7 @@ def bake(args) -> Path:
                           "the folder model.path names")
     lora = _existing_file(args.lora)
     _free_output(out, folder=True)
-    family = _family(args.model_group)
+    family = spec_class(args.model_group, "--model-group")
     expert, folders = _expert(args, lora), family.expert_folders
     if expert not in folders:
         raise ConfigError(f"--expert {expert}: model group {args.model_group} has the experts {', '.join(folders)}")
@@ -202,6 +190,7 @@ def combine(args) -> Path:
     from wanexp.adapters import read_adapter
     from wanexp.adapters.export import save_adapter_file
     from wanexp.adapters.merge import concat_loras
+    from wanexp.models.family import spec_class
 
     if len(args.lora) < 2:
         raise ConfigError("combine: give two or more --lora files")
@@ -211,7 +200,7 @@ def combine(args) -> Path:
     out = Path(args.out)
     files = [_existing_file(p) for p in args.lora]
     _free_output(out, folder=False)
-    naming = _family(args.model_group).adapter_naming
+    naming = spec_class(args.model_group, "--model-group").adapter_naming
     adapters = [read_adapter(p, f"--lora {p}", naming) for p in files]
     tensors = concat_loras(adapters, weights, naming)
     rank = int(next(v for k, v in tensors.items() if k.endswith(".alpha")))

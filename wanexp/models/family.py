@@ -114,6 +114,14 @@ def load_class(dotted: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def spec_class(group: str, flag: str) -> type:
+    """The spec class of model group ``group`` (``conf/model/<group>.yaml``), for a command that names a model
+    group with ``flag``; a name with no such group is one line naming ``flag``."""
+    from wanexp.config import model_group
+
+    return load_class(str(model_group(group, flag)._target_))
+
+
 class ModelSpec:
     """A model layout: its folder, its components, how a noise level picks an expert and how a sample becomes the
     DiT's input. Subclasses set the class attributes and implement ``model_inputs`` and ``write_random_model``."""
