@@ -49,3 +49,21 @@ def test_from_config_reads_the_parallel_group():
     assert RunContext.from_config(cfg) == RunContext(sp_size=2)
     cfg.parallel.concurrent_loads = 3
     assert RunContext.from_config(cfg) == RunContext(sp_size=2, concurrent_loads=3)
+
+
+@pytest.mark.parametrize("flops, logged", [(3e12, True), (0.0, False)])
+def test_tflops_are_logged_only_for_a_family_that_counts_its_flops(tmp_path, flops, logged):
+    """perf/tflops is the model FLOPs of the window over its time; a family without a FLOP formula (its step counts
+    none) logs no TFLOP/s at all, rather than a measured-looking 0."""
+    from types import SimpleNamespace
+
+    from wanexp.callbacks.status_file import RunStatus
+
+    status = RunStatus(output_dir=str(tmp_path), run_name="x")
+    status._window, status._window_start = [2.0, 4, 400, flops], 0
+    got = {}
+    module = SimpleNamespace(log_dict=lambda metrics, **kw: got.update(metrics))
+    status._log_window(SimpleNamespace(global_step=2, profiler=None), module)
+    assert ("perf/tflops" in got) == logged and got["perf/step_time_s"] == 1.0
+    if logged:
+        assert got["perf/tflops"] == pytest.approx(1.5)

@@ -306,9 +306,11 @@ class RunStatus(TakesRunContext, Callback):
         if seconds <= 0 or steps <= 0:
             return
         metrics = {"perf/samples_per_s": samples / seconds, "perf/tokens_per_s": tokens / seconds,
-                   "perf/step_time_s": seconds / steps, "perf/tflops": flops / seconds / 1e12}  # per device
-        if self.peak_tflops and torch.cuda.is_available():
-            metrics["perf/pct_of_peak"] = 100.0 * metrics["perf/tflops"] / float(self.peak_tflops)
+                   "perf/step_time_s": seconds / steps}
+        if flops > 0:  # a family without a FLOP formula (ModelSpec.step_flops None) counts none: no TFLOP/s
+            metrics["perf/tflops"] = flops / seconds / 1e12  # per device
+            if self.peak_tflops and torch.cuda.is_available():
+                metrics["perf/pct_of_peak"] = 100.0 * metrics["perf/tflops"] / float(self.peak_tflops)
         if isinstance(trainer.profiler, LoaderWait):
             metrics["perf/loader_wait_frac"] = trainer.profiler.take() / seconds
         if torch.cuda.is_available():
