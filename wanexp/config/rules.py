@@ -68,8 +68,7 @@ def frame_rule_problem(n: int, rule) -> str | None:
 
 def validation_frames(cfg: DictConfig) -> list[tuple[str, int]]:
     """(the refusal's head, the frame count) of each [height, width, frames] entry of ``callbacks.validation.shapes``."""
-    v = (cfg.get("callbacks") or {}).get("validation") or {}
-    shapes = v.get("shapes") if OmegaConf.is_dict(v) or isinstance(v, dict) else None
+    shapes = OmegaConf.select(cfg, "callbacks.validation.shapes", default=None)
     if not OmegaConf.is_list(shapes):
         return []
     return [(f"callbacks.validation.shapes: {list(c)} has {c[2]} frames; frames", int(c[2])) for c in shapes
