@@ -57,3 +57,25 @@ if os.environ.get("WANEXP_TEST_LOAD_LOG"):
             f.write(f"{self.global_rank} {t0} {time.monotonic()}\n")
 
     _module.DiffusionModule._build_and_place = _logged_build
+
+# ``WANEXP_TEST_LATE_RANK=<rank>:<phase>:<seconds>``: that rank of a generation on several processes sleeps as it
+# enters the phase (wanexp.parallel.generation.set_phase) whose name starts with <phase>;
+# ``WANEXP_TEST_KILL_RANK=<rank>:<phase>``: it SIGKILLs itself there instead.
+if os.environ.get("WANEXP_TEST_LATE_RANK") or os.environ.get("WANEXP_TEST_KILL_RANK"):
+    import signal
+
+    import wanexp.parallel.generation as _generation
+
+    _set_phase = _generation.set_phase
+
+    def _faulty_set_phase(name):
+        _set_phase(name)
+        for var in ("WANEXP_TEST_LATE_RANK", "WANEXP_TEST_KILL_RANK"):
+            rank, phase, *seconds = (os.environ.get(var) or "::").split(":")
+            if rank == os.environ.get("RANK") and phase and name.startswith(phase):
+                if seconds:
+                    time.sleep(float(seconds[0]))
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    _generation.set_phase = _faulty_set_phase

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from wanexp.errors import ConfigError, MediaError, UserError, refuse
@@ -36,7 +38,9 @@ from wanexp.errors import ConfigError, MediaError, UserError, refuse
 
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m wanexp.cli.sample", description=__doc__.splitlines()[0])
-    ap.add_argument("--run", help="a wanexp run folder: model, size and LoRA files from it")
+    ap.add_argument("--run", "--run-dir", dest="run",
+                    help="a wanexp run folder: model, size and LoRA files from it (--run-dir: the same; the "
+                         "spelling to use under torchrun, whose own --run-path makes --run ambiguous there)")
     ap.add_argument("--model-path", help="local diffusers-format Wan2.2 folder (default: the run's model.path)")
     ap.add_argument("--lora", action="append", default=[],
                     help="a *_diffusers.safetensors LoRA file (repeat for an A14B pair; *_low_noise_* goes to the "
@@ -60,6 +64,21 @@ def _parse(argv):
                     help="the teacher's CFG (default: a DMD run's objective.guidance_scale, else 5)")
     ap.add_argument("--out", help="output folder (default: RUN/samples, else outputs/samples)")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is present)")
+    ap.add_argument("--save-latents", action="store_true",
+                    help="also write each sample's final latents (<name>_latents.safetensors, fp32): to decode or "
+                         "compare them later")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="generate on N processes of this host (GPU 0..N-1, or N CPU processes with --device cpu): "
+                         "sequence parallel over all of them unless --sp/--cfg-parallel say otherwise")
+    ap.add_argument("--sp", type=int,
+                    help="sequence-parallel size: the processes that split each transformer call's video tokens "
+                         "(default: all the processes not taken by --cfg-parallel)")
+    ap.add_argument("--cfg-parallel", action="store_true",
+                    help="the conditional and unconditional halves of each CFG step on different processes (needs "
+                         "an even process count: 2 x --sp)")
+    ap.add_argument("--timeout", type=int, default=900,
+                    help="seconds a process waits for the others at each phase (start, prompts, weights, each "
+                         "sample) before it names the late rank and stops")
     return ap.parse_args(argv)
 
 
@@ -110,7 +129,35 @@ def _settings(args) -> dict:
     spec = load_class(str(model._target_))
     s["images"] = _images(args, spec, model.name, s["height"], s["width"])
     s["model_group"] = model
+    s["layout"] = _layout(args, spec, s)
     return s
+
+
+def _layout(args, spec, s):
+    """The processes' grid (wanexp.parallel.generation.layout) for this launch, its sequence split checked against
+    the transformer's heads and the sample's tokens: before anything loads."""
+    from wanexp.parallel.generation import check_split, layout
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: the number of processes is at least 1")
+    world = int(os.environ.get("WORLD_SIZE") or args.gpus)
+    if os.environ.get("WORLD_SIZE") and args.gpus > 1 and world != args.gpus:
+        raise ConfigError(f"--gpus {args.gpus} under a launcher of {world} processes: leave out --gpus when "
+                          "torchrun starts the processes")
+    grid = layout(world, args.sp, args.cfg_parallel)
+    if grid.sp > 1:
+        config = json.loads((Path(s["model_path"]) / spec.expert_folders[spec_experts(s)[0]] / "config.json")
+                            .read_text())
+        ft, fh, fw = spec.vae_stride
+        pt, ph, pw = spec.patch
+        tokens = (((s["frames"] - 1) // ft + 1) // pt) * (s["height"] // (fh * ph)) * (s["width"] // (fw * pw))
+        check_split(tokens, int(config["num_attention_heads"]), grid.sp)
+    return grid
+
+
+def spec_experts(s) -> list[str]:
+    """The experts of the sampled model group (``model.experts``)."""
+    return list(s["model_group"].experts)
 
 
 def _folder_model(path: Path):
@@ -164,25 +211,60 @@ def _lora_expert(path: Path, header: dict, modules: dict) -> str:
 
 
 def main(argv=None) -> dict:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    from wanexp.parallel import generation as multi
+
     try:
-        return _main(args)
+        s = _settings(args)
+        if args.gpus > 1 and not multi.launched() and "WORLD_SIZE" not in os.environ:
+            sys.exit(multi.launch(_without_gpus(argv), args.gpus))  # N processes of this command, then their end
+        return _main(args, s)
     except UserError as e:
+        if multi.launched():  # the launcher prints the first rank's line
+            multi.report(str(e))
+            sys.exit(2)
         refuse(str(e))
+    except multi.RankFailure as e:
+        multi.report(str(e))
+        sys.exit(1)
 
 
-def _main(args) -> dict:
-    s = _settings(args)
+def _without_gpus(argv: list[str]) -> list[str]:
+    """The arguments each launched process gets: these, less ``--gpus N``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            out.append(a)
+    return out
+
+
+def _main(args, s) -> dict:
     import torch
 
     from wanexp.generation import expert_routing, lora_header, psnr, recorded_experts, ssim, write_mp4
+    from wanexp.parallel import generation as multi
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    from wanexp.composition import build
-
-    spec = build(s["model_group"], path=str(s["model_path"]))  # the folder sampled, whatever the run's path
-    pipe = spec.load_pipeline(device, dtype, image=bool(s["images"]))
+    grid = multi.start(args.device, args.sp, args.cfg_parallel, args.timeout)
+    if grid is not None:
+        device = grid.device
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    leader = grid is None or grid.leader
+    spec = _spec(s, device)
+    image = bool(s["images"])
+    seeds = args.seed or [0]
+    multi.set_phase("encoding the prompts")
+    embeds = multi.share(grid, _embeddings(spec, args.prompt, s, device) if leader else None)
+    multi.arrive(grid, "encoding the prompts")
+    multi.set_phase("loading the weights")
+    pipe = _load(spec, s, device, grid, image)
     modules = pipe.experts
     distilled, trained = None, []
     for path in s["loras"]:
@@ -193,6 +275,7 @@ def _main(args) -> dict:
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
                          float(header["wanexp_student_shift"]))
+    multi.arrive(grid, "loading the weights")
     ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.boundary_ratio
     routing = expert_routing(list(modules), ratio, trained, distilled is not None)  # as the training routed
     teacher_routing = expert_routing(list(modules), ratio, [], False)
@@ -202,53 +285,131 @@ def _main(args) -> dict:
     else:
         steps, guidance = args.steps, args.guidance
     out = s["out"]
-    out.mkdir(parents=True, exist_ok=True)
-    seeds = args.seed or [0]
+    if leader:
+        out.mkdir(parents=True, exist_ok=True)
+    negative = s["negative_prompt"]
     results = {"model_path": str(s["model_path"]), "loras": [str(p) for p in s["loras"]],
                "distilled": bool(distilled), "steps": steps, "guidance": guidance, "fps": s["fps"],
-               "negative_prompt": s["negative_prompt"], "routing": dataclasses.asdict(routing), "samples": []}
+               "negative_prompt": negative, "routing": dataclasses.asdict(routing), "samples": [],
+               "processes": {"world": 1 if grid is None else grid.world, "sp": s["layout"].sp,
+                             "cfg": s["layout"].cfg}}
     if args.teacher:
         results["teacher"] = {"steps": args.teacher_steps, "guidance": s["teacher_guidance"]}
-    # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), and the expert that served
-    # it with its adapter on or off
-    with pipe.recorded_timesteps() as record, recorded_experts(modules) as served:
+
+    def one(prompt, seed, n_steps, cfg, img, rt, phase):
+        multi.set_phase(phase)
+        with pipe.routed(rt), multi.cfg_split(grid, list(modules.values()), embeds[negative], cfg):
+            got = pipe.generate(prompt, seed, s, n_steps, cfg, negative, device, record, img,
+                                embeds=(embeds[prompt], embeds[negative]), decode=leader)
+        multi.arrive(grid, phase)
+        return got
+
+    # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), the expert that served
+    # it with its adapter on or off, and what this rank's first blocks computed (calls, tokens per call)
+    with pipe.recorded_timesteps() as record, recorded_experts(modules) as served, \
+            _block_work(spec, modules, results["processes"]):
         for i, prompt in enumerate(args.prompt):
-            image = s["images"][i] if s["images"] else None
+            img = s["images"][i] if s["images"] else None
             for seed in seeds:
                 served.clear()
-                with pipe.routed(routing):
-                    lat, video, used = pipe.generate(prompt, seed, s, steps, guidance, s["negative_prompt"], device,
-                                                     record, image)
                 name = f"p{i}_s{seed}"
-                write_mp4(out / f"{name}.mp4", video, s["fps"])
+                lat, video, used = one(prompt, seed, steps, guidance, img, routing, f"sample {name}")
                 entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used,
                          "experts": [list(x) for x in served], "latents": lat}
-                if image is not None:
+                if leader:
+                    write_mp4(out / f"{name}.mp4", video, s["fps"])
+                    if args.save_latents:
+                        _save_latents(out / f"{name}_latents.safetensors", lat)
+                if img is not None:
                     entry["image"] = args.image[i]
                 if args.teacher:
                     if s["loras"]:
                         pipe.adapters_on(False)
                     if distilled:
                         pipe.use_student(None)
-                    with pipe.routed(teacher_routing):
-                        t_lat, t_video, _ = pipe.generate(prompt, seed, s, args.teacher_steps, s["teacher_guidance"],
-                                                          s["negative_prompt"], device, record, image)
-                    write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"])
+                    t_lat, t_video, _ = one(prompt, seed, args.teacher_steps, s["teacher_guidance"], img,
+                                            teacher_routing, f"teacher sample {name}")
                     entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
-                                 latent_mse=float(((lat - t_lat) ** 2).mean()), psnr=psnr(video, t_video),
-                                 ssim=ssim(video, t_video))
+                                 latent_mse=float(((lat - t_lat) ** 2).mean()))
+                    if leader:
+                        write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"])
+                        entry.update(psnr=psnr(video, t_video), ssim=ssim(video, t_video))
                     if s["loras"]:
                         pipe.adapters_on(True)
                     if distilled:
                         pipe.use_student(*distilled)
                 results["samples"].append(entry)
-                print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
-                                                         f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
-                                                         if args.teacher else ""), flush=True)
-    # the latents stay in the returned results (for callers), not in metrics.json
-    saved = dict(results, samples=[{k: v for k, v in e.items() if k != "latents"} for e in results["samples"]])
-    (out / "metrics.json").write_text(json.dumps(saved, indent=2))
+                if leader:
+                    print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
+                                                             f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
+                                                             if args.teacher else ""), flush=True)
+    if leader:  # the latents stay in the returned results (for callers), not in metrics.json
+        saved = dict(results, samples=[{k: v for k, v in e.items() if k != "latents"} for e in results["samples"]])
+        (out / "metrics.json").write_text(json.dumps(saved, indent=2))
+    multi.finish(grid)
     return results
+
+
+@contextmanager
+def _block_work(spec, modules: dict, into: dict):
+    """Count the calls of each transformer's first block on this process and the most tokens one call held, into
+    ``into`` (``block_calls``, ``block_tokens``): a split over processes shows there (a CFG-parallel rank computes
+    half of the calls, a sequence-parallel one its share of the tokens)."""
+    into.update(block_calls=0, block_tokens=0)
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        into.update(block_calls=into["block_calls"] + 1, block_tokens=max(into["block_tokens"], hidden.shape[1]))
+
+    firsts = {id(b): b for b in (spec.blocks(t)[0] for t in modules.values())}
+    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in firsts.values()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _save_latents(path: Path, latents) -> None:
+    """A sample's final latents as a safetensors file (key ``latents``), written aside and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"latents": latents.contiguous()}, str(tmp))
+    tmp.replace(path)
+
+
+def _spec(s, device):
+    """The model group's spec for sampling the folder ``s["model_path"]`` (whatever the run's path): its dtypes on a
+    GPU, fp32 on the CPU; blocks not compiled."""
+    from wanexp.composition import build
+
+    cpu = {} if device.type == "cuda" else {"dtype": "fp32", "vae_dtype": "fp32", "text_encoder_dtype": "fp32"}
+    return build(s["model_group"], path=str(s["model_path"]), compile=False, **cpu)
+
+
+def _embeddings(spec, prompts: list[str], s, device) -> dict:
+    """Each prompt's and the negative prompt's text embedding (CPU), by the model folder's text encoder on
+    ``device``, loaded for this and freed before the transformers load."""
+    import torch
+
+    embeds = spec.encode_prompts(list(dict.fromkeys([*prompts, s["negative_prompt"]])), device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return embeds
+
+
+def _load(spec, s, device, grid, image: bool):
+    """The family's pipeline around its transformers (each expert of the model), its VAE and scheduler on
+    ``device``; under sequence parallel the transformers split every call's tokens over the branch's ranks."""
+    transformers = {}
+    for expert in spec_experts(s):
+        t = spec.load_transformer(expert).to(device).eval()
+        if grid is not None and grid.sp_group is not None:
+            spec.enable_sequence_parallel(t, grid.sp_group, gradient_free=True)
+        transformers[expert] = t
+    vae = spec.load_vae().to(device)
+    return spec.make_pipeline(transformers, vae, spec.load_scheduler(), image)
 
 
 def entry() -> None:

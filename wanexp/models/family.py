@@ -384,8 +384,9 @@ class ModelSpec:
         """The DiT's repeated blocks, an nn.ModuleList (block swap, FP8, compilation and FSDP work per block)."""
         return transformer.blocks
 
-    def enable_sequence_parallel(self, transformer, sp) -> None:
-        """Split every training forward's tokens over the ranks of ``sp`` (a wanexp.models.sequence.SequenceGroup)."""
+    def enable_sequence_parallel(self, transformer, sp, gradient_free: bool = False) -> None:
+        """Split every training forward's tokens over the ranks of ``sp`` (a wanexp.models.sequence.SequenceGroup);
+        ``gradient_free``: every forward without gradients too (generation on several ranks: wanexp-sample --sp)."""
         raise ConfigError(f"parallel.sp_size={sp.size}: model={self.name} has no sequence parallel; set "
                           "parallel.sp_size=1")
 

@@ -105,8 +105,10 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     frames, ph_, pw_ = f // pt, h // ph, w // pw
     rotary_emb = self.rope(hidden_states)
     hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
-    # sequence parallel (models/sequence.py): training forwards keep this rank's share of the tokens
-    sp = getattr(self, "_wanexp_sp", None) if torch.is_grad_enabled() else None
+    # sequence parallel (models/sequence.py): training forwards keep this rank's share of the tokens, and so does
+    # every forward of a transformer that generates on several ranks (``_wanexp_sp_gradient_free``)
+    split = torch.is_grad_enabled() or getattr(self, "_wanexp_sp_gradient_free", False)
+    sp = getattr(self, "_wanexp_sp", None) if split else None
     if getattr(self, "_wanexp_sp", None) is not None:
         from wanexp.models import sequence
         from wanexp.models.wan22 import sequence as wan_sequence

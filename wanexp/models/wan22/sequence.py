@@ -45,10 +45,12 @@ def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) ->
     return out.type_as(x)
 
 
-def enable(transformer, sp: SequenceGroup) -> None:
-    """Set Ulysses self-attention on every block of a loaded transformer (wanexp's forward: models/wan22/fast.py)."""
+def enable(transformer, sp: SequenceGroup, gradient_free: bool = False) -> None:
+    """Set Ulysses self-attention on every block of a loaded transformer (wanexp's forward: models/wan22/fast.py);
+    ``gradient_free``: forwards without gradients split their tokens too (generation on several ranks)."""
     check_heads(transformer.config.num_attention_heads, sp.size)
     transformer._wanexp_sp = sp
+    transformer._wanexp_sp_gradient_free = gradient_free
     for block in transformer.blocks:
         block.attn1.set_processor(UlyssesAttnProcessor(block.attn1.processor, sp))
 

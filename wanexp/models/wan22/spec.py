@@ -99,10 +99,10 @@ class WanSpec(ModelSpec):
         return WanEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), self.text_len,
                            self.needs_image_latent)
 
-    def enable_sequence_parallel(self, transformer, sp):
+    def enable_sequence_parallel(self, transformer, sp, gradient_free=False):
         from wanexp.models.wan22 import sequence
 
-        sequence.enable(transformer, sp)
+        sequence.enable(transformer, sp, gradient_free)
 
     def set_sequence_parallel(self, transformer, active):
         from wanexp.models.wan22 import sequence

@@ -1,0 +1,112 @@
+"""wanexp-sample on several processes (CPU, gloo): sequence-parallel, CFG-parallel and combined sampling of a trained
+tiny LoRA give the one-process sample's latents exactly, with the work split as claimed; the torchrun form with
+--run-dir; a late or killed rank ends the launch with one line; bad grids are refused before anything loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from wanexp.cli import sample
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+# 64x64x5: 2 latent frames of 2x2 tokens = 8 DiT tokens; the tiny DiT has 2 heads
+SHAPE = ["--height", "64", "--width", "64", "--frames", "5", "--steps", "3", "--seed", "1", "--device", "cpu"]
+
+
+def _args(run, out: Path, *extra) -> list[str]:
+    return ["--run-dir", run["output_dir"], "--prompt", "a red ball rolls", *SHAPE, "--save-latents",
+            "--out", str(out), *extra]
+
+
+def _command(args: list[str], env: dict | None = None, launcher=("-m", "wanexp.cli.sample")):
+    return subprocess.run([sys.executable, *launcher, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def _latents(out: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "p0_s1_latents.safetensors"))["latents"]
+
+
+@pytest.fixture(scope="module")
+def one(trained, tmp_path_factory):
+    """The trained tiny run and its one-process sample (CFG 5, 3 steps)."""
+    run = trained("tiny")
+    out = tmp_path_factory.mktemp("one")
+    res = sample.main(_args(run, out))
+    return run, res
+
+
+@pytest.mark.parametrize("extra, world, sp, cfg", [
+    (["--gpus", "2"], 2, 2, 1),
+    (["--gpus", "2", "--cfg-parallel"], 2, 1, 2),
+    (["--gpus", "4", "--cfg-parallel"], 4, 2, 2),
+])
+def test_several_processes_give_the_one_process_sample(one, tmp_path, extra, world, sp, cfg):
+    """The same latents to the bit on CPU (tolerance 0: every rank runs the same operations on its share and the
+    shares are exchanged exactly); a CFG-parallel rank computes half of the transformer calls, a sequence-parallel
+    one half of the tokens of each."""
+    run, res = one
+    done = _command(_args(run, tmp_path, *extra))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(_latents(tmp_path), res["samples"][0]["latents"])
+    single = res["processes"]
+    multi = json.loads((tmp_path / "metrics.json").read_text())["processes"]
+    assert (multi["world"], multi["sp"], multi["cfg"]) == (world, sp, cfg)
+    assert multi["block_tokens"] * sp == single["block_tokens"]
+    assert multi["block_calls"] * cfg == single["block_calls"]
+    assert (tmp_path / "p0_s1.mp4").is_file() and done.stderr == ""
+
+
+def test_the_documented_torchrun_form_samples_a_run(one, tmp_path):
+    """torchrun classifies every argument (--run is an ambiguous abbreviation of its --run-path): the run is passed
+    as --run-dir, and its LoRA loads on every rank."""
+    run, res = one
+    done = _command(["--nproc_per_node=2", "-m", "wanexp.cli.sample", *_args(run, tmp_path)],
+                    launcher=("-m", "torch.distributed.run"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(_latents(tmp_path), res["samples"][0]["latents"])
+    assert json.loads((tmp_path / "metrics.json").read_text())["loras"] == res["loras"] != []
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ({"WANEXP_TEST_LATE_RANK": "1:startup:120"}, "rank 0: the 2 processes did not all start within 15 s (phase "
+                                                  "'startup'"),
+    ({"WANEXP_TEST_LATE_RANK": "1:loading:120"}, "rank 0: rank(s) 1 did not finish 'loading the weights' within "
+                                                  "15 s"),
+    ({"WANEXP_TEST_KILL_RANK": "1:sample"}, "rank 1 was killed by signal 9 during 'sample p0_s1'; the other ranks "
+                                            "were stopped"),
+])
+def test_a_late_or_killed_rank_ends_the_launch_with_one_line(one, tmp_path, fault, expected):
+    run, _ = one
+    done = _command(_args(run, tmp_path, "--gpus", "2", "--timeout", "15"),
+                    env={**fault, "PYTHONPATH": str(ROOT / "tests" / "faults")})
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"wanexp: error: {expected}") and done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "p0_s1.mp4").exists()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--sp", "2"], "--sp 2 needs 2 processes, not 1; add --gpus N (or run it under torchrun "
+                    "--nproc_per_node=N)"),
+    (["--gpus", "3", "--cfg-parallel"], "--cfg-parallel with 3 process(es): CFG parallel needs an even number"),
+    (["--gpus", "4"], "--sp 4: the model's 2 attention heads do not divide by 4; use --sp 2"),
+    (["--gpus", "2", "--height", "96", "--width", "96", "--frames", "1"],
+     "--sp 2: a sample of 9 DiT tokens does not split into 2 equal parts"),
+])
+def test_a_grid_that_cannot_split_is_refused_before_anything_starts(trained, tmp_path, capsys, extra, expected):
+    run = trained("tiny")
+    with pytest.raises(SystemExit) as e:
+        sample.main([*_args(run, tmp_path / "out"), *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"wanexp: error: {expected}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
