@@ -112,5 +112,5 @@ def write_real_size_s2v(folder, device="cuda", dtype=torch.bfloat16, seed: int =
         std = 1.0 / math.sqrt(fan_in) if len(shape) > 1 else 0.1
         return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype).cpu()
 
-    _write_folder(Path(folder), config, shapes, make, shards)
+    _write_folder(Path(folder), model.config, shapes, make, shards)
     return config
