@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from wanexp.models.s2v.original import RELEASED_CONFIG, original_key_map, to_original_config
+from wanexp.models.s2v.original import RELEASED_CONFIG, SHARED_KEYS, original_key_map, to_original_config
 from wanexp.models.wan22.original import INDEX_NAME
 
 TINY_SIZES = {
@@ -29,10 +29,8 @@ def tiny_config(**sizes) -> dict:
 
 def real_config() -> dict:
     """WanS2VTransformer config of the released Wan2.2-S2V-14B."""
-    keep = ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "freq_dim", "eps", "cond_dim",
-            "audio_dim", "num_audio_token", "enable_adain", "zero_timestep", "add_last_motion", "framepack_drop_mode")
-    return {**{k: RELEASED_CONFIG[k] for k in keep}, "audio_inject_layers": tuple(RELEASED_CONFIG["audio_inject_layers"]),
-            "text_dim": 4096, "audio_layers": 25}
+    return {**{k: RELEASED_CONFIG[k] for k in SHARED_KEYS}, "text_dim": 4096, "audio_layers": 25,
+            "audio_inject_layers": tuple(RELEASED_CONFIG["audio_inject_layers"])}
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

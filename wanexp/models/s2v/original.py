@@ -49,6 +49,10 @@ ORIGINAL_DEFAULTS = {
     "enable_motioner": True, "add_last_motion": True, "enable_tsm": False, "trainable_token_pos_emb": False,
     "enable_framepack": False, "framepack_drop_mode": "drop",
 }
+# config values with the same name and meaning in config.json and WanS2VTransformer's config
+SHARED_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "freq_dim", "eps", "cond_dim",
+               "audio_dim", "num_audio_token", "enable_adain", "zero_timestep", "add_last_motion",
+               "framepack_drop_mode")
 MOTION_FRAMES = 73  # pixel frames before a clip that the released model conditions on (wan_s2v_14B.py)
 
 # ---- names ------------------------------------------------------------------------------------------------------
@@ -189,10 +193,8 @@ def module_config(orig: dict, shapes: dict, path) -> dict:
 def to_original_config(config) -> dict:
     """The original config.json of a WanS2VTransformer config (the released values for everything it fixes)."""
     c = dict(config)
-    return {**RELEASED_CONFIG, **{k: c[k] for k in (
-        "dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "freq_dim", "eps", "cond_dim",
-        "audio_dim", "num_audio_token", "enable_adain", "zero_timestep", "add_last_motion", "framepack_drop_mode")},
-        "audio_inject_layers": [int(i) for i in c["audio_inject_layers"]]}
+    return {**RELEASED_CONFIG, **{k: c[k] for k in SHARED_KEYS},
+            "audio_inject_layers": [int(i) for i in c["audio_inject_layers"]]}
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------

@@ -318,7 +318,6 @@ class WanS2VTransformer(ModelMixin, ConfigMixin):
         """(B, audio_layers, audio_dim, 4*F) -> per latent frame tokens (B*F, num_audio_token + 1, D) and global
         tokens (B*F, D) or None. The features are first extended in front by ``motion_frames`` copies of their first
         step, encoded, and the ``lat_motion_frames`` leading latent frames are dropped (as the original does)."""
-        b = audio_features.shape[0]
         enc = self.causal_audio_encoder
         feats = audio_features.to(enc.weights.dtype)
         feats = torch.cat([feats[..., :1].expand(*feats.shape[:-1], self.config.motion_frames), feats], dim=-1)
