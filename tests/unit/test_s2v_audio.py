@@ -190,7 +190,8 @@ def test_features_have_the_dits_shape_per_layer_and_frame(encoder):
 
 def test_frame_windows_follow_the_references_formula(encoder):
     z = layer_features(encoder, np.random.default_rng(0).standard_normal(16000 * 3 + 77).astype(np.float32))
-    for fps, frames, m in [(16, 80, 0), (16, 12, 1), (15, 17, 2), (25, 33, 0), (8, 5, 1)]:
+    # (15, 45): the 90 frames at 30/s fill exactly one clip, and the rule still opens a second, all zeros
+    for fps, frames, m in [(16, 80, 0), (16, 12, 1), (15, 17, 2), (25, 33, 0), (8, 5, 1), (15, 45, 0)]:
         got, clips = frame_windows(z, fps, frames, m)
         want, want_clips = _reference_windows(z, fps, frames, m)
         assert clips == want_clips and got.shape == (3, 32 * (2 * m + 1), clips * frames)
@@ -236,6 +237,7 @@ def test_long_audio_splits_into_the_references_clip_count(encoder):
     assert clip_count(160000, fps=16, frames=80) == 2
     assert clip_count(44100 * 10, fps=16, frames=80, rate=44100) == 2
     assert clip_count(16000 * 15, fps=16, frames=80) == 3  # 449 frames at 30/s: 2.99 clips
+    assert clip_count(160080, fps=16, frames=80) == 3  # 500 -> 300 frames: exactly 2 clips, a third opened
 
 
 def test_the_tiny_folder_is_laid_out_like_the_real_one(tmp_path):
@@ -278,3 +280,19 @@ def test_write_video_muxes_the_audio_cut_to_the_video(tmp_path):
     write_video(plain, frames, fps=16)
     with av.open(str(plain)) as container:
         assert len(container.streams.audio) == 0 and len(container.streams.video) == 1
+
+
+def test_a_missing_or_incomplete_folder_and_too_short_audio_are_refused_in_one_line(tmp_path, encoder):
+    from wanexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"nowhere: wav2vec2 folder not found; .* wav2vec2-large-xlsr-53-english/$"):
+        load_audio_encoder(tmp_path / "nowhere")
+    folder = write_tiny_wav2vec2(tmp_path / "w2v")
+    (folder / "model.safetensors").unlink()
+    (folder / "preprocessor_config.json").unlink()
+    with pytest.raises(ConfigError, match=r"w2v: not a complete wav2vec2 folder \(missing "
+                                          r"preprocessor_config\.json, model\.safetensors\)$"):
+        load_audio_encoder(folder)
+    with pytest.raises(MediaError, match=r"^audio of 600 samples \(0\.037 s\) is too short for wav2vec2 features"):
+        layer_features(encoder, np.zeros(600, np.float32))
+    assert layer_features(encoder, np.zeros(720, np.float32)).shape[1] == 1  # 2 wav2vec2 frames -> 1 at 30/s

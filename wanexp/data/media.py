@@ -193,8 +193,8 @@ def _video_codec() -> str:
     raise MediaError("no usable video encoder (libx264 or mpeg4) in this PyAV build")
 
 
-def _audio_track(audio, frames: int, rate: Fraction) -> tuple[np.ndarray, int] | None:
-    """``(samples, sample_rate)`` -> float32 mono samples cut to ``frames`` frames at ``rate`` fps, and the rate."""
+def _audio_track(audio) -> tuple[np.ndarray, int] | None:
+    """``(samples, sample_rate)`` checked: float32 mono samples and an integer rate."""
     if audio is None:
         return None
     samples, sample_rate = audio
@@ -203,7 +203,7 @@ def _audio_track(audio, frames: int, rate: Fraction) -> tuple[np.ndarray, int] |
         raise ValueError(f"audio samples must be one non-empty mono channel (1-D), got shape {samples.shape}")
     if int(sample_rate) != sample_rate or sample_rate <= 0:
         raise ValueError(f"audio sample rate must be a positive integer, got {sample_rate}")
-    return samples[: round(frames * int(sample_rate) / rate)], int(sample_rate)
+    return samples, int(sample_rate)
 
 
 def _audio_frame(chunk: np.ndarray, sample_rate: int, pts: int):
@@ -239,7 +239,7 @@ def write_video(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{target.suffix or '.mp4'}")
     rate = Fraction(fps).limit_denominator(1001)
-    track = _audio_track(audio, len(frames), rate)
+    track = _audio_track(audio)
     codec = _video_codec()
     try:
         with av.open(str(tmp), mode="w") as container:
@@ -258,7 +258,7 @@ def write_video(
                 frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame_hwc), format="rgb24")
                 for packet in stream.encode(frame):
                     container.mux(packet)
-                if track is not None:  # the samples under this frame, so the two streams interleave
+                if track is not None:  # the samples under this frame: the streams interleave, the audio is cut
                     lo, hi = (min(len(samples), round(i * sample_rate / rate)) for i in (index, index + 1))
                     if hi > lo:
                         for packet in sound.encode(_audio_frame(samples[lo:hi], sample_rate, lo)):

@@ -149,7 +149,7 @@ def load_audio_encoder(folder: str | os.PathLike[str], device: str | torch.devic
 
     path = Path(folder)
     if not path.is_dir():
-        raise ConfigError(f"{path}: wav2vec2 folder not found; the original Wan2.2-S2V-14B layout holds it as {FOLDER}/")
+        raise ConfigError(f"{path}: wav2vec2 folder not found; the original Wan2.2-S2V-14B layout has it as {FOLDER}/")
     missing = [n for n in ("config.json", "preprocessor_config.json") if not (path / n).is_file()]
     if not any(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").is_file():
         missing.append("model.safetensors")
