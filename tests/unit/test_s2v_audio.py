@@ -296,3 +296,5 @@ def test_a_missing_or_incomplete_folder_and_too_short_audio_are_refused_in_one_l
     with pytest.raises(MediaError, match=r"^audio of 600 samples \(0\.037 s\) is too short for wav2vec2 features"):
         layer_features(encoder, np.zeros(600, np.float32))
     assert layer_features(encoder, np.zeros(720, np.float32)).shape[1] == 1  # 2 wav2vec2 frames -> 1 at 30/s
+    with pytest.raises(ValueError, match=r"at the audio encoder's 16000 Hz, got 44100 Hz"):
+        audio_features(encoder, np.zeros(44100, np.float32), 44100, fps=16, frames=16)

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wanexp.data.audio import SAMPLE_RATE, resample
 from wanexp.errors import ConfigError, MediaError
 
 __all__ = [
     "FOLDER",
+    "SAMPLE_RATE",
     "VIDEO_RATE",
     "WAV2VEC2_RATE",
     "AudioEncoder",
@@ -55,6 +55,9 @@ WAV2VEC2_RATE = 50
 
 VIDEO_RATE = 30
 """The rate the wav2vec2 frames are interpolated to before they are taken per video frame."""
+
+SAMPLE_RATE = 16000
+"""The audio rate wav2vec2 reads (its ``preprocessor_config.json``); ``wanexp.data.audio`` reads audio at it."""
 
 # config.json of the real wav2vec2-large-xlsr-53-english (a Wav2Vec2ForCTC fine-tuned for English CTC).
 _REAL_CONFIG = {
@@ -189,9 +192,13 @@ def clip_count(num_samples: int, fps: float, frames: int, rate: int = SAMPLE_RAT
 
 
 def layer_features(encoder: AudioEncoder, samples: np.ndarray, rate: int = SAMPLE_RATE) -> torch.Tensor:
-    """float32 ``(layers, A, dim)``: every wav2vec2 hidden state of mono ``samples`` (resampled to 16 kHz first),
-    interpolated from 50 to 30 frames per second, ``A = int(T / 50 * 30)`` (steps 1-3 of the module's text)."""
-    samples = resample(np.asarray(samples, dtype=np.float32), rate, encoder.sample_rate)
+    """float32 ``(layers, A, dim)``: every wav2vec2 hidden state of mono ``samples`` at the encoder's rate (16 kHz;
+    ``wanexp.data.audio`` reads and resamples to it), interpolated from 50 to 30 frames per second,
+    ``A = int(T / 50 * 30)`` (steps 1-3 of the module's text)."""
+    if rate != encoder.sample_rate:
+        raise ValueError(f"samples must be at the audio encoder's {encoder.sample_rate} Hz, got {rate} Hz "
+                         "(wanexp.data.audio.resample)")
+    samples = np.asarray(samples, dtype=np.float32)
     cfg = encoder.model.config
     frames_50 = _conv_frames(len(samples), cfg.conv_kernel, cfg.conv_stride)
     count = _resampled_count(frames_50)
