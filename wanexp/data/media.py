@@ -193,11 +193,37 @@ def _video_codec() -> str:
     raise MediaError("no usable video encoder (libx264 or mpeg4) in this PyAV build")
 
 
-def write_video(path: str | os.PathLike[str], frames_uint8: np.ndarray, fps: int | float | Fraction = 16) -> None:
+def _audio_track(audio) -> tuple[np.ndarray, int] | None:
+    """``(samples, sample_rate)`` checked: float32 mono samples and an integer rate."""
+    if audio is None:
+        return None
+    samples, sample_rate = audio
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim != 1 or samples.size == 0:
+        raise ValueError(f"audio samples must be one non-empty mono channel (1-D), got shape {samples.shape}")
+    if int(sample_rate) != sample_rate or sample_rate <= 0:
+        raise ValueError(f"audio sample rate must be a positive integer, got {sample_rate}")
+    return samples, int(sample_rate)
+
+
+def _audio_frame(chunk: np.ndarray, sample_rate: int, pts: int):
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk[None]), format="fltp", layout="mono")
+    frame.sample_rate, frame.pts, frame.time_base = sample_rate, pts, Fraction(1, sample_rate)
+    return frame
+
+
+def write_video(
+    path: str | os.PathLike[str],
+    frames_uint8: np.ndarray,
+    fps: int | float | Fraction = 16,
+    audio: tuple[np.ndarray, int] | None = None,
+) -> None:
     """Write ``(F, H, W, 3)`` uint8 RGB frames as an mp4 (H.264 yuv420p, else MPEG-4 Part 2).
 
-    Odd heights/widths are padded by one edge pixel (yuv420p needs even sizes). The file is
-    written under a temporary name and renamed into place, so readers never see a partial file.
+    ``audio=(samples, sample_rate)``: float mono samples muxed as an AAC stream, cut to the video's duration
+    (``F / fps`` seconds; a shorter audio ends early). Odd heights/widths are padded by one edge pixel (yuv420p
+    needs even sizes). The file is written under a temporary name and renamed into place, so readers never see a
+    partial file.
     """
     frames = np.asarray(frames_uint8)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
@@ -213,6 +239,7 @@ def write_video(path: str | os.PathLike[str], frames_uint8: np.ndarray, fps: int
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{target.suffix or '.mp4'}")
     rate = Fraction(fps).limit_denominator(1001)
+    track = _audio_track(audio)
     codec = _video_codec()
     try:
         with av.open(str(tmp), mode="w") as container:
@@ -224,12 +251,23 @@ def write_video(path: str | os.PathLike[str], frames_uint8: np.ndarray, fps: int
                 stream.options = {"crf": "18", "preset": "veryfast"}
             else:
                 stream.bit_rate = max(1_000_000, int(width * height * float(rate) * 0.5))
-            for frame_hwc in frames:
+            if track is not None:
+                samples, sample_rate = track
+                sound = container.add_stream("aac", rate=sample_rate, layout="mono")
+            for index, frame_hwc in enumerate(frames):
                 frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame_hwc), format="rgb24")
                 for packet in stream.encode(frame):
                     container.mux(packet)
+                if track is not None:  # the samples under this frame: the streams interleave, the audio is cut
+                    lo, hi = (min(len(samples), round(i * sample_rate / rate)) for i in (index, index + 1))
+                    if hi > lo:
+                        for packet in sound.encode(_audio_frame(samples[lo:hi], sample_rate, lo)):
+                            container.mux(packet)
             for packet in stream.encode(None):
                 container.mux(packet)
+            if track is not None:
+                for packet in sound.encode(None):
+                    container.mux(packet)
         os.replace(tmp, target)
     except (av.error.FFmpegError, OSError) as exc:
         raise MediaError(f"{target}: cannot write video with {codec} ({_reason(exc)})") from None
