@@ -42,8 +42,16 @@ demo: $(PACKAGE)
 	$(PY) -m wanexp.cli.cache $(DEMO)
 	$(PY) train.py $(DEMO)
 
-test: $(PACKAGE)
-	$(PY) -m pytest -q -n 2 --maxschedchunk 2
+# Test-only references, outside the package's dependencies: DiffSynth-Studio's S2V model and wav2vec2 code (the S2V
+# parity tests load its module files, not the package, so --no-deps) and the einops it uses.
+REF := $(VENV)/ref
+$(REF)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(REF)/diffsynth diffsynth==2.1.12
+	$(PY) -m pip install -q --no-deps --target $(REF)/einops einops==0.8.2
+	touch $@
+
+test: $(PACKAGE) $(REF)/.installed
+	WANEXP_S2V_REFERENCE=$(REF)/diffsynth:$(REF)/einops $(PY) -m pytest -q -n 2 --maxschedchunk 2
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

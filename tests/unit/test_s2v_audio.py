@@ -99,10 +99,17 @@ def _reference_windows(z: torch.Tensor, fps: float, frames: int, m: int) -> tupl
 
 def _diffsynth_wav2vec():
     """DiffSynth-Studio's ``diffsynth/models/wav2vec.py``, loaded from the installed package's files (the package's
-    own __init__ needs its full dependency set; this module needs only numpy and torch)."""
+    own __init__ needs its full dependency set; this module needs only numpy and torch), found in the folders of
+    WANEXP_S2V_REFERENCE (``make test`` installs it there) or on the path."""
+    import os
+    import sys
+
+    folders = [p for p in os.environ.get("WANEXP_S2V_REFERENCE", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in folders if p not in sys.path]
     spec = importlib.util.find_spec("diffsynth")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("diffsynth not importable: pip install --no-deps --target DIR diffsynth==2.1.12; PYTHONPATH=DIR")
+        pytest.skip("diffsynth not importable: pip install --no-deps --target REF/diffsynth diffsynth==2.1.12, then "
+                    "WANEXP_S2V_REFERENCE=REF/diffsynth")
     path = Path(next(iter(spec.submodule_search_locations))) / "models" / "wav2vec.py"
     module_spec = importlib.util.spec_from_file_location("diffsynth_wav2vec_reference", path)
     module = importlib.util.module_from_spec(module_spec)
