@@ -14,15 +14,20 @@ class Pipeline:
     boundary_ratio: float | None = None  # the model's own (a folder's model_index.json), for expert_routing
 
     def generate(self, prompt: str, seed: int, shape: dict, steps: int, guidance: float, negative: str, device,
-                 record: list, image=None, embeds=None, decode: bool = True):
+                 record: list, image=None, embeds=None, decode: bool = True, inputs: dict | None = None):
         """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
         ``shape``: height, width, frames, text_len. ``image``: the first frame (PIL) of an image-to-video sample.
         ``embeds``: the (prompt, negative prompt) text embeddings, each (text_len, D), for a pipeline built without
         its text encoder (validation reads them from the cache). The same seed gives the same sample. Without
         ``decode`` the video is None (a rank of several that does not write). The transformers are called through
         ``nn.Module.__call__`` with keyword arguments, the conditional call of a CFG step before its unconditional
-        one (wanexp.parallel.generation.cfg_split relies on it)."""
+        one (wanexp.parallel.generation.cfg_split relies on it). ``inputs``: the family's own inputs of this sample
+        by name (``ModelSpec.sample_inputs``, e.g. ``{"audio": path}``: ``wanexp-sample --audio``)."""
         raise self._missing("generate")
+
+    def soundtrack(self, inputs: dict | None, frames: int, fps: int):
+        """The audio to mux into a sample's mp4 (``(samples float32 mono, rate)``), or None: a silent video."""
+        return None
 
     def recorded_timesteps(self):
         """A context manager: collect the timestep each transformer call gets into the list it yields (cleared by

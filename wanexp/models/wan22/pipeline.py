@@ -211,7 +211,7 @@ class WanPipelineRunner(Pipeline):
         self._record: list | None = None
 
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
-                 decode=True):
+                 decode=True, inputs=None):
         return generate(self.pipe, prompt, seed, shape, steps, guidance, negative, device, record, image, embeds,
                         decode=decode)
 
