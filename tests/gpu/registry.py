@@ -1278,3 +1278,98 @@ CASES[CACHE_SPEED] = Case(
     record=(*(f"cache_{d}.{k}" for d in VAE_DTYPES for k in ("samples_per_s", "vae_samples_per_s", "share_pct")),
             *(f"cache_{d}.{k}" for d in VAE_DTYPES[1:] for k in ("rel_err", "not_finite"))),
 )
+
+
+# ---- generation on several GPUs: wanexp-sample under torchrun (docs/distillation.md, "Sampling") ---------------------
+# The real-size TI2V-5B with its real UMT5-XXL and VAE (BUILD), one 480x832x81 prompt, CFG 5, 10 steps, two seeds (the
+# first warms up); each process capped at CAP_GIB. Per-step time is the second sample's steps alone (``denoise_s`` of
+# wanexp-sample's metrics.json: its first transformer call's start to its last's end), so the rank-0 decode and the
+# prompt encoding are left out of the speed-ups.
+GEN_SHAPE = ("--height", "480", "--width", "832", "--frames", "81", "--steps", "10", "--guidance", "5",
+             "--seed", "0", "--seed", "1", "--prompt", "a red ball rolls down a wooden ramp")
+GEN_VISIBLE = {1: "0", 2: "0,1", 4: "0,1,2,3"}
+
+
+def generate(name: str, case: str, procs: int, *extra: str, env: dict | None = None, minutes: float = 3) -> Phase:
+    """``wanexp.cli.sample`` on ``procs`` GPUs (torchrun, each process capped), into ``<results>/<name>``."""
+    def argv(ctx: Ctx) -> list[str]:
+        head = [ctx.python] if procs == 1 else [ctx.python, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
+        return [*head, "tests/gpu/capped.py", str(CAP_GIB), "wanexp.cli.sample", "--model-path", str(model_dir(ctx)),
+                *GEN_SHAPE, *extra, "--out", str(ctx.results(case) / name)]
+    return Phase(name, argv, minutes=minutes, env={"CUDA_VISIBLE_DEVICES": GEN_VISIBLE[procs], **(env or {})},
+                 fresh=lambda ctx: [ctx.results(case) / name])
+
+
+def generation_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
+    """Each phase's metrics.json read back: the warm sample's seconds per step, the peak per rank and their spread
+    ((max - min) / max), the grid; and each phase's speed-up over the one-GPU phase ``gen_1``."""
+    def collect(ctx: Ctx, phases: dict) -> dict:
+        out = {}
+        for n in names:
+            path = ctx.results(case) / n / "metrics.json"
+            if not path.is_file():
+                continue
+            m = json.loads(path.read_text())
+            warm = m["timing"][-1]
+            peaks = [p for p in m["processes"]["peak_gib"] if p is not None]
+            out[n] = {"s_per_step": warm["denoise_s"] / warm["steps"], "peak_gib": max(peaks) if peaks else None,
+                      "peak_spread": (max(peaks) - min(peaks)) / max(peaks) if peaks else None,
+                      "world": m["processes"]["world"], "sp": m["processes"]["sp"], "cfg": m["processes"]["cfg"]}
+        one = out.get("gen_1", {}).get("s_per_step")
+        for n, v in out.items():
+            v["speedup"] = one / v["s_per_step"] if one and v["s_per_step"] else None
+        return out
+    return collect
+
+
+GEN2 = "generate_5b_2gpu"
+CASES[GEN2] = Case(
+    name=GEN2, gpus=2, model="ti2v5b",
+    about="wanexp-sample of the real-size TI2V-5B (real UMT5-XXL and VAE, random weights) at 480x832x81, 10 steps, "
+          f"CFG 5, each process capped at {CAP_GIB} GiB: one GPU, then 2 GPUs sequence parallel (--sp 2), 2 GPUs CFG "
+          "parallel, and --sp 2 again with NCCL_P2P_DISABLE=1 (PCIe-like cards); run build and the gen phases in "
+          "separate device calls",
+    phases=(BUILD, generate("gen_1", GEN2, 1), generate("gen_sp2", GEN2, 2), generate("gen_cfg2", GEN2, 2,
+                                                                                       "--cfg-parallel"),
+            generate("gen_sp2_nop2p", GEN2, 2, env={"NCCL_P2P_DISABLE": "1"})),
+    checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in
+              ("gen_1", "gen_sp2", "gen_cfg2", "gen_sp2_nop2p")),
+            Check("metrics.gen_sp2.speedup", ">=", 1.8, "gen_sp2", "2 GPUs' steps/s over one's"),
+            Check("metrics.gen_cfg2.speedup", ">=", 1.8, "gen_cfg2", "2 GPUs' steps/s over one's"),
+            Check("metrics.gen_sp2.peak_spread", "<=", 0.10, "gen_sp2", "peak memory within 10 % across the GPUs"),
+            Check("metrics.gen_sp2_nop2p.speedup", "present", None, "gen_sp2_nop2p", "without peer-to-peer")),
+    collect=generation_metrics(GEN2, "gen_1", "gen_sp2", "gen_cfg2", "gen_sp2_nop2p"),
+    record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_sp2", "gen_cfg2", "gen_sp2_nop2p")
+                 for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
+)
+
+GEN4 = "generate_5b_4gpu"
+CASES[GEN4] = Case(
+    name=GEN4, gpus=4, model="ti2v5b",
+    about=f"as {GEN2} on 4 GPUs: one GPU, --sp 4 (the 5B's 24 heads split 4 ways), and CFG 2 x sp 2",
+    phases=(BUILD, generate("gen_1", GEN4, 1), generate("gen_sp4", GEN4, 4),
+            generate("gen_cfg2_sp2", GEN4, 4, "--cfg-parallel")),
+    checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in
+              ("gen_1", "gen_sp4", "gen_cfg2_sp2")),
+            Check("metrics.gen_sp4.speedup", ">=", 3.4, "gen_sp4", "4 GPUs' steps/s over one's"),
+            Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2", "4 GPUs' steps/s over one's"),
+            Check("metrics.gen_sp4.peak_spread", "<=", 0.10, "gen_sp4", "peak memory within 10 % across the GPUs")),
+    collect=generation_metrics(GEN4, "gen_1", "gen_sp4", "gen_cfg2_sp2"),
+    record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_sp4", "gen_cfg2_sp2")
+                 for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
+)
+
+GEN1 = "generate_5b_28g"
+CASES[GEN1] = Case(
+    name=GEN1, gpus=1, model="ti2v5b",
+    about="wanexp-sample of the real-size TI2V-5B (real UMT5-XXL and VAE, random weights) on one GPU capped at "
+          f"{CAP_GIB} GiB: 480x832x81 and the user's 704x1280x121, 10 steps, CFG 5 (the text encoder runs and is freed "
+          "before the DiT loads)",
+    phases=(BUILD, generate("gen_1", GEN1, 1),
+            generate("gen_704", GEN1, 1, "--height", "704", "--width", "1280", "--frames", "121", minutes=5)),
+    checks=(Check("phases.gen_1.rc", "==", 0, "gen_1", "exits 0 under the cap"),
+            Check("phases.gen_704.rc", "==", 0, "gen_704", "exits 0 under the cap"),
+            Check("metrics.gen_704.peak_gib", "<=", CAP_GIB, "gen_704", "peak under the cap")),
+    collect=generation_metrics(GEN1, "gen_1", "gen_704"),
+    record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_704") for k in ("s_per_step", "peak_gib")),
+)

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -298,12 +299,18 @@ def _main(args, s) -> dict:
 
     def one(prompt, seed, n_steps, cfg, img, rt, phase):
         multi.set_phase(phase)
+        start = time.perf_counter()
         with pipe.routed(rt), multi.cfg_split(grid, list(modules.values()), embeds[negative], cfg):
             got = pipe.generate(prompt, seed, s, n_steps, cfg, negative, device, record, img,
                                 embeds=(embeds[prompt], embeds[negative]), decode=leader)
         multi.arrive(grid, phase)
+        work = results["processes"]
+        timing.append({"sample": phase, "seconds": round(time.perf_counter() - start, 3), "steps": n_steps,
+                       "denoise_s": round(work.pop("_end") - work.pop("_start"), 3)})
+        work["_new"] = True  # the next sample's first call starts its clock
         return got
 
+    timing: list[dict] = []
     # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), the expert that served
     # it with its adapter on or off, and what this rank's first blocks computed (calls, tokens per call)
     with pipe.recorded_timesteps() as record, recorded_experts(modules) as served, \
@@ -343,6 +350,9 @@ def _main(args, s) -> dict:
                     print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
                                                              f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
                                                              if args.teacher else ""), flush=True)
+    results["processes"].pop("_new", None)
+    results["timing"] = timing  # each sample's wall seconds (its decode included), steps, and the steps' seconds
+    results["processes"]["peak_gib"] = multi.gather(grid, _peak_gib(device))  # per rank
     if leader:  # the latents stay in the returned results (for callers), not in metrics.json
         saved = dict(results, samples=[{k: v for k, v in e.items() if k != "latents"} for e in results["samples"]])
         (out / "metrics.json").write_text(json.dumps(saved, indent=2))
@@ -363,11 +373,41 @@ def _block_work(spec, modules: dict, into: dict):
 
     firsts = {id(b): b for b in (spec.blocks(t)[0] for t in modules.values())}
     handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in firsts.values()]
+    handles += _denoise_clock(modules, into)
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+
+
+def _denoise_clock(modules: dict, into: dict) -> list:
+    """Hooks that keep the wall time from the start of a sample's first transformer call to the end of its last
+    (the GPU's work included): ``into["denoise_s"]`` of the sample that ran last (steps only: no text encoding, no
+    decode). Returns the hook handles."""
+    import torch
+
+    def start(module, args, kwargs):
+        if into.get("_end") is None or into.get("_new"):
+            into.update(_start=time.perf_counter(), _new=False)
+
+    def end(module, args, kwargs, output):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        into["_end"] = time.perf_counter()
+
+    handles = []
+    for m in {id(m): m for m in modules.values()}.values():
+        handles.append(m.register_forward_pre_hook(start, with_kwargs=True))
+        handles.append(m.register_forward_hook(end, with_kwargs=True))
+    return handles
+
+
+def _peak_gib(device) -> float | None:
+    """The most GPU memory this process's tensors held (None on the CPU)."""
+    import torch
+
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
 
 
 def _save_latents(path: Path, latents) -> None:

@@ -209,6 +209,17 @@ def share(grid: Grid | None, value):
     return box[0]
 
 
+def gather(grid: Grid | None, value) -> list:
+    """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` for one process."""
+    if grid is None:
+        return [value]
+    import torch.distributed as dist
+
+    out = [None] * grid.world
+    dist.all_gather_object(out, value, group=grid.control)
+    return out
+
+
 @contextmanager
 def cfg_split(grid: Grid | None, modules, negative, guidance: float):
     """CFG parallel over the pipeline's transformer calls: a pipeline with guidance > 1 calls each step's
