@@ -50,11 +50,13 @@ def one(trained, tmp_path_factory):
     (["--gpus", "2"], 2, 2, 1),
     (["--gpus", "2", "--cfg-parallel"], 2, 1, 2),
     (["--gpus", "4", "--cfg-parallel"], 4, 2, 2),
+    (["--gpus", "2", "--shard"], 2, 2, 1),
+    (["--gpus", "4", "--cfg-parallel", "--shard"], 4, 2, 2),
 ])
 def test_several_processes_give_the_one_process_sample(one, tmp_path, extra, world, sp, cfg):
     """The same latents to the bit on CPU (tolerance 0: every rank runs the same operations on its share and the
     shares are exchanged exactly); a CFG-parallel rank computes half of the transformer calls, a sequence-parallel
-    one half of the tokens of each."""
+    one half of the tokens of each; with --shard each rank holds its 1/N of the weights (the LoRA's included)."""
     run, res = one
     done = _command(_args(run, tmp_path, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -64,6 +66,11 @@ def test_several_processes_give_the_one_process_sample(one, tmp_path, extra, wor
     assert (multi["world"], multi["sp"], multi["cfg"]) == (world, sp, cfg)
     assert multi["block_tokens"] * sp == single["block_tokens"]
     assert multi["block_calls"] * cfg == single["block_calls"]
+    (whole,) = single["weight_bytes"]
+    if "--shard" in extra:  # the base weights split; each rank holds the LoRA (10 % of this tiny model) whole
+        assert len(multi["weight_bytes"]) == world and max(multi["weight_bytes"]) < whole * (1 / world + 0.12)
+    else:
+        assert multi["weight_bytes"] == [whole] * world
     assert (tmp_path / "p0_s1.mp4").is_file() and done.stderr == ""
 
 

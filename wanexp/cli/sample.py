@@ -77,6 +77,9 @@ def _parse(argv):
     ap.add_argument("--cfg-parallel", action="store_true",
                     help="the conditional and unconditional halves of each CFG step on different processes (needs "
                          "an even process count: 2 x --sp)")
+    ap.add_argument("--shard", action="store_true",
+                    help="shard each transformer's weights over the processes (FSDP2, loaded rank by rank from the "
+                         "safetensors files): each GPU holds 1/N of them, for models that do not fit one card")
     ap.add_argument("--timeout", type=int, default=900,
                     help="seconds a process waits for the others at each phase (start, prompts, weights, each "
                          "sample) before it names the late rank and stops")
@@ -146,6 +149,9 @@ def _layout(args, spec, s):
         raise ConfigError(f"--gpus {args.gpus} under a launcher of {world} processes: leave out --gpus when "
                           "torchrun starts the processes")
     grid = layout(world, args.sp, args.cfg_parallel)
+    if args.shard and grid.world == 1:
+        raise ConfigError("--shard splits the weights over several processes: add --gpus N (or run it under "
+                          "torchrun --nproc_per_node=N)")
     if grid.sp > 1:
         config = json.loads((Path(s["model_path"]) / spec.expert_folders[spec_experts(s)[0]] / "config.json")
                             .read_text())
@@ -265,7 +271,7 @@ def _main(args, s) -> dict:
     embeds = multi.share(grid, _embeddings(spec, args.prompt, s, device) if leader else None)
     multi.arrive(grid, "encoding the prompts")
     multi.set_phase("loading the weights")
-    pipe = _load(spec, s, device, grid, image)
+    pipe = _load(spec, s, device, grid, image, args.shard)
     modules = pipe.experts
     distilled, trained = None, []
     for path in s["loras"]:
@@ -276,6 +282,7 @@ def _main(args, s) -> dict:
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
                          float(header["wanexp_student_shift"]))
+    held = multi.gather(grid, _weight_bytes(modules))  # per rank, as loaded (FSDP2 keeps a root's gathered later)
     multi.arrive(grid, "loading the weights")
     ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.boundary_ratio
     routing = expert_routing(list(modules), ratio, trained, distilled is not None)  # as the training routed
@@ -293,7 +300,7 @@ def _main(args, s) -> dict:
                "distilled": bool(distilled), "steps": steps, "guidance": guidance, "fps": s["fps"],
                "negative_prompt": negative, "routing": dataclasses.asdict(routing), "samples": [],
                "processes": {"world": 1 if grid is None else grid.world, "sp": s["layout"].sp,
-                             "cfg": s["layout"].cfg}}
+                             "cfg": s["layout"].cfg, "weight_bytes": held}}
     if args.teacher:
         results["teacher"] = {"steps": args.teacher_steps, "guidance": s["teacher_guidance"]}
 
@@ -403,6 +410,16 @@ def _denoise_clock(modules: dict, into: dict) -> list:
     return handles
 
 
+def _weight_bytes(modules: dict) -> int:
+    """Bytes of the transformers' weights this process holds (its shards of a sharded one)."""
+    total = 0
+    for m in {id(m): m for m in modules.values()}.values():
+        for p in m.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+    return total
+
+
 def _peak_gib(device) -> float | None:
     """The most GPU memory this process's tensors held (None on the CPU)."""
     import torch
@@ -439,12 +456,23 @@ def _embeddings(spec, prompts: list[str], s, device) -> dict:
     return embeds
 
 
-def _load(spec, s, device, grid, image: bool):
+def _load(spec, s, device, grid, image: bool, shard: bool):
     """The family's pipeline around its transformers (each expert of the model), its VAE and scheduler on
-    ``device``; under sequence parallel the transformers split every call's tokens over the branch's ranks."""
+    ``device``; under sequence parallel the transformers split every call's tokens over the branch's ranks;
+    ``shard``: each transformer sharded over every rank (wanexp.models.sharded)."""
     transformers = {}
+    mesh = None
+    if shard and grid is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (grid.world,))
     for expert in spec_experts(s):
-        t = spec.load_transformer(expert).to(device).eval()
+        if mesh is not None:
+            from wanexp.models.sharded import load_sharded
+
+            t = load_sharded(spec, expert, device, mesh)
+        else:
+            t = spec.load_transformer(expert).to(device).eval()
         if grid is not None and grid.sp_group is not None:
             spec.enable_sequence_parallel(t, grid.sp_group, gradient_free=True)
         transformers[expert] = t
