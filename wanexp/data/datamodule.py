@@ -607,7 +607,8 @@ class MediaDataModule(L.LightningDataModule):
         ``max_reject_fraction`` of the rows the run stops with one line, before any weights load.
         """
         samples, rejects = read_metadata_with_rejects(self.metadata, self.root,
-                                                      tuple(getattr(self.encoders, "sample_inputs", ())))
+                                                      tuple(getattr(self.encoders, "sample_inputs", ())),
+                                                      dict(getattr(self.encoders, "input_fallbacks", ())))
         if self.max_samples:
             samples = samples[: self.max_samples]
         sizes: list[tuple[int, int] | None] = [None] * len(samples)

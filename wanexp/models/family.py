@@ -55,6 +55,8 @@ class EncoderInfo:
     # the folders of the family's other media encoders (encoder_folders besides the VAE, the text encoder and the
     # tokenizer: e.g. an audio encoder), whose weights the latent cache keys cover too
     media_encoders: tuple[str, ...] = ()
+    # ModelSpec.sample_input_fallbacks as ((input, (other columns, ...)), ...)
+    input_fallbacks: tuple = ()
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
@@ -134,6 +136,7 @@ class ModelSpec:
     needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
     per_token_timestep: bool = False  # the DiT takes a timestep per token, not one per sample
+    draws_audio_dropout: bool = False  # a share of samples train with zeroed audio features (model.audio_dropout)
     # The components, as ``package.module.Class`` (diffusers/transformers classes with from_pretrained).
     transformer_class: str = ""
     vae_class: str = ""
@@ -167,6 +170,7 @@ class ModelSpec:
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
         frame_rule: list[int] | None = None,
+        audio_dropout: float = 0.0,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -192,6 +196,9 @@ class ModelSpec:
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
         self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
         self.offload_activations = offload_activations  # checkpointed blocks' inputs in host memory (fast.py)
+        self.audio_dropout = audio_dropout  # share of training samples with zeroed audio (a family with audio input)
+        if audio_dropout and not self.draws_audio_dropout:
+            raise ConfigError(f"model.audio_dropout={audio_dropout}: model={name} has no audio input; set it to 0")
         if offload_activations and not (gradient_checkpointing and fast_modulation):
             raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
                               "needs model.gradient_checkpointing=true and model.fast_modulation=true")
@@ -324,7 +331,8 @@ class ModelSpec:
                            sample_inputs=tuple(self.sample_inputs),
                            load_sample_input=self.load_sample_input if self.sample_inputs else None,
                            media_encoders=tuple(str(self.path / f) for f in self.encoder_folders
-                                                if f not in ("vae", "text_encoder", "tokenizer")))
+                                                if f not in ("vae", "text_encoder", "tokenizer")),
+                           input_fallbacks=tuple(self.sample_input_fallbacks.items()))
 
     # ---- the tiny random build (model.build) ------------------------------------------------------------------
     def write_random_model(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -354,6 +362,9 @@ class ModelSpec:
     # Extra metadata columns every sample carries (column -> what it is), each a file path relative to the metadata's
     # folder like ``video``; loaded by load_sample_input into the loader item under the column's name.
     sample_inputs: dict[str, str] = {}
+    # Sample inputs a row may leave out: input -> the other columns it is read from, in order; a row with none of
+    # them hands the clip's own media path to load_sample_input (e.g. a video's audio stream).
+    sample_input_fallbacks: dict[str, tuple[str, ...]] = {}
 
     def route(self, sigma: torch.Tensor, loaded: list[str]) -> torch.Tensor:
         """Each sample's expert as an index into ``loaded`` (long, on sigma's device): here every sample goes to the
