@@ -620,6 +620,11 @@ class MediaDataModule(L.LightningDataModule):
                                                 fps=self.fps)
             samples, rejects = [r.sample for r in good], rejects + bad
             sizes, frames = [(r.width, r.height) for r in good], [r.frames for r in good]
+            check = getattr(self.encoders, "check_sample_input", None)  # the family's check of its inputs' files
+            if check is not None:
+                reasons = [next((r for name, p in s.inputs if (r := check(name, p))), None) for s in samples]
+                rejects += [Reject(source=s.path, path=s.path, reason=r) for s, r in zip(samples, reasons) if r]
+                samples, sizes, frames = ([x for x, r in zip(xs, reasons) if not r] for xs in (samples, sizes, frames))
         warnings += self._long_captions(samples)
         total = len(samples) + len(rejects)
         self.report = {"rows": total, "rejected": len(rejects), "warnings": len(warnings),

@@ -57,6 +57,8 @@ class EncoderInfo:
     media_encoders: tuple[str, ...] = ()
     # ModelSpec.sample_input_fallbacks as ((input, (other columns, ...)), ...)
     input_fallbacks: tuple = ()
+    # ModelSpec.check_sample_input(name, path) -> a reject reason or None, run by the data probe (None: no check)
+    check_sample_input: Callable | None = None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
@@ -332,7 +334,8 @@ class ModelSpec:
                            load_sample_input=self.load_sample_input if self.sample_inputs else None,
                            media_encoders=tuple(str(self.path / f) for f in self.encoder_folders
                                                 if f not in ("vae", "text_encoder", "tokenizer")),
-                           input_fallbacks=tuple(self.sample_input_fallbacks.items()))
+                           input_fallbacks=tuple(self.sample_input_fallbacks.items()),
+                           check_sample_input=self.check_sample_input if self.sample_inputs else None)
 
     # ---- the tiny random build (model.build) ------------------------------------------------------------------
     def write_random_model(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -385,6 +388,11 @@ class ModelSpec:
         """One of ``sample_inputs`` of a sample, read from its file for a clip of ``num_frames`` at ``fps``."""
         raise ConfigError(f"model={self.name}: its family declares the sample input {name!r} but provides no "
                           "load_sample_input to read it")
+
+    def check_sample_input(self, name: str, path: str) -> str | None:
+        """Why a sample's input file cannot be read (a one-line reject reason), or None; run by the data probe
+        (``data.probe``) before anything loads. Default: no check beyond the loader's."""
+        return None
 
     def transformer_call(self, transformer, hidden: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
                          cond: dict) -> torch.Tensor:

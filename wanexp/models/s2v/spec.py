@@ -197,6 +197,18 @@ class S2VSpec(ModelSpec):
         samples, rate = read_audio(source)
         return torch.from_numpy(audio_for_clip(samples, rate, 0.0, num_frames, fps or self.fps))
 
+    def check_sample_input(self, name: str, path: str) -> str | None:
+        """A sample without audio (no audio file, no same-name one beside a clip, no audio stream): the reason."""
+        from wanexp.data.audio import find_audio
+        from wanexp.data.metadata import media_kind
+        from wanexp.errors import MediaError
+
+        try:
+            find_audio(path) if media_kind(path) == "video" else find_audio(path, path)
+        except MediaError as e:
+            return str(e).removeprefix(f"{path}: ")
+        return None
+
     def sample_condition(self, cond: dict, batch_size: int, generator: torch.Generator | None = None) -> dict:
         """``model.audio_dropout`` of the samples get zero audio features (the negative branch of audio CFG)."""
         if not self.audio_dropout or "audio" not in cond:
