@@ -71,7 +71,7 @@ def clips(tmp_path):
 def _overrides(root, *extra) -> list[str]:
     return ["experiment=demo", "model=tiny_s2v", f"paths.tiny_model_dir={root}/models",
             f"paths.output_dir={root}/run", f"data.cache_dir={root}/cache", f"data.metadata={root}/data/metadata.csv",
-            "data.generate=null", "data.num_frames=8", "data.height=32", "data.width=32", "data.max_reject_fraction=0.5",
+            "data.generate=null", "data.num_frames=9", "data.height=32", "data.width=32", "data.max_reject_fraction=0.5",
             "adapter.attention=[self,cross,audio]", "adapter.rank=4", "adapter.alpha=2", "optim.lr=1e-2",
             "optim.warmup_steps=0", "optim.scheduler=constant", "trainer.log_every_n_steps=1", "callbacks.progress=null",
             "callbacks.checkpoint.every_n_train_steps=2", "callbacks.validation=null", *extra]
@@ -117,10 +117,11 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
         stored = index.load(latents[str(root / "data" / f"{name}.mp4")])
         assert sorted(stored) == ["audio", "latents", "ref_latents"]
         assert stored["latents"].shape == (16, 2, 4, 4) and stored["ref_latents"].shape == (16, 1, 4, 4)
-        samples = spec.load_sample_input("audio", str(root / "data" / source), 8, FPS)
-        assert samples.shape == (8000,)
-        assert torch.equal(stored["audio"], encoders.encode_audio(samples[None], 8)[0])  # (3 layers, 32, 8 frames)
-    # the side .wav, not the (silent) video's own stream, is the side clip's audio
+        samples = spec.load_sample_input("audio", str(root / "data" / source), 9, FPS)
+        assert samples.shape == (9000,)  # the 9 frames' span at 16 kHz
+        assert stored["audio"].shape == (3, 32, 8)  # wav2vec2's 3 layers, width 32, the 8 generated frames
+        assert torch.equal(stored["audio"], encoders.encode_audio(samples[None], 9)[0])
+    # the side .wav, not the (silent) video's own stream, is the side clip's audio (mute.mp4: rejected above)
     assert not torch.equal(index.load(latents[str(root / "data" / "side.mp4")])["audio"],
                            index.load(latents[str(root / "data" / "talk0.mp4")])["audio"])
 
@@ -137,6 +138,11 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     history = [json.loads(x)["step"] for x in (run / "status.jsonl").read_text().splitlines()]
     assert step == 4 and history == [1, 2, 3, 4]
     assert all(not torch.equal(first[k], last[k]) for k in first if ".lora_B." in k)
+    # the resumed run's LoRA is bit-identical to an uninterrupted one's (audio dropout draws included)
+    _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4",
+                                                                  f"paths.output_dir={root}/straight")])
+    _, straight = _lora(root / "straight" / "checkpoints" / "last.ckpt")
+    assert straight.keys() == last.keys() and all(torch.equal(straight[k], last[k]) for k in last)
 
     # 3. the LoRA files: ComfyUI's keys are the original S2V names; the diffusers file loads back as trained
     final = run / "lora" / "final"

@@ -139,6 +139,7 @@ class ModelSpec:
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
     per_token_timestep: bool = False  # the DiT takes a timestep per token, not one per sample
     draws_audio_dropout: bool = False  # a share of samples train with zeroed audio features (model.audio_dropout)
+    default_audio_dropout: float = 0.0  # that share when model.audio_dropout is null
     # The components, as ``package.module.Class`` (diffusers/transformers classes with from_pretrained).
     transformer_class: str = ""
     vae_class: str = ""
@@ -172,7 +173,7 @@ class ModelSpec:
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
         frame_rule: list[int] | None = None,
-        audio_dropout: float = 0.0,
+        audio_dropout: float | None = None,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -198,7 +199,8 @@ class ModelSpec:
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
         self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
         self.offload_activations = offload_activations  # checkpointed blocks' inputs in host memory (fast.py)
-        self.audio_dropout = audio_dropout  # share of training samples with zeroed audio (a family with audio input)
+        # share of training samples with zeroed audio (a family with audio input; None: its default_audio_dropout)
+        self.audio_dropout = self.default_audio_dropout if audio_dropout is None else audio_dropout
         if audio_dropout and not self.draws_audio_dropout:
             raise ConfigError(f"model.audio_dropout={audio_dropout}: model={name} has no audio input; set it to 0")
         if offload_activations and not (gradient_checkpointing and fast_modulation):

@@ -1,10 +1,10 @@
 """S2V's frozen encoders: the Wan2.1 VAE and UMT5 (Wan2.2's, reused) and wav2vec2 for the audio features.
 
-A training clip of ``4k`` frames is encoded the way VideoX-Fun's S2V training encodes a first clip: its first frame
-is the reference image, ``[first frame, clip]`` (``4k + 1`` frames) goes through the VAE once, latent 0 is the
-reference latent (the causal VAE's first latent sees frame 0 alone) and latents ``1..k`` are the clip's ``x0``, the
-frames the DiT generates. The audio features are wav2vec2's hidden states of every layer, one window per frame of
-the clip (:func:`wanexp.models.s2v.audio_encoder.audio_features`).
+A training clip of ``4k + 1`` frames is its reference image (frame 0) and the ``4k`` frames generated after it,
+encoded as VideoX-Fun's S2V training encodes ``[reference, clip]``: one pass of the VAE, latent 0 is the reference
+latent (the causal VAE's first latent sees frame 0 alone) and latents ``1..k`` are the clip's ``x0``. The audio
+features are wav2vec2's hidden states of every layer, one window per generated frame, at that frame's time
+(:func:`wanexp.models.s2v.audio_encoder.audio_features` over the clip's span, frame 0's dropped).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class S2VEncoders(Encoders):
     @torch.no_grad()
     def encode_media(self, batch: dict) -> tuple[torch.Tensor, dict]:
         pixels = batch["pixels"]
-        latents = encode_video(self.vae, torch.cat([pixels[:, :, :1], pixels], dim=2))
+        latents = encode_video(self.vae, pixels)
         cond = {"ref_latents": latents[:, :, :1]}
         if "audio" in batch:
             cond["audio"] = self.encode_audio(batch["audio"], pixels.shape[2]).to(latents.device)
@@ -43,10 +43,11 @@ class S2VEncoders(Encoders):
 
     @torch.no_grad()
     def encode_audio(self, samples: torch.Tensor, frames: int) -> torch.Tensor:
-        """(B, n) 16 kHz samples of each clip's span -> (B, layers, dim, frames) features."""
+        """(B, n) 16 kHz samples of each clip's span of ``frames`` frames -> (B, layers, dim, frames - 1) features
+        of the frames after the reference."""
         fps = clip_fps(samples.shape[1], frames)
-        return torch.stack([audio_features(self.audio_encoder, s.float().cpu().numpy(), SAMPLE_RATE, fps, frames)
-                            for s in samples])
+        return torch.stack([audio_features(self.audio_encoder, s.float().cpu().numpy(), SAMPLE_RATE, fps,
+                                           frames)[..., 1:] for s in samples])
 
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
         return encode_text(self.tokenizer, self.text_encoder, prompts, self.text_len)

@@ -21,10 +21,10 @@ from wanexp.adapters import load_adapter_file
 from wanexp.errors import ConfigError
 from wanexp.models.pipeline import Pipeline
 from wanexp.models.s2v.original import MOTION_FRAMES
-from wanexp.models.s2v.spec import INFER_FRAMES
 from wanexp.models.wan22.encoders import decode_latents, encode_video
 
 FIRST_CLIP_DROP = 3  # frames the reference drops from the start of the first clip
+INFER_FRAMES = 80  # frames per generated clip (Wan2.2's speech2video infer_frames)
 
 
 def make_scheduler(shift: float):

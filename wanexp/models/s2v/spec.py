@@ -9,12 +9,13 @@ sampling on the original Wan-AI release folder, loaded as it is downloaded::
       wav2vec2-large-xlsr-53-english/ the audio encoder
 
 The VAE and the text encoder may instead be diffusers/transformers folders ``vae/`` and ``text_encoder/`` (what a
-conversion of those two files writes; the tiny random build writes them so). A training sample is a clip of ``4k``
+conversion of those two files writes; the tiny random build writes them so). A training sample is a clip of ``4k + 1``
 frames with its audio (an ``audio`` or ``audio_path`` column, else a same-name .wav/.mp3/.flac beside the clip, else
-the clip's own audio stream; a clip with none is rejected with the reason). Its first frame is the reference image;
-it trains as the first clip of a generation does: no motion frames (the DiT's ``drop_motion_frames``), the loss on
-the ``k`` generated latent frames only, ``model.audio_dropout`` of the samples with zeroed audio (the unconditional
-branch of audio CFG), as VideoX-Fun's S2V training does.
+the clip's own audio stream; a clip with none is rejected with the reason). Its first frame is the reference image and
+the ``4k`` frames after it are generated, as the first clip of a generation is (Wan2.2's 80 frames after the
+reference: ``data.num_frames=81``); it trains as VideoX-Fun's S2V training trains a clip without previous frames: no
+motion frames (the DiT's ``drop_motion_frames``), the loss on the ``k`` generated latent frames only,
+``model.audio_dropout`` of the samples with zeroed audio (the unconditional branch of audio CFG).
 """
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ from wanexp.models.s2v.audio_encoder import FOLDER as AUDIO_FOLDER
 
 VAE_FILE = "Wan2.1_VAE.pth"
 VAE_LAYOUT = "t2v_a14b"  # the Wan2.2 layout whose VAE (Wan2.1's) S2V shares: wanexp.models.wan22.original reads it
-INFER_FRAMES = 80  # frames per generated clip (Wan2.2's speech2video infer_frames)
-SAMPLE_STEPS, GUIDANCE = 40, 4.5  # the reference's sample_steps and sample_guide_scale
 
 
 class S2VSpec(ModelSpec):
@@ -44,6 +43,7 @@ class S2VSpec(ModelSpec):
     vae_stride = (4, 8, 8)
     patch = (1, 2, 2)
     draws_audio_dropout = True
+    default_audio_dropout = 0.1  # VideoX-Fun's S2V training: 10 % of the samples with zeroed audio features
     transformer_class = "wanexp.models.s2v.transformer.WanS2VTransformer"
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
@@ -188,23 +188,20 @@ class S2VSpec(ModelSpec):
                            self.load_audio_encoder(), self.text_len)
 
     def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None) -> torch.Tensor:
-        """The 16 kHz samples under the clip (``round(num_frames * 16000 / fps)``, zeros past the audio's end): from
-        an audio file, or for a video from a same-name audio file beside it, else its own audio stream."""
+        """The 16 kHz samples under the clip (``round(num_frames * 16000 / fps)``, zeros past the audio's end): of
+        an audio file, or for a video of a same-name audio file beside it, else of its own audio stream."""
         from wanexp.data.audio import audio_for_clip, find_audio, read_audio
-        from wanexp.data.metadata import media_kind
 
-        source = find_audio(path) if media_kind(path) == "video" else path
-        samples, rate = read_audio(source)
+        samples, rate = read_audio(find_audio(path))
         return torch.from_numpy(audio_for_clip(samples, rate, 0.0, num_frames, fps or self.fps))
 
     def check_sample_input(self, name: str, path: str) -> str | None:
         """A sample without audio (no audio file, no same-name one beside a clip, no audio stream): the reason."""
         from wanexp.data.audio import find_audio
-        from wanexp.data.metadata import media_kind
         from wanexp.errors import MediaError
 
         try:
-            find_audio(path) if media_kind(path) == "video" else find_audio(path, path)
+            find_audio(path)
         except MediaError as e:
             return str(e).removeprefix(f"{path}: ")
         return None
@@ -259,12 +256,14 @@ class S2VSpec(ModelSpec):
         return S2VPipeline(self, transformers, vae, scheduler)
 
     def encode_prompts(self, prompts, device, encoders=None):
+        from wanexp.models.wan22.encoders import encode_text
+
         if encoders is not None:
             te, tok = encoders.text_encoder, encoders.tokenizer
         else:
             te, tok = self.load_text_encoder().to(device), self.load_tokenizer()
         with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
-            emb = _encode_text(tok, te, list(prompts), self.text_len)
+            emb = encode_text(tok, te, list(prompts), self.text_len)
         return {p: e.cpu() for p, e in zip(prompts, emb)}
 
     # ---- the tiny random build -------------------------------------------------------------------------------
@@ -276,8 +275,3 @@ class S2VSpec(ModelSpec):
 
         write_tiny_build(self, Path(folder), dtype)
 
-
-def _encode_text(tokenizer, text_encoder, prompts, text_len):
-    from wanexp.models.wan22.encoders import encode_text
-
-    return encode_text(tokenizer, text_encoder, prompts, text_len)
