@@ -75,6 +75,9 @@ class ModelConfig:
     fp8: bool = knob(False, doc="frozen block linears in FP8 (per-row scales), LoRA unchanged; changes the numerics")
     fp8_storage: bool = knob(False, doc="frozen block linears stored in FP8 (per-row scales), dequantized at use: "
                              "any GPU; changes the numerics")
+    audio_dropout: Optional[float] = knob(None, ge=0.0, le=1.0, doc="share of training samples with zeroed audio "
+                                          "features (audio CFG's unconditional branch); null: the family's default "
+                                          "(S2V: 0.1, none without audio input)")
     # Any: a block count or "auto" (the config rules check which; OmegaConf has no int-or-string type)
     blocks_to_swap: Any = knob(None, ge=0, doc="frozen weights of N blocks kept in host memory, copied to the GPU "
                                "ahead of use (null/0: none; auto: the fewest that fit)")

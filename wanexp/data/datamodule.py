@@ -607,7 +607,8 @@ class MediaDataModule(L.LightningDataModule):
         ``max_reject_fraction`` of the rows the run stops with one line, before any weights load.
         """
         samples, rejects = read_metadata_with_rejects(self.metadata, self.root,
-                                                      tuple(getattr(self.encoders, "sample_inputs", ())))
+                                                      tuple(getattr(self.encoders, "sample_inputs", ())),
+                                                      dict(getattr(self.encoders, "input_fallbacks", ())))
         if self.max_samples:
             samples = samples[: self.max_samples]
         sizes: list[tuple[int, int] | None] = [None] * len(samples)
@@ -619,6 +620,11 @@ class MediaDataModule(L.LightningDataModule):
                                                 fps=self.fps)
             samples, rejects = [r.sample for r in good], rejects + bad
             sizes, frames = [(r.width, r.height) for r in good], [r.frames for r in good]
+            check = getattr(self.encoders, "check_sample_input", None)  # the family's check of its inputs' files
+            if check is not None:
+                reasons = [next((r for name, p in s.inputs if (r := check(name, p))), None) for s in samples]
+                rejects += [Reject(source=s.path, path=s.path, reason=r) for s, r in zip(samples, reasons) if r]
+                samples, sizes, frames = ([x for x, r in zip(xs, reasons) if not r] for xs in (samples, sizes, frames))
         warnings += self._long_captions(samples)
         total = len(samples) + len(rejects)
         self.report = {"rows": total, "rejected": len(rejects), "warnings": len(warnings),

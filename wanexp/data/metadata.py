@@ -217,11 +217,17 @@ def _resolved(value: str, base: Path) -> str:
     return os.path.normpath(_printable(str(path if path.is_absolute() else base / path)))
 
 
-def _row_inputs(row: Mapping[str, Any], base: Path, inputs: tuple[str, ...]) -> tuple[tuple | None, str]:
-    """((column, path), ...) of the sample inputs a row names, or (None, reject reason)."""
+def _row_inputs(row: Mapping[str, Any], base: Path, inputs: tuple[str, ...], media: str = "",
+                fallbacks: Mapping[str, tuple[str, ...]] | None = None) -> tuple[tuple | None, str]:
+    """((column, path), ...) of the sample inputs a row names, or (None, reject reason). ``fallbacks``: for an
+    input a row may leave out, the other columns it is read from; a row with none of them gives the media path
+    ``media`` (the family finds the input from the clip itself, e.g. its audio stream)."""
     found = []
     for column in inputs:
-        value = _first_value(row, (column,))
+        others = (fallbacks or {}).get(column)
+        value = _first_value(row, (column, *(others or ())))
+        if not value and others is not None:
+            value = media
         if not value:
             return None, f"no {column} (a sample input of this model: set the {column} column)"
         if not _is_utf8(value):
@@ -230,8 +236,8 @@ def _row_inputs(row: Mapping[str, Any], base: Path, inputs: tuple[str, ...]) -> 
     return tuple(found), ""
 
 
-def _row_sample(row: Mapping[str, Any] | None, base: Path,
-                inputs: tuple[str, ...] = ()) -> tuple[Sample | None, str, str]:
+def _row_sample(row: Mapping[str, Any] | None, base: Path, inputs: tuple[str, ...] = (),
+                fallbacks: Mapping[str, tuple[str, ...]] | None = None) -> tuple[Sample | None, str, str]:
     """(sample, media path, "") for a good row, else (None, media path or "", reject reason)."""
     if row is None:
         return None, "", "entry is not a JSON object"
@@ -252,13 +258,14 @@ def _row_sample(row: Mapping[str, Any] | None, base: Path,
     kind = declared or media_kind(media)
     if kind is None:
         return None, shown, f"unknown media type {_printable(Path(media).suffix) or '(no extension)'!r}"
-    found, reason = _row_inputs(row, base, inputs)
+    found, reason = _row_inputs(row, base, inputs, media, fallbacks)
     if found is None:
         return None, shown, reason
     return Sample(path=shown, prompt=prompt, kind=kind, inputs=found), shown, ""
 
 
-def _read_file(path: Path, base: Path, inputs: tuple[str, ...] = ()) -> tuple[list[Sample], list[Reject]]:
+def _read_file(path: Path, base: Path, inputs: tuple[str, ...] = (),
+               fallbacks: Mapping[str, tuple[str, ...]] | None = None) -> tuple[list[Sample], list[Reject]]:
     ext = path.suffix.lower()
     if ext not in METADATA_EXTENSIONS:
         raise MetadataError(
@@ -286,7 +293,7 @@ def _read_file(path: Path, base: Path, inputs: tuple[str, ...] = ()) -> tuple[li
     samples: list[Sample] = []
     rejects: list[Reject] = []
     for where, row in rows:
-        sample, media, reason = _row_sample(row, base, inputs)
+        sample, media, reason = _row_sample(row, base, inputs, fallbacks)
         if sample is None:
             rejects.append(Reject(source=f"{path}:{where}", path=media, reason=reason))
         else:
@@ -309,7 +316,8 @@ def _read_caption(media: Path) -> tuple[str, str]:
     return (text, "") if text else ("", "empty caption")
 
 
-def _read_folder(folder: Path, inputs: tuple[str, ...] = ()) -> tuple[list[Sample], list[Reject]]:
+def _read_folder(folder: Path, inputs: tuple[str, ...] = (),
+                 fallbacks: Mapping[str, tuple[str, ...]] | None = None) -> tuple[list[Sample], list[Reject]]:
     media: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -324,12 +332,14 @@ def _read_folder(folder: Path, inputs: tuple[str, ...] = ()) -> tuple[list[Sampl
     for path in sorted(media, key=lambda p: p.relative_to(folder).as_posix()):
         prompt, reason = _read_caption(path)
         shown = _printable(os.fspath(path))
-        if not reason and inputs:  # a caption file names no other file
-            reason = f"no {inputs[0]} (a sample input of this model: list the samples in a metadata file)"
+        required = [c for c in inputs if c not in (fallbacks or {})]
+        if not reason and required:  # a caption file names no other file
+            reason = f"no {required[0]} (a sample input of this model: list the samples in a metadata file)"
         if reason:
             rejects.append(Reject(source=shown, path=shown, reason=reason))
         else:
-            samples.append(Sample(path=shown, prompt=prompt, kind=media_kind(path) or ""))
+            samples.append(Sample(path=shown, prompt=prompt, kind=media_kind(path) or "",
+                                  inputs=tuple((c, shown) for c in inputs)))
     return samples, rejects
 
 
@@ -338,26 +348,28 @@ def _absolute(path: str | os.PathLike[str]) -> Path:
 
 
 def read_metadata_with_rejects(
-    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, inputs: tuple[str, ...] = ()
+    metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, inputs: tuple[str, ...] = (),
+    fallbacks: Mapping[str, tuple[str, ...]] | None = None,
 ) -> tuple[list[Sample], list[Reject]]:
     """Read a CSV/JSON/JSONL metadata file, or a folder of captioned media, into (samples, rejects).
 
     Samples have absolute media paths; rows that cannot become a sample are returned as
     ``Reject`` records, in file order. ``root`` (relative media paths) is not used for a folder. ``inputs``: the
     model family's sample input columns (ModelSpec.sample_inputs), each a path resolved like the media's; a row
-    without one is a reject.
+    without one is a reject, unless ``fallbacks`` (ModelSpec.sample_input_fallbacks) names other columns for it:
+    then a row without any of them gives the media path itself.
     Raises a one-line ``MetadataError`` for problems with the whole file (see the module doc).
     Media files themselves are not opened (see ``missing_files`` and ``wanexp.data.probe``).
     """
     path = _absolute(metadata_path)
     if path.is_dir():
-        return _read_folder(path, inputs)
+        return _read_folder(path, inputs, fallbacks)
     if not path.is_file():
         raise MetadataError(
             f"{path}: metadata file not found; check the path (relative paths are taken from {os.getcwd()})"
         )
     base = _absolute(root) if root is not None else path.parent
-    return _read_file(path, base, inputs)
+    return _read_file(path, base, inputs, fallbacks)
 
 
 def read_metadata(

@@ -55,6 +55,10 @@ class EncoderInfo:
     # the folders of the family's other media encoders (encoder_folders besides the VAE, the text encoder and the
     # tokenizer: e.g. an audio encoder), whose weights the latent cache keys cover too
     media_encoders: tuple[str, ...] = ()
+    # ModelSpec.sample_input_fallbacks as ((input, (other columns, ...)), ...)
+    input_fallbacks: tuple = ()
+    # ModelSpec.check_sample_input(name, path) -> a reject reason or None, run by the data probe (None: no check)
+    check_sample_input: Callable | None = None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
@@ -134,6 +138,8 @@ class ModelSpec:
     needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
     per_token_timestep: bool = False  # the DiT takes a timestep per token, not one per sample
+    draws_audio_dropout: bool = False  # a share of samples train with zeroed audio features (model.audio_dropout)
+    default_audio_dropout: float = 0.0  # that share when model.audio_dropout is null
     # The components, as ``package.module.Class`` (diffusers/transformers classes with from_pretrained).
     transformer_class: str = ""
     vae_class: str = ""
@@ -167,6 +173,7 @@ class ModelSpec:
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
         frame_rule: list[int] | None = None,
+        audio_dropout: float | None = None,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
@@ -192,6 +199,10 @@ class ModelSpec:
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
         self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
         self.offload_activations = offload_activations  # checkpointed blocks' inputs in host memory (fast.py)
+        # share of training samples with zeroed audio (a family with audio input; None: its default_audio_dropout)
+        self.audio_dropout = self.default_audio_dropout if audio_dropout is None else audio_dropout
+        if audio_dropout and not self.draws_audio_dropout:
+            raise ConfigError(f"model.audio_dropout={audio_dropout}: model={name} has no audio input; set it to 0")
         if offload_activations and not (gradient_checkpointing and fast_modulation):
             raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
                               "needs model.gradient_checkpointing=true and model.fast_modulation=true")
@@ -324,7 +335,9 @@ class ModelSpec:
                            sample_inputs=tuple(self.sample_inputs),
                            load_sample_input=self.load_sample_input if self.sample_inputs else None,
                            media_encoders=tuple(str(self.path / f) for f in self.encoder_folders
-                                                if f not in ("vae", "text_encoder", "tokenizer")))
+                                                if f not in ("vae", "text_encoder", "tokenizer")),
+                           input_fallbacks=tuple(self.sample_input_fallbacks.items()),
+                           check_sample_input=self.check_sample_input if self.sample_inputs else None)
 
     # ---- the tiny random build (model.build) ------------------------------------------------------------------
     def write_random_model(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -354,6 +367,9 @@ class ModelSpec:
     # Extra metadata columns every sample carries (column -> what it is), each a file path relative to the metadata's
     # folder like ``video``; loaded by load_sample_input into the loader item under the column's name.
     sample_inputs: dict[str, str] = {}
+    # Sample inputs a row may leave out: input -> the other columns it is read from, in order; a row with none of
+    # them hands the clip's own media path to load_sample_input (e.g. a video's audio stream).
+    sample_input_fallbacks: dict[str, tuple[str, ...]] = {}
 
     def route(self, sigma: torch.Tensor, loaded: list[str]) -> torch.Tensor:
         """Each sample's expert as an index into ``loaded`` (long, on sigma's device): here every sample goes to the
@@ -374,6 +390,11 @@ class ModelSpec:
         """One of ``sample_inputs`` of a sample, read from its file for a clip of ``num_frames`` at ``fps``."""
         raise ConfigError(f"model={self.name}: its family declares the sample input {name!r} but provides no "
                           "load_sample_input to read it")
+
+    def check_sample_input(self, name: str, path: str) -> str | None:
+        """Why a sample's input file cannot be read (a one-line reject reason), or None; run by the data probe
+        (``data.probe``) before anything loads. Default: no check beyond the loader's."""
+        return None
 
     def transformer_call(self, transformer, hidden: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
                          cond: dict) -> torch.Tensor:

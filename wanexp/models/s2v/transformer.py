@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import AdaLayerNorm, FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import (
@@ -267,7 +268,7 @@ def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the model ----------------------------------------------------------------------------------------------------
-class WanS2VTransformer(ModelMixin, ConfigMixin):
+class WanS2VTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """The S2V DiT; config names follow the original config.json (see the module doc for the sequence it builds).
 
     ``forward(hidden_states, timestep, encoder_hidden_states, ref_latents, audio_features, motion_latents=None,

@@ -1,0 +1,177 @@
+"""The S2V family end to end on the CPU (model=tiny_s2v, the release folder's layout at tiny sizes): clips with
+audio -> wanexp.cli.cache (latents, reference latents and wav2vec2 features; a clip without audio rejected with its
+reason) -> python train.py with a checkpoint -> resume=last -> the LoRA files (ComfyUI's with the original S2V names,
+the audio injector's included; the diffusers file loads back into the DiT) -> the S2V sampler with a speech file ->
+an mp4 with an audio stream."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import av
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+FPS = 16
+
+
+def _tone(hz: float, seconds: float, rate: int = 16000) -> np.ndarray:
+    return (0.5 * np.sin(2 * np.pi * hz * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+
+
+def _frames(n: int, seed: int) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    base = g.integers(0, 255, size=(1, 8, 8, 3))
+    frames = np.repeat(np.repeat(base, 6, axis=1), 6, axis=2).repeat(n, axis=0)
+    return np.clip(frames + np.arange(n)[:, None, None, None] * 4, 0, 255).astype(np.uint8)
+
+
+def _write_wav(path, samples: np.ndarray, rate: int = 16000) -> None:
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("pcm_s16le", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray((samples * 32767).astype(np.int16)[None], format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+
+
+@pytest.fixture
+def clips(tmp_path):
+    """Four clips with audio (their own track x2, a same-name .wav, an audio_path column) and one without any."""
+    from wanexp.data.media import write_video
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = []
+    for i in range(2):
+        write_video(data / f"talk{i}.mp4", _frames(12, i), FPS, audio=(_tone(300 + 100 * i, 1.0), 16000))
+        rows.append({"video": f"talk{i}.mp4", "prompt": f"a person talking {i}", "audio_path": ""})
+    write_video(data / "side.mp4", _frames(12, 5), FPS)
+    _write_wav(data / "side.wav", _tone(700, 1.0))
+    rows.append({"video": "side.mp4", "prompt": "a person singing", "audio_path": ""})
+    write_video(data / "column.mp4", _frames(12, 6), FPS)
+    _write_wav(data / "speech.wav", _tone(500, 1.0))
+    rows.append({"video": "column.mp4", "prompt": "a person speaking", "audio_path": "speech.wav"})
+    write_video(data / "mute.mp4", _frames(12, 7), FPS)
+    rows.append({"video": "mute.mp4", "prompt": "a silent person", "audio_path": ""})
+    with (data / "metadata.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["video", "prompt", "audio_path"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return tmp_path
+
+
+def _overrides(root, *extra) -> list[str]:
+    return ["experiment=demo", "model=tiny_s2v", f"paths.tiny_model_dir={root}/models",
+            f"paths.output_dir={root}/run", f"data.cache_dir={root}/cache", f"data.metadata={root}/data/metadata.csv",
+            "data.generate=null", "data.num_frames=9", "data.height=32", "data.width=32", "data.max_reject_fraction=0.5",
+            "adapter.attention=[self,cross,audio]", "adapter.rank=4", "adapter.alpha=2", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "optim.scheduler=constant", "trainer.log_every_n_steps=1", "callbacks.progress=null",
+            "callbacks.checkpoint.every_n_train_steps=2", "callbacks.validation=null", *extra]
+
+
+def _command(monkeypatch, capsys, main, argv: list[str]) -> str:
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
+    monkeypatch.setattr(sys, "argv", argv)
+    capsys.readouterr()
+    main()
+    out = capsys.readouterr()
+    return out.out + out.err
+
+
+def _lora(checkpoint):
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    return state["global_step"], {k: v for k, v in state["state_dict"].items() if ".lora_" in k}
+
+
+def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeypatch, capsys):
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose_cfg
+    from wanexp.cli import cache
+    from wanexp.data.cache import CacheIndex
+    from wanexp.data.media import write_video
+    from wanexp.train import main as train
+
+    root, run = clips, clips / "run"
+    # 1. the cache: x0, the reference latent and the audio features of each clip with audio; the mute clip rejected
+    out = _command(monkeypatch, capsys, cache.main, ["wanexp-cache", *_overrides(root)])
+    index = CacheIndex(root / "cache")
+    latents = {e["media"]: e["key"] for e in index.entries.values() if e["kind"] == "latent"}
+    assert sorted(latents) == sorted(str(root / "data" / f"{n}.mp4") for n in ("talk0", "talk1", "side", "column"))
+    rejects = [json.loads(x) for f in sorted((root / "cache").glob("rejects*.jsonl"))
+               for x in f.read_text().splitlines()]
+    assert [r["path"] for r in rejects] == [str(root / "data" / "mute.mp4")], out
+    assert "no audio stream and no mute.wav" in rejects[0]["reason"]
+    spec = instantiate(compose_cfg(_overrides(root)).model, _convert_="all")
+    encoders = spec.load_encoders()
+    for name, source in (("talk0", "talk0.mp4"), ("side", "side.wav"), ("column", "speech.wav")):
+        stored = index.load(latents[str(root / "data" / f"{name}.mp4")])
+        assert sorted(stored) == ["audio", "latents", "ref_latents"]
+        assert stored["latents"].shape == (16, 2, 4, 4) and stored["ref_latents"].shape == (16, 1, 4, 4)
+        samples = spec.load_sample_input("audio", str(root / "data" / source), 9, FPS)
+        assert samples.shape == (9000,)  # the 9 frames' span at 16 kHz
+        assert stored["audio"].shape == (3, 32, 8)  # wav2vec2's 3 layers, width 32, the 8 generated frames
+        assert torch.equal(stored["audio"], encoders.encode_audio(samples[None], 9)[0])
+    # the side .wav, not the (silent) video's own stream, is the side clip's audio (mute.mp4: rejected above)
+    assert not torch.equal(index.load(latents[str(root / "data" / "side.mp4")])["audio"],
+                           index.load(latents[str(root / "data" / "talk0.mp4")])["audio"])
+
+    # 2. train from the cache to a checkpoint, then resume to a later step
+    out = _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=2")])
+    assert "training from the cache" in out
+    step, first = _lora(run / "checkpoints" / "last.ckpt")
+    modules = {k.split(".lora_")[0].removeprefix("transformers.dense.") for k in first}
+    assert step == 2 and {"blocks.0.audio_injector.attn.to_q", "blocks.4.audio_injector.attn.to_out.0",
+                          "blocks.1.attn1.to_q", "blocks.3.attn2.to_v", "blocks.2.ffn.net.2"} <= modules
+    assert not any("blocks.1.audio_injector" in m for m in modules)  # block 1 has no audio injection
+    _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4", "resume=last")])
+    step, last = _lora(run / "checkpoints" / "last.ckpt")
+    history = [json.loads(x)["step"] for x in (run / "status.jsonl").read_text().splitlines()]
+    assert step == 4 and history == [1, 2, 3, 4]
+    assert all(not torch.equal(first[k], last[k]) for k in first if ".lora_B." in k)
+    # the resumed run's LoRA is bit-identical to an uninterrupted one's (audio dropout draws included)
+    _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4",
+                                                                  f"paths.output_dir={root}/straight")])
+    _, straight = _lora(root / "straight" / "checkpoints" / "last.ckpt")
+    assert straight.keys() == last.keys() and all(torch.equal(straight[k], last[k]) for k in last)
+
+    # 3. the LoRA files: ComfyUI's keys are the original S2V names; the diffusers file loads back as trained
+    final = run / "lora" / "final"
+    comfy = load_file(next(final.glob("*_comfyui.safetensors")))
+    names = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in comfy if not k.endswith(".alpha")}
+    assert {"audio_injector.injector.0.q", "audio_injector.injector.1.o", "blocks.1.self_attn.q",
+            "blocks.3.cross_attn.v", "blocks.2.ffn.2"} <= names
+    assert not any(n.startswith("blocks.") and ".audio_injector" in n for n in names)
+    transformer = spec.load_transformer("dense")
+    transformer.load_lora_adapter(str(final), weight_name=next(final.glob("*_diffusers.safetensors")).name,
+                                  prefix="transformer", adapter_name="back")
+    loaded = {k: v for k, v in transformer.state_dict().items() if ".lora_" in k}
+    assert len(loaded) == len(last)
+    for key, value in loaded.items():
+        assert torch.equal(value, last["transformers.dense." + key.replace(".back.", ".default.")]), key
+
+    # 4. sampling with the run's LoRA and a speech file: 12 frames are two clips of 12 (the first keeps 9; the 1 s of
+    # audio gives 2), the second conditioned on the first's frames; an mp4 with an audio stream
+    pipe = spec.load_pipeline("cpu", torch.float32, image=False)
+    pipe.load_adapter(next(final.glob("*_diffusers.safetensors")), "run", "dense")
+    speech = root / "data" / "speech.wav"
+    with pipe.recorded_timesteps() as record:
+        latents, video, timesteps = pipe.generate("a person speaking", 0, {"height": 64, "width": 64, "frames": 12,
+                                                  "text_len": 64}, 2, 4.5, "", "cpu", record,
+                                                  inputs={"audio": str(speech)})
+    # 64 x 64: the motion frames' 4x-packed part needs 8 x 8 latents
+    assert latents.shape == (1, 16, 6, 8, 8) and video.shape == (12, 64, 64, 3) and len(timesteps) == 4
+    path = root / "sample.mp4"
+    write_video(path, (video.numpy() * 255).round().astype(np.uint8), FPS,
+                audio=pipe.soundtrack({"audio": str(speech)}, 12, FPS))
+    with av.open(str(path)) as f:
+        assert len(f.streams.video) == 1 and len(f.streams.audio) == 1
