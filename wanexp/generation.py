@@ -60,10 +60,11 @@ def to_uint8(video: torch.Tensor):
     return (video.numpy() * 255).round().astype("uint8")
 
 
-def write_mp4(path: Path, video: torch.Tensor, fps: int) -> None:
+def write_mp4(path: Path, video: torch.Tensor, fps: int, audio=None) -> None:
+    """``video`` (F, H, W, 3) in [0, 1] as an mp4 at ``fps``; ``audio``: (samples, rate) muxed in (AAC)."""
     from wanexp.data.media import write_video
 
-    write_video(path, to_uint8(video), fps=fps)
+    write_video(path, to_uint8(video), fps=fps, audio=audio)
 
 
 def strip_frames(video: torch.Tensor):

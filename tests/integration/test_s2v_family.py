@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 import sys
 
 import av
@@ -159,19 +160,25 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     for key, value in loaded.items():
         assert torch.equal(value, last["transformers.dense." + key.replace(".back.", ".default.")]), key
 
-    # 4. sampling with the run's LoRA and a speech file: 12 frames are two clips of 12 (the first keeps 9; the 1 s of
-    # audio gives 2), the second conditioned on the first's frames; an mp4 with an audio stream
-    pipe = spec.load_pipeline("cpu", torch.float32, image=False)
-    pipe.load_adapter(next(final.glob("*_diffusers.safetensors")), "run", "dense")
+    # 4. wanexp-sample --run with a speech file (the run's LoRA): 12 frames are two clips of 12 (the first keeps 9;
+    # the 1 s of audio gives 2), the second conditioned on the first's frames; an mp4 with the audio muxed in
+    from wanexp.cli import sample
+
     speech = root / "data" / "speech.wav"
-    with pipe.recorded_timesteps() as record:
-        latents, video, timesteps = pipe.generate("a person speaking", 0, {"height": 64, "width": 64, "frames": 12,
-                                                  "text_len": 64}, 2, 4.5, "", "cpu", record,
-                                                  inputs={"audio": str(speech)})
+    args = ["--run", str(run), "--prompt", "a person speaking", "--audio", str(speech), "--height", "64", "--width",
+            "64", "--frames", "12", "--steps", "2", "--guidance", "4.5", "--device", "cpu", "--save-latents"]
+    res = sample.main([*args, "--out", str(root / "one")])
+    (entry,) = res["samples"]
     # 64 x 64: the motion frames' 4x-packed part needs 8 x 8 latents
-    assert latents.shape == (1, 16, 6, 8, 8) and video.shape == (12, 64, 64, 3) and len(timesteps) == 4
-    path = root / "sample.mp4"
-    write_video(path, (video.numpy() * 255).round().astype(np.uint8), FPS,
-                audio=pipe.soundtrack({"audio": str(speech)}, 12, FPS))
-    with av.open(str(path)) as f:
+    assert entry["latents"].shape == (1, 16, 6, 8, 8) and len(entry["timesteps"]) == 4
+    assert entry["audio"] == str(speech) and res["loras"]
+    with av.open(entry["file"]) as f:
         assert len(f.streams.video) == 1 and len(f.streams.audio) == 1
+        assert sum(1 for _ in f.decode(video=0)) == 12
+    # the same sample on two processes, each running one half of every CFG pair (prompt + audio / negative + silence)
+    done = subprocess.run([sys.executable, "-m", "wanexp.cli.sample", *args, "--gpus", "2", "--cfg-parallel", "--out",
+                           str(root / "two")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(load_file(str(root / "two" / "p0_s0_latents.safetensors"))["latents"], entry["latents"])
+    two = json.loads((root / "two" / "metrics.json").read_text())["processes"]
+    assert two["block_calls"] * 2 == res["processes"]["block_calls"]

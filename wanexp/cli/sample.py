@@ -50,6 +50,10 @@ def _parse(argv):
     ap.add_argument("--image", action="append", default=[],
                     help="image-to-video: the first frame of the prompt's sample, one per --prompt in their order "
                          "(resized and centre-cropped to the sample's size)")
+    ap.add_argument("--audio", action="append", default=[],
+                    help="speech-to-video (S2V): the audio the prompt's sample is driven by, one per --prompt in their "
+                         "order (a .wav/.mp3/.flac or a video with an audio track); muxed into its mp4. Audio longer "
+                         "than --frames continues as further clips")
     ap.add_argument("--seed", type=int, action="append", default=[], help="repeat for several seeds (default 0)")
     ap.add_argument("--negative-prompt", help="CFG's negative prompt (default: a DMD run's objective.negative_prompt, "
                                               "else the empty prompt)")
@@ -114,9 +118,9 @@ def _settings(args) -> dict:
 
         s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final")  # a LoHa run's: its _comfyui files
         s["out"] = s["out"] or str(run / "samples")
-    if not s["model_path"] or not (Path(s["model_path"]) / "model_index.json").is_file():
-        raise ConfigError(f"--model-path {s['model_path']}: not a diffusers-format model folder; pass --model-path "
-                          "or --run with a run folder")
+    if not s["model_path"] or not Path(s["model_path"]).is_dir():
+        raise ConfigError(f"--model-path {s['model_path']}: not a model folder; pass --model-path or --run with a run "
+                          "folder")
     for p in s["loras"]:
         if not p.is_file():
             raise ConfigError(f"--lora {p}: file not found")
@@ -132,6 +136,7 @@ def _settings(args) -> dict:
 
     spec = load_class(str(model._target_))
     s["images"] = _images(args, spec, model.name, s["height"], s["width"])
+    s["inputs"] = _inputs(args, spec, model.name)
     s["model_group"] = model
     s["layout"] = _layout(args, spec, s)
     return s
@@ -148,18 +153,44 @@ def _layout(args, spec, s):
     if os.environ.get("WORLD_SIZE") and args.gpus > 1 and world != args.gpus:
         raise ConfigError(f"--gpus {args.gpus} under a launcher of {world} processes: leave out --gpus when "
                           "torchrun starts the processes")
+    from wanexp.models.family import ModelSpec
+
+    split = spec.enable_sequence_parallel is not ModelSpec.enable_sequence_parallel  # the family splits tokens
+    if world > 1 and not split and args.sp is None and not args.cfg_parallel:
+        raise ConfigError(f"{world} processes: model={s['model_group'].name} has no sequence parallel; add "
+                          "--cfg-parallel (2 processes, or 2 x --sp) and/or --shard with --sp 1")
     grid = layout(world, args.sp, args.cfg_parallel)
     if args.shard and grid.world == 1:
         raise ConfigError("--shard splits the weights over several processes: add --gpus N (or run it under "
                           "torchrun --nproc_per_node=N)")
+    if grid.cfg > 1 and spec.cfg_parallel is None:
+        raise ConfigError(f"--cfg-parallel: model={s['model_group'].name}'s pipeline does not split its CFG pairs; "
+                          "leave out --cfg-parallel")
+    if grid.sp > 1 and not split:
+        raise ConfigError(f"--sp {grid.sp}: model={s['model_group'].name} has no sequence parallel; use --sp 1 with "
+                          "--cfg-parallel and/or --shard")
     if grid.sp > 1:
-        config = json.loads((Path(s["model_path"]) / spec.expert_folders[spec_experts(s)[0]] / "config.json")
-                            .read_text())
+        config = _spec(s, None).transformer_config(spec_experts(s)[0])
         ft, fh, fw = spec.vae_stride
         pt, ph, pw = spec.patch
         tokens = (((s["frames"] - 1) // ft + 1) // pt) * (s["height"] // (fh * ph)) * (s["width"] // (fw * pw))
         check_split(tokens, int(config["num_attention_heads"]), grid.sp)
     return grid
+
+
+def _inputs(args, spec, model: str) -> list[dict]:
+    """Each prompt's family inputs (``--audio``, for a family whose samples have an ``audio`` input): [] for none.
+    A flag the model does not take, a count that does not match the prompts' or a missing file is one line."""
+    takes = "audio" in spec.sample_inputs
+    if args.audio and not takes:
+        raise ConfigError(f"--audio: model={model} is not driven by audio; leave out --audio, or sample an S2V model")
+    if takes and len(args.audio) != len(args.prompt):
+        raise ConfigError(f"--audio given {len(args.audio)} time(s) for {len(args.prompt)} --prompt(s) (model={model} "
+                          "is speech-to-video): pass one --audio per --prompt, in the same order")
+    for p in args.audio:
+        if not Path(p).is_file():
+            raise ConfigError(f"--audio {p}: file not found")
+    return [{"audio": p} for p in args.audio]
 
 
 def spec_experts(s) -> list[str]:
@@ -180,7 +211,7 @@ def _folder_model(path: Path):
     released = {name: own for name, own in model_group_files().items() if own.get("build") is None}
     for name, own in released.items():  # a group that names no spec class takes its defaults' (composed)
         spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
-        if (spec.in_channels, spec.latent_channels) == channels:
+        if spec.is_release_folder(path) or (config.is_file() and (spec.in_channels, spec.latent_channels) == channels):
             return model_group(name, "--model-path")
     raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
                       f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
@@ -191,7 +222,7 @@ def _images(args, spec, model: str, height: int, width: int) -> list:
     """The first frame of each prompt's sample (``--image``, one per ``--prompt``) as the pipeline takes it, cropped
     to the sample's size as training crops its clips; [] for text-to-video. A model without image conditioning, a
     count that does not match the prompts' or a missing or unreadable file is one line."""
-    if args.image and not (spec.needs_image_latent or spec.draws_first_frame):
+    if args.image and not (spec.needs_image_latent or spec.draws_first_frame or spec.reference_image):
         raise ConfigError(f"--image: model={model} has no image conditioning (text-to-video only); leave out --image, "
                           "or sample a TI2V-5B or I2V-A14B model")
     if (args.image or spec.needs_image_latent) and len(args.image) != len(args.prompt):
@@ -272,6 +303,7 @@ def _main(args, s) -> dict:
     multi.arrive(grid, "encoding the prompts")
     multi.set_phase("loading the weights")
     pipe = _load(spec, s, device, grid, image, args.shard)
+    pipe.grid = grid
     modules = pipe.experts
     distilled, trained = None, []
     for path in s["loras"]:
@@ -304,12 +336,13 @@ def _main(args, s) -> dict:
     if args.teacher:
         results["teacher"] = {"steps": args.teacher_steps, "guidance": s["teacher_guidance"]}
 
-    def one(prompt, seed, n_steps, cfg, img, rt, phase):
+    def one(prompt, seed, n_steps, cfg, img, rt, phase, inputs):
         multi.set_phase(phase)
         start = time.perf_counter()
-        with pipe.routed(rt), multi.cfg_split(grid, list(modules.values()), embeds[negative], cfg):
+        with pipe.routed(rt), multi.cfg_split(grid, list(modules.values()), embeds[negative], cfg, spec.cfg_parallel):
             got = pipe.generate(prompt, seed, s, n_steps, cfg, negative, device, record, img,
-                                embeds=(embeds[prompt], embeds[negative]), decode=leader)
+                                embeds=(embeds[prompt], embeds[negative]), decode=leader,
+                                **({"inputs": inputs} if inputs else {}))
         multi.arrive(grid, phase)
         work = results["processes"]
         timing.append({"sample": phase, "seconds": round(time.perf_counter() - start, 3), "steps": n_steps,
@@ -324,29 +357,33 @@ def _main(args, s) -> dict:
             _block_work(spec, modules, results["processes"]):
         for i, prompt in enumerate(args.prompt):
             img = s["images"][i] if s["images"] else None
+            inputs = s["inputs"][i] if s["inputs"] else None
             for seed in seeds:
                 served.clear()
                 name = f"p{i}_s{seed}"
-                lat, video, used = one(prompt, seed, steps, guidance, img, routing, f"sample {name}")
+                lat, video, used = one(prompt, seed, steps, guidance, img, routing, f"sample {name}", inputs)
+                sound = pipe.soundtrack(inputs, video.shape[0], s["fps"]) if leader and inputs else None
                 entry = {"prompt": prompt, "seed": seed, "file": str(out / f"{name}.mp4"), "timesteps": used,
                          "experts": [list(x) for x in served], "latents": lat}
                 if leader:
-                    write_mp4(out / f"{name}.mp4", video, s["fps"])
+                    write_mp4(out / f"{name}.mp4", video, s["fps"], audio=sound)
                     if args.save_latents:
                         _save_latents(out / f"{name}_latents.safetensors", lat)
                 if img is not None:
                     entry["image"] = args.image[i]
+                if inputs:
+                    entry.update(inputs)
                 if args.teacher:
                     if s["loras"]:
                         pipe.adapters_on(False)
                     if distilled:
                         pipe.use_student(None)
                     t_lat, t_video, _ = one(prompt, seed, args.teacher_steps, s["teacher_guidance"], img,
-                                            teacher_routing, f"teacher sample {name}")
+                                            teacher_routing, f"teacher sample {name}", inputs)
                     entry.update(teacher_file=str(out / f"{name}_teacher.mp4"),
                                  latent_mse=float(((lat - t_lat) ** 2).mean()))
                     if leader:
-                        write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"])
+                        write_mp4(out / f"{name}_teacher.mp4", t_video, s["fps"], audio=sound)
                         entry.update(psnr=psnr(video, t_video), ssim=ssim(video, t_video))
                     if s["loras"]:
                         pipe.adapters_on(True)
@@ -441,7 +478,8 @@ def _spec(s, device):
     GPU, fp32 on the CPU; blocks not compiled."""
     from wanexp.composition import build
 
-    cpu = {} if device.type == "cuda" else {"dtype": "fp32", "vae_dtype": "fp32", "text_encoder_dtype": "fp32"}
+    cpu = {} if device is None or device.type == "cuda" else {"dtype": "fp32", "vae_dtype": "fp32",
+                                                                "text_encoder_dtype": "fp32"}
     return build(s["model_group"], path=str(s["model_path"]), compile=False, **cpu)
 
 
@@ -468,9 +506,7 @@ def _load(spec, s, device, grid, image: bool, shard: bool):
         mesh = init_device_mesh(device.type, (grid.world,))
     for expert in spec_experts(s):
         if mesh is not None:
-            from wanexp.models.sharded import load_sharded
-
-            t = load_sharded(spec, expert, device, mesh)
+            t = spec.load_transformer_sharded(expert, device, mesh)
         else:
             t = spec.load_transformer(expert).to(device).eval()
         if grid is not None and grid.sp_group is not None:

@@ -137,6 +137,7 @@ class ModelSpec:
     patch: tuple[int, int, int] = (1, 2, 2)  # latents per DiT token (frames, height, width)
     needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
+    reference_image: bool = False  # samples from a reference image (wanexp-sample --image, optional): S2V
     per_token_timestep: bool = False  # the DiT takes a timestep per token, not one per sample
     draws_audio_dropout: bool = False  # a share of samples train with zeroed audio features (model.audio_dropout)
     default_audio_dropout: float = 0.0  # that share when model.audio_dropout is null
@@ -440,6 +441,24 @@ class ModelSpec:
     # What `python -m wanexp.cli.convert` can turn into this family's diffusers-format folder: a source layout's name
     # -> ``package.module.function(src, dst, layout, **options) -> lines`` (ModelSpec.convert).
     converters: dict = {}
+    # How wanexp-sample --cfg-parallel splits the family's CFG pairs over two processes: "text" (its pipeline calls
+    # the transformer twice per step, conditional then unconditional, the calls differing only in
+    # encoder_hidden_states: wanexp.parallel.generation.cfg_split splits them from outside), "pairs" (its pipeline
+    # runs each pair through wanexp.parallel.generation.cfg_pair itself), None (not supported: refused).
+    cfg_parallel: str | None = None
+
+    @classmethod
+    def is_release_folder(cls, path: Path) -> bool:
+        """Whether ``path`` is this family's release folder in a layout without ``model_index.json`` (wanexp-sample
+        --model-path finds the model group by it); diffusers-format folders are found by their transformer."""
+        return False
+
+    def load_transformer_sharded(self, expert: str, device, mesh):
+        """Transformer ``expert`` sharded over ``mesh`` as it loads, each rank reading only its rows
+        (wanexp.models.sharded; wanexp-sample --shard); default: a diffusers-format expert folder."""
+        from wanexp.models.sharded import load_sharded
+
+        return load_sharded(self, expert, device, mesh)
 
     def load_pipeline(self, device, dtype, image: bool):
         """The family's sampling pipeline (``wanexp.models.pipeline.Pipeline``) loaded whole from ``model.path``

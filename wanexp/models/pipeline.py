@@ -12,6 +12,21 @@ class Pipeline:
 
     experts: dict
     boundary_ratio: float | None = None  # the model's own (a folder's model_index.json), for expert_routing
+    grid = None  # this process's place when several generate together (wanexp.parallel.generation.Grid)
+
+    def cfg_pair(self, cond, uncond):
+        """A CFG step's (conditional, unconditional) outputs from two calls without arguments: both here, or with
+        CFG parallel (``grid``, ModelSpec.cfg_parallel = "pairs") each on its branch's processes, then exchanged."""
+        g = self.grid
+        if g is None or g.layout.cfg == 1:
+            return cond(), uncond()
+        import torch
+        import torch.distributed as dist
+
+        mine = (cond if g.cfg_rank == 0 else uncond)().contiguous()
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine, group=g.cfg_group)
+        return both[0], both[1]
 
     def generate(self, prompt: str, seed: int, shape: dict, steps: int, guidance: float, negative: str, device,
                  record: list, image=None, embeds=None, decode: bool = True, inputs: dict | None = None):

@@ -30,19 +30,29 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-def load_sharded(spec, expert: str, device, mesh):
-    """``spec``'s transformer ``expert`` sharded over ``mesh`` (a 1-D DeviceMesh of every rank), its weights read
-    rank by rank into ``device``; prepared as ``spec.load_transformer`` prepares it (the family's forward)."""
+def diffusers_folder(spec, expert: str):
+    """A diffusers-format expert folder's transformer built without weights (parameters on the meta device, the
+    buffers such as rotary tables real) and where each parameter is: name -> (safetensors file, key)."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from torch.distributed.fsdp import fully_shard
 
     folder = Path(spec.path) / spec.expert_folders[expert]
     cls = spec.transformer_type()
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device; buffers (rotary tables) real
+    with init_empty_weights(include_buffers=False):
         model = cls.from_config(cls.load_config(folder))
+    return model, {k: (f, k) for k, f in safetensors_index(folder).items()}, folder
+
+
+def load_sharded(spec, expert: str, device, mesh, source=diffusers_folder):
+    """``spec``'s transformer ``expert`` sharded over ``mesh`` (a 1-D DeviceMesh of every rank), its weights read
+    rank by rank into ``device``; prepared as ``spec.load_transformer`` prepares it (the family's forward).
+    ``source(spec, expert)``: the model built without weights, where each parameter is (name -> (file, key)) and the
+    folder (for messages); a family whose files name its parameters otherwise passes its own."""
+    from safetensors import safe_open
+    from torch.distributed.fsdp import fully_shard
+
+    model, files, folder = source(spec, expert)
     model.requires_grad_(False)
-    cast(model, spec.dtype, getattr(cls, "_keep_in_fp32_modules", None) or [])
+    cast(model, spec.dtype, getattr(type(model), "_keep_in_fp32_modules", None) or [])
     if spec.attention_backend:
         model.set_attention_backend(spec.attention_backend)
     model = spec.prepare_transformer(model)
@@ -53,7 +63,6 @@ def load_sharded(spec, expert: str, device, mesh):
     model.to_empty(device=device)
     for name, b in model.named_buffers():
         b.copy_(buffers[name])
-    files = safetensors_index(folder)
     missing = [n for n, _ in model.named_parameters() if n not in files]
     if missing:
         raise ConfigError(f"{folder}: {len(missing)} weight(s) of the transformer are not in its safetensors files "
@@ -62,14 +71,15 @@ def load_sharded(spec, expert: str, device, mesh):
     handles: dict[Path, object] = {}
     try:
         for name, param in model.named_parameters():
-            f = handles.get(files[name])
+            path, key = files[name]
+            f = handles.get(path)
             if f is None:
-                f = handles[files[name]] = safe_open(str(files[name]), "pt").__enter__()
+                f = handles[path] = safe_open(str(path), "pt").__enter__()
             local = param.to_local()
             rows = -(-param.shape[0] // world)  # torch.chunk's chunk size: FSDP2's dim-0 split
             start = rank * rows
             if local.numel():
-                local.copy_(f.get_slice(name)[start:start + local.shape[0]].to(local.dtype))
+                local.copy_(f.get_slice(key)[start:start + local.shape[0]].to(local.dtype))
     finally:
         for f in handles.values():
             f.__exit__(None, None, None)

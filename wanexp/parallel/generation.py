@@ -221,13 +221,14 @@ def gather(grid: Grid | None, value) -> list:
 
 
 @contextmanager
-def cfg_split(grid: Grid | None, modules, negative, guidance: float):
+def cfg_split(grid: Grid | None, modules, negative, guidance: float, mode: str | None = "text"):
     """CFG parallel over the pipeline's transformer calls: a pipeline with guidance > 1 calls each step's
     transformer twice, conditional then unconditional, on the same latents. Inside this block the rank of CFG branch
     1 runs the first call on ``negative`` (the negative prompt's embeddings), branch 0 on the prompt; the two outputs
     are exchanged and the second call returns the other branch's output without computing. ``modules``: the
-    pipeline's transformers. Nothing changes without a CFG grid or with guidance <= 1 (one call per step)."""
-    if grid is None or grid.layout.cfg == 1 or guidance <= 1.0:
+    pipeline's transformers. Nothing changes without a CFG grid, with guidance <= 1 (one call per step) or for a
+    pipeline that splits its own pairs (``mode`` "pairs": ModelSpec.cfg_parallel, Pipeline.cfg_pair)."""
+    if grid is None or grid.layout.cfg == 1 or guidance <= 1.0 or mode != "text":
         yield
         return
     import torch

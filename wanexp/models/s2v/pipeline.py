@@ -116,10 +116,11 @@ class S2VPipeline(Pipeline):
             for t in self.scheduler.timesteps:
                 record.append(float(t))
                 timestep = t.reshape(1).to(device)
-                cond = transformer(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text[:1],
-                                   audio_features=audio[r], **common).float()
-                uncond = transformer(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text[1:],
-                                     audio_features=torch.zeros_like(audio[r]), **common).float()
+                cond, uncond = self.cfg_pair(  # the negative: the negative prompt and zeroed audio
+                    lambda: transformer(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text[:1],
+                                        audio_features=audio[r], **common).float(),
+                    lambda: transformer(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text[1:],
+                                        audio_features=torch.zeros_like(audio[r]), **common).float())
                 x = self.scheduler.step(uncond + guidance * (cond - uncond), t, x).prev_sample
             latents_out.append(x.float().cpu())
             first = r == 0

@@ -39,6 +39,7 @@ class S2VSpec(ModelSpec):
     """The S2V DiT (one dense expert) over Wan2.1-VAE latents, UMT5 text and wav2vec2 audio features."""
 
     layout = "s2v"
+    reference_image = True  # --image: the reference frame (mid-grey without one)
     latent_channels = in_channels = 16
     vae_stride = (4, 8, 8)
     patch = (1, 2, 2)
@@ -250,6 +251,25 @@ class S2VSpec(ModelSpec):
         transformer = self.load_transformer("dense").to(device, dtype).eval()
         return S2VPipeline(self, {"dense": transformer}, encoders.vae, self.load_scheduler(), encoders)
 
+    cfg_parallel = "pairs"  # the unconditional call also zeroes the audio: S2VPipeline splits its own pairs
+
+    @classmethod
+    def is_release_folder(cls, path) -> bool:
+        from wanexp.models.s2v.original import read_config
+
+        try:
+            read_config(Path(path))
+        except ConfigError:
+            return False
+        return True
+
+    def load_transformer_sharded(self, expert, device, mesh):
+        """The DiT sharded as it loads, each rank reading its rows of the release's shards by their original
+        names."""
+        from wanexp.models.sharded import load_sharded
+
+        return load_sharded(self, expert, device, mesh, source=_release_source)
+
     def make_pipeline(self, transformers, vae, scheduler, image):
         from wanexp.models.s2v.pipeline import S2VPipeline
 
@@ -275,3 +295,12 @@ class S2VSpec(ModelSpec):
 
         write_tiny_build(self, Path(folder), dtype)
 
+
+
+def _release_source(spec, expert):
+    """The DiT built without weights and where each parameter is in the release's shards (original names)."""
+    from wanexp.models.s2v.original import _shapes, module_key_map
+
+    model = spec.meta_transformers("full")[expert]
+    where = {k: f for k, (_, f) in _shapes(spec._dit_files()).items()}
+    return model, {name: (where[key], key) for key, name in module_key_map(model).items() if key in where}, spec.path

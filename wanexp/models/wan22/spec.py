@@ -124,6 +124,7 @@ class WanSpec(ModelSpec):
 
     # ---- [seam: generation, bench, conversion] -------------------------------------------------------------------
     converters = {"original": "wanexp.models.wan22.original.convert_original"}  # the Wan-AI release layout
+    cfg_parallel = "text"  # diffusers' Wan pipelines: cond then uncond, only the text embeddings differ
 
     def load_pipeline(self, device, dtype, image):
         from wanexp.models.wan22.pipeline import WanPipelineRunner, pipeline_class
