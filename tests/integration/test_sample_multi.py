@@ -47,11 +47,11 @@ def one(trained, tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra, world, sp, cfg", [
-    (["--gpus", "2"], 2, 2, 1),
-    (["--gpus", "2", "--cfg-parallel"], 2, 1, 2),
-    (["--gpus", "4", "--cfg-parallel"], 4, 2, 2),
-    (["--gpus", "2", "--shard"], 2, 2, 1),
-    (["--gpus", "4", "--cfg-parallel", "--shard"], 4, 2, 2),
+    (["--gpus", "2", "--no-cfg-parallel"], 2, 2, 1),
+    (["--gpus", "2"], 2, 1, 2),  # CFG parallel by default (the sample uses CFG)
+    (["--gpus", "4"], 4, 2, 2),
+    (["--gpus", "2", "--no-cfg-parallel", "--shard"], 2, 2, 1),
+    (["--gpus", "4", "--shard"], 4, 2, 2),
 ])
 def test_several_processes_give_the_one_process_sample(one, tmp_path, extra, world, sp, cfg):
     """The same latents to the bit on CPU (tolerance 0: every rank runs the same operations on its share and the
@@ -106,8 +106,8 @@ def test_a_late_or_killed_rank_ends_the_launch_with_one_line(one, tmp_path, faul
     (["--sp", "2"], "--sp 2 needs 2 processes, not 1; add --gpus N (or run it under torchrun "
                     "--nproc_per_node=N)"),
     (["--gpus", "3", "--cfg-parallel"], "--cfg-parallel with 3 process(es): CFG parallel needs an even number"),
-    (["--gpus", "4"], "--sp 4: the model's 2 attention heads do not divide by 4; use --sp 2"),
-    (["--gpus", "2", "--height", "96", "--width", "96", "--frames", "1"],
+    (["--gpus", "4", "--no-cfg-parallel"], "--sp 4: the model's 2 attention heads do not divide by 4; use --sp 2"),
+    (["--gpus", "2", "--no-cfg-parallel", "--height", "96", "--width", "96", "--frames", "1"],
      "--sp 2: a sample of 9 DiT tokens does not split into 2 equal parts"),
 ])
 def test_a_grid_that_cannot_split_is_refused_before_anything_starts(trained, tmp_path, capsys, extra, expected):
@@ -117,3 +117,21 @@ def test_a_grid_that_cannot_split_is_refused_before_anything_starts(trained, tmp
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"wanexp: error: {expected}") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, grid", [
+    (["--gpus", "2"], (2, 1)),  # CFG runs: its halves split, nothing exchanged inside a step
+    (["--gpus", "2", "--guidance", "1"], (1, 2)),  # no CFG: the tokens split
+    (["--gpus", "4"], (2, 2)),
+    (["--gpus", "3", "--guidance", "1"], None),  # 3 does not divide the 2 heads: refused
+    (["--gpus", "2", "--sp", "2"], (1, 2)),
+])
+def test_the_default_grid_splits_cfg_first(trained, tmp_path, extra, grid):
+    run = trained("tiny")
+    args = sample._parse([*_args(run, tmp_path), *extra])
+    if grid is None:
+        with pytest.raises(sample.ConfigError, match="--sp 3: the model's 2 attention heads"):
+            sample._settings(args)
+        return
+    lay = sample._settings(args)["layout"]
+    assert (lay.cfg, lay.sp) == grid

@@ -78,9 +78,10 @@ def _parse(argv):
     ap.add_argument("--sp", type=int,
                     help="sequence-parallel size: the processes that split each transformer call's video tokens "
                          "(default: all the processes not taken by --cfg-parallel)")
-    ap.add_argument("--cfg-parallel", action="store_true",
-                    help="the conditional and unconditional halves of each CFG step on different processes (needs "
-                         "an even process count: 2 x --sp)")
+    ap.add_argument("--cfg-parallel", action=argparse.BooleanOptionalAction, default=None,
+                    help="the conditional and unconditional halves of each CFG step on different processes (2 x --sp "
+                         "processes). Default: on for an even process count without --sp when the sample uses CFG "
+                         "and the model's pipeline supports it; --no-cfg-parallel: sequence parallel over all")
     ap.add_argument("--shard", action="store_true",
                     help="shard each transformer's weights over the processes (FSDP2, loaded rank by rank from the "
                          "safetensors files): each GPU holds 1/N of them, for models that do not fit one card")
@@ -156,10 +157,14 @@ def _layout(args, spec, s):
     from wanexp.models.family import ModelSpec
 
     split = spec.enable_sequence_parallel is not ModelSpec.enable_sequence_parallel  # the family splits tokens
-    if world > 1 and not split and args.sp is None and not args.cfg_parallel:
+    cfg = args.cfg_parallel
+    if cfg is None:  # both halves of every CFG step at once: no communication inside the step (its best split)
+        cfg = (args.sp is None and world > 1 and world % 2 == 0 and spec.cfg_parallel is not None
+               and _uses_cfg(args, s))
+    if world > 1 and not split and args.sp is None and not cfg:
         raise ConfigError(f"{world} processes: model={s['model_group'].name} has no sequence parallel; add "
                           "--cfg-parallel (2 processes, or 2 x --sp) and/or --shard with --sp 1")
-    grid = layout(world, args.sp, args.cfg_parallel)
+    grid = layout(world, args.sp, cfg)
     if args.shard and grid.world == 1:
         raise ConfigError("--shard splits the weights over several processes: add --gpus N (or run it under "
                           "torchrun --nproc_per_node=N)")
@@ -176,6 +181,14 @@ def _layout(args, spec, s):
         tokens = (((s["frames"] - 1) // ft + 1) // pt) * (s["height"] // (fh * ph)) * (s["width"] // (fw * pw))
         check_split(tokens, int(config["num_attention_heads"]), grid.sp)
     return grid
+
+
+def _uses_cfg(args, s) -> bool:
+    """Whether the samples run CFG: not for a distilled LoRA (its header's student steps) or --guidance 1."""
+    from wanexp.generation import lora_header
+
+    distilled = any("wanexp_student_timesteps" in lora_header(p) for p in s["loras"])
+    return args.guidance > 1 and not distilled
 
 
 def _inputs(args, spec, model: str) -> list[dict]:
@@ -203,7 +216,7 @@ def _folder_model(path: Path):
     (those without a tiny ``build``), the one whose spec's DiT has the folder's transformer's input and output
     channels. Its spec says how the model takes an image; its ``fps``, the rate the videos are written at."""
     from wanexp.config import model_group, model_group_files
-    from wanexp.models.family import load_class
+    from wanexp.models.family import ModelSpec, load_class
 
     config = path / "transformer" / "config.json"
     t = json.loads(config.read_text()) if config.is_file() else {}
@@ -211,7 +224,8 @@ def _folder_model(path: Path):
     released = {name: own for name, own in model_group_files().items() if own.get("build") is None}
     for name, own in released.items():  # a group that names no spec class takes its defaults' (composed)
         spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
-        if spec.is_release_folder(path) or (config.is_file() and (spec.in_channels, spec.latent_channels) == channels):
+        diffusers_format = spec.is_release_folder.__func__ is ModelSpec.is_release_folder.__func__
+        if spec.is_release_folder(path) or (diffusers_format and (spec.in_channels, spec.latent_channels) == channels):
             return model_group(name, "--model-path")
     raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
                       f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
@@ -289,7 +303,7 @@ def _main(args, s) -> dict:
     from wanexp.generation import expert_routing, lora_header, psnr, recorded_experts, ssim, write_mp4
     from wanexp.parallel import generation as multi
 
-    grid = multi.start(args.device, args.sp, args.cfg_parallel, args.timeout)
+    grid = multi.start(args.device, s["layout"], args.timeout)
     if grid is not None:
         device = grid.device
     else:
@@ -299,7 +313,7 @@ def _main(args, s) -> dict:
     image = bool(s["images"])
     seeds = args.seed or [0]
     multi.set_phase("encoding the prompts")
-    embeds = multi.share(grid, _embeddings(spec, args.prompt, s, device) if leader else None)
+    embeds = _embeddings(spec, args.prompt, s, device, grid)
     multi.arrive(grid, "encoding the prompts")
     multi.set_phase("loading the weights")
     pipe = _load(spec, s, device, grid, image, args.shard)
@@ -314,8 +328,8 @@ def _main(args, s) -> dict:
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
                          float(header["wanexp_student_shift"]))
-    held = multi.gather(grid, _weight_bytes(modules))  # per rank, as loaded (FSDP2 keeps a root's gathered later)
     multi.arrive(grid, "loading the weights")
+    held = multi.gather(grid, _weight_bytes(modules))  # per rank, as loaded (FSDP2 keeps a root's gathered later)
     ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.boundary_ratio
     routing = expert_routing(list(modules), ratio, trained, distilled is not None)  # as the training routed
     teacher_routing = expert_routing(list(modules), ratio, [], False)
@@ -483,14 +497,23 @@ def _spec(s, device):
     return build(s["model_group"], path=str(s["model_path"]), compile=False, **cpu)
 
 
-def _embeddings(spec, prompts: list[str], s, device) -> dict:
+def _embeddings(spec, prompts: list[str], s, device, grid) -> dict:
     """Each prompt's and the negative prompt's text embedding (CPU), by the model folder's text encoder on
-    ``device``, loaded for this and freed before the transformers load."""
+    ``device``, loaded for this and freed before the transformers load. On several processes each encodes its share
+    of the texts and they exchange them; every process loads the encoder (one with no share encodes a text it
+    drops), so the GPUs' peaks stay equal."""
     import torch
 
-    embeds = spec.encode_prompts(list(dict.fromkeys([*prompts, s["negative_prompt"]])), device)
+    texts = list(dict.fromkeys([*prompts, s["negative_prompt"]]))
+    mine = texts if grid is None else texts[grid.rank::grid.world]
+    got = spec.encode_prompts(mine or texts[:1], device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    from wanexp.parallel.generation import gather
+
+    embeds: dict = {}
+    for part in gather(grid, {t: got[t] for t in mine}):
+        embeds.update(part)
     return embeds
 
 

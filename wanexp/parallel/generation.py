@@ -132,11 +132,10 @@ def report(line: str) -> None:
         say_error(line)
 
 
-def start(device: str | None, sp: int | None, cfg_parallel: bool, timeout_s: int) -> Grid | None:
-    """Join the generation grid of this process's launch (torchrun's or :func:`launch`'s environment): None for a
-    single process (where ``--sp``/``--cfg-parallel`` beyond 1 is refused). Each rank uses GPU ``LOCAL_RANK``."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    lay = layout(world, sp, cfg_parallel)
+def start(device: str | None, lay: Layout, timeout_s: int) -> Grid | None:
+    """Join the generation grid ``lay`` (:func:`layout`) of this process's launch (torchrun's or :func:`launch`'s
+    environment): None for a single process. Each rank uses GPU ``LOCAL_RANK``."""
+    world = lay.world
     if world == 1:
         return None
     import torch
@@ -194,21 +193,6 @@ def arrive(grid: Grid | None, phase: str) -> None:
     set_phase(f"after {phase}")
 
 
-def share(grid: Grid | None, value):
-    """Rank 0's ``value`` (any picklable object) on every rank."""
-    if grid is None:
-        return value
-    import torch.distributed as dist
-
-    box = [value if grid.leader else None]
-    try:
-        dist.broadcast_object_list(box, src=0, group=grid.control)
-    except RuntimeError as e:
-        raise RankFailure(f"rank {grid.rank}: rank 0's data did not come within {grid.timeout_s} s ("
-                          f"{first_line(e)}); see rank 0's output, or raise --timeout") from None
-    return box[0]
-
-
 def gather(grid: Grid | None, value) -> list:
     """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` for one process."""
     if grid is None:
@@ -216,7 +200,11 @@ def gather(grid: Grid | None, value) -> list:
     import torch.distributed as dist
 
     out = [None] * grid.world
-    dist.all_gather_object(out, value, group=grid.control)
+    try:
+        dist.all_gather_object(out, value, group=grid.control)
+    except RuntimeError as e:
+        raise RankFailure(f"rank {grid.rank}: the other ranks' data did not come within {grid.timeout_s} s ("
+                          f"{first_line(e)}); see their output, or raise --timeout") from None
     return out
 
 

@@ -255,13 +255,16 @@ class S2VSpec(ModelSpec):
 
     @classmethod
     def is_release_folder(cls, path) -> bool:
-        from wanexp.models.s2v.original import read_config
+        """A top-level config.json that names the S2V DiT (its model_type or class); what else it lacks is said
+        when the folder is checked."""
+        from wanexp.models.s2v.original import CLASS_NAME, MODEL_TYPE
 
         try:
-            read_config(Path(path))
-        except ConfigError:
+            config = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError):
             return False
-        return True
+        return isinstance(config, dict) and (config.get("model_type") == MODEL_TYPE
+                                             or config.get("_class_name") == CLASS_NAME)
 
     def load_transformer_sharded(self, expert, device, mesh):
         """The DiT sharded as it loads, each rank reading its rows of the release's shards by their original
