@@ -1323,32 +1323,34 @@ def generation_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
 
 
 GEN2 = "generate_5b_2gpu"
+GEN2_PHASES = ("gen_1", "gen_cfg2", "gen_sp2", "gen_sp2_compiled", "gen_cfg2_nop2p")
 CASES[GEN2] = Case(
     name=GEN2, gpus=2, model="ti2v5b",
     about="wanexp-sample of the real-size TI2V-5B (real UMT5-XXL and VAE, random weights) at 480x832x81, 10 steps, "
-          f"CFG 5, each process capped at {CAP_GIB} GiB: one GPU, then 2 GPUs sequence parallel (--sp 2), 2 GPUs CFG "
-          "parallel, and --sp 2 again with NCCL_P2P_DISABLE=1 (PCIe-like cards); run build and the gen phases in "
-          "separate device calls",
-    phases=(BUILD, generate("gen_1", GEN2, 1), generate("gen_sp2", GEN2, 2), generate("gen_cfg2", GEN2, 2,
-                                                                                       "--cfg-parallel"),
-            generate("gen_sp2_nop2p", GEN2, 2, env={"NCCL_P2P_DISABLE": "1"})),
-    checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in
-              ("gen_1", "gen_sp2", "gen_cfg2", "gen_sp2_nop2p")),
-            Check("metrics.gen_sp2.speedup", ">=", 1.8, "gen_sp2", "2 GPUs' steps/s over one's"),
-            Check("metrics.gen_cfg2.speedup", ">=", 1.8, "gen_cfg2", "2 GPUs' steps/s over one's"),
+          f"CFG 5, each process capped at {CAP_GIB} GiB: one GPU, then 2 GPUs with the default grid (CFG parallel), "
+          "sequence parallel (--no-cfg-parallel) eager and compiled, and the default with NCCL_P2P_DISABLE=1 "
+          "(PCIe-like cards)",
+    phases=(BUILD, generate("gen_1", GEN2, 1), generate("gen_cfg2", GEN2, 2),
+            generate("gen_sp2", GEN2, 2, "--no-cfg-parallel"),
+            generate("gen_sp2_compiled", GEN2, 2, "--no-cfg-parallel", "--compile"),
+            generate("gen_cfg2_nop2p", GEN2, 2, env={"NCCL_P2P_DISABLE": "1"})),
+    checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in GEN2_PHASES),
+            Check("metrics.gen_cfg2.speedup", ">=", 1.8, "gen_cfg2", "2 GPUs' steps/s over one's, default grid"),
+            Check("metrics.gen_cfg2.peak_spread", "<=", 0.10, "gen_cfg2", "peak memory within 10 % across the GPUs"),
             Check("metrics.gen_sp2.peak_spread", "<=", 0.10, "gen_sp2", "peak memory within 10 % across the GPUs"),
-            Check("metrics.gen_sp2_nop2p.speedup", "present", None, "gen_sp2_nop2p", "without peer-to-peer")),
-    collect=generation_metrics(GEN2, "gen_1", "gen_sp2", "gen_cfg2", "gen_sp2_nop2p"),
-    record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_sp2", "gen_cfg2", "gen_sp2_nop2p")
-                 for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
+            Check("metrics.gen_sp2.speedup", "present", None, "gen_sp2", "sequence parallel alone"),
+            Check("metrics.gen_sp2_compiled.speedup", "present", None, "gen_sp2_compiled", "compiled blocks"),
+            Check("metrics.gen_cfg2_nop2p.speedup", "present", None, "gen_cfg2_nop2p", "without peer-to-peer")),
+    collect=generation_metrics(GEN2, *GEN2_PHASES),
+    record=tuple(f"{p}.{k}" for p in GEN2_PHASES for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
 )
 
 GEN4 = "generate_5b_4gpu"
 CASES[GEN4] = Case(
     name=GEN4, gpus=4, model="ti2v5b",
-    about=f"as {GEN2} on 4 GPUs: one GPU, --sp 4 (the 5B's 24 heads split 4 ways), and CFG 2 x sp 2",
-    phases=(BUILD, generate("gen_1", GEN4, 1), generate("gen_sp4", GEN4, 4),
-            generate("gen_cfg2_sp2", GEN4, 4, "--cfg-parallel")),
+    about=f"as {GEN2} on 4 GPUs: one GPU, --sp 4 (the 5B's 24 heads split 4 ways), and the default CFG 2 x sp 2",
+    phases=(BUILD, generate("gen_1", GEN4, 1), generate("gen_sp4", GEN4, 4, "--no-cfg-parallel"),
+            generate("gen_cfg2_sp2", GEN4, 4)),
     checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in
               ("gen_1", "gen_sp4", "gen_cfg2_sp2")),
             Check("metrics.gen_sp4.speedup", ">=", 3.4, "gen_sp4", "4 GPUs' steps/s over one's"),

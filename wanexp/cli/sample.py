@@ -85,6 +85,9 @@ def _parse(argv):
     ap.add_argument("--shard", action="store_true",
                     help="shard each transformer's weights over the processes (FSDP2, loaded rank by rank from the "
                          "safetensors files): each GPU holds 1/N of them, for models that do not fit one card")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile each transformer block (torch.compile, a GPU of compute capability 8.0 or more): "
+                         "the first sample pays the compilation")
     ap.add_argument("--timeout", type=int, default=900,
                     help="seconds a process waits for the others at each phase (start, prompts, weights, each "
                          "sample) before it names the late rank and stops")
@@ -309,7 +312,7 @@ def _main(args, s) -> dict:
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     leader = grid is None or grid.leader
-    spec = _spec(s, device)
+    spec = _spec(s, device, compile=args.compile)
     image = bool(s["images"])
     seeds = args.seed or [0]
     multi.set_phase("encoding the prompts")
@@ -487,14 +490,14 @@ def _save_latents(path: Path, latents) -> None:
     tmp.replace(path)
 
 
-def _spec(s, device):
+def _spec(s, device, compile: bool = False):
     """The model group's spec for sampling the folder ``s["model_path"]`` (whatever the run's path): its dtypes on a
-    GPU, fp32 on the CPU; blocks not compiled."""
+    GPU, fp32 on the CPU; blocks compiled only with ``compile``."""
     from wanexp.composition import build
 
     cpu = {} if device is None or device.type == "cuda" else {"dtype": "fp32", "vae_dtype": "fp32",
                                                                 "text_encoder_dtype": "fp32"}
-    return build(s["model_group"], path=str(s["model_path"]), compile=False, **cpu)
+    return build(s["model_group"], path=str(s["model_path"]), compile=compile, **cpu)
 
 
 def _embeddings(spec, prompts: list[str], s, device, grid) -> dict:
