@@ -206,7 +206,7 @@ class ToyPipeline(Pipeline):
 
     @torch.no_grad()
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
-                 decode=True, inputs=None):
+                 inputs=None):
         spec, transformer = self.spec, self.experts["dense"]
         st, sh, sw = spec.vae_stride
         grid = ((shape["frames"] - 1) // st + 1, shape["height"] // sh, shape["width"] // sw)
@@ -220,8 +220,6 @@ class ToyPipeline(Pipeline):
             v = spec.transformer_call(transformer, x.repeat(2, 1, 1, 1, 1), t.expand(2), text.to(device),
                                       {"signal": signal})
             x = self.scheduler.step(v[1:] + guidance * (v[:1] - v[1:]), t, x).prev_sample
-        if not decode:
-            return x.float().cpu(), None, list(record)
         video = self.vae.decode(x.to(self.vae.dtype)).float().clamp(-1, 1)[0].permute(1, 2, 3, 0)  # (F, H, W, 3)
         return x.float().cpu(), ((video + 1) / 2).cpu(), list(record)
 

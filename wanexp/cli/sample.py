@@ -358,7 +358,7 @@ def _main(args, s) -> dict:
         start = time.perf_counter()
         with pipe.routed(rt), multi.cfg_split(grid, list(modules.values()), embeds[negative], cfg, spec.cfg_parallel):
             got = pipe.generate(prompt, seed, s, n_steps, cfg, negative, device, record, img,
-                                embeds=(embeds[prompt], embeds[negative]), decode=leader,
+                                embeds=(embeds[prompt], embeds[negative]),
                                 **({"inputs": inputs} if inputs else {}))
         multi.arrive(grid, phase)
         work = results["processes"]

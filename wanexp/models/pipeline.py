@@ -29,12 +29,12 @@ class Pipeline:
         return both[0], both[1]
 
     def generate(self, prompt: str, seed: int, shape: dict, steps: int, guidance: float, negative: str, device,
-                 record: list, image=None, embeds=None, decode: bool = True, inputs: dict | None = None):
+                 record: list, image=None, embeds=None, inputs: dict | None = None):
         """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
         ``shape``: height, width, frames, text_len. ``image``: the first frame (PIL) of an image-to-video sample.
         ``embeds``: the (prompt, negative prompt) text embeddings, each (text_len, D), for a pipeline built without
-        its text encoder (validation reads them from the cache). The same seed gives the same sample. Without
-        ``decode`` the video is None (a rank of several that does not write). The transformers are called through
+        its text encoder (validation reads them from the cache). The same seed gives the same sample. On several
+        processes every one runs it whole (each decodes: their memory peaks stay equal). The transformers are called through
         ``nn.Module.__call__`` with keyword arguments, the conditional call of a CFG step before its unconditional
         one (wanexp.parallel.generation.cfg_split relies on it). ``inputs``: the family's own inputs of this sample
         by name (``ModelSpec.sample_inputs``, e.g. ``{"audio": path}``: ``wanexp-sample --audio``)."""

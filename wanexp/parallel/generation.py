@@ -9,8 +9,8 @@ The ranks form a grid of ``cfg`` x ``sp`` (rank = c * sp + s):
   unconditional one, at the same time; the two outputs are exchanged once per step (:func:`cfg_split`), so no rank
   runs both and nothing is exchanged inside the transformer.
 
-Every rank draws the same noise from the sample's seed and ends each step with the same latents; rank 0 decodes and
-writes. Nothing collective happens while a rank builds or loads its modules: each loads its own copy onto its own
+Every rank draws the same noise from the sample's seed and ends each step with the same latents; each decodes them
+(the GPUs' memory peaks stay equal) and rank 0 writes. Nothing collective happens while a rank builds or loads its modules: each loads its own copy onto its own
 device (never all onto GPU 0). Each phase ends at a barrier of a gloo group with the run's timeout (:func:`arrive`):
 a rank that does not arrive in time is named in one line with the phase, instead of a silent hang.
 

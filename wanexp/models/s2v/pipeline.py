@@ -92,7 +92,7 @@ class S2VPipeline(Pipeline):
     # ---- sampling --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
-                 decode=True, inputs=None):
+                 inputs=None):
         spec, transformer = self.spec, self.experts["dense"]
         dtype = spec.compute_dtype(transformer)
         height, width, fps = shape["height"], shape["width"], shape.get("fps") or spec.fps
@@ -132,8 +132,6 @@ class S2VPipeline(Pipeline):
                 last_frames = torch.cat([last_frames[:, :, keep:], pixels[:, :, -keep:].to(device)], dim=2)
                 motion = encode_video(self.vae, last_frames)
         latents = torch.cat(latents_out, dim=2)
-        if not decode:
-            return latents, None, list(record)
         video = torch.cat(videos, dim=2)[0, :, :shape["frames"]].permute(1, 2, 3, 0)  # (F, H, W, 3)
         return latents, ((video + 1) / 2).clamp(0, 1), list(record)
 

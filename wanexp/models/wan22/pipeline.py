@@ -83,14 +83,12 @@ def recorded_timesteps(pipe):
             h.remove()
 
 
-def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None, embeds=None,
-             decode=True):
+def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None, embeds=None):
     """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
 
     ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline.
     ``embeds``: the (prompt, negative prompt) UMT5 embeddings, each (text_len, D), for a pipeline built without its
-    text encoder (validation and wanexp-sample encode them first). The decode is tiled (:func:`tiled`); without
-    ``decode`` the video is None (a rank of several that does not write)."""
+    text encoder (validation and wanexp-sample encode them first). The decode is tiled (:func:`tiled`)."""
     from wanexp.models.wan22.encoders import decode_latents
 
     record.clear()
@@ -105,8 +103,6 @@ def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, i
     latents = pipe(height=s["height"], width=s["width"],
                    num_frames=s["frames"], num_inference_steps=steps, guidance_scale=guidance, generator=g,
                    output_type="latent", max_sequence_length=s["text_len"], **extra).frames
-    if not decode:
-        return latents.float().cpu(), None, list(record)
     vae = pipe.vae
     with torch.no_grad(), tiled(vae):
         pixels = decode_latents(vae, latents.to(device))  # (B, 3, F, H, W) in [-1, 1]
@@ -211,9 +207,8 @@ class WanPipelineRunner(Pipeline):
         self._record: list | None = None
 
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
-                 decode=True, inputs=None):
-        return generate(self.pipe, prompt, seed, shape, steps, guidance, negative, device, record, image, embeds,
-                        decode=decode)
+                 inputs=None):
+        return generate(self.pipe, prompt, seed, shape, steps, guidance, negative, device, record, image, embeds)
 
     def recorded_timesteps(self):
         return recorded_timesteps(self.pipe)
