@@ -178,7 +178,9 @@ def test_a_shape_that_does_not_split_over_the_sequence_group_fails_before_loadin
 
 def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tmp_path):
     """A one-expert A14B run samples its validation videos with the other expert from model.path: under FSDP2 every
-    rank samples, so that expert is sharded too (each rank holds half of it here), loaded in the load turns."""
+    rank samples, so that expert is sharded too (each rank holds half of it here), loaded in the load turns. The three
+    videos are shared out (rank 1 pads its one with a dropped second call: sharded forwards are collective) and rank 0
+    writes them all."""
     from tests.conftest import compose_cfg
     from wanexp.models.tiny import ensure_tiny_model
     from wanexp.composition import build
@@ -188,11 +190,14 @@ def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tm
         "model=tiny_i2v14b", "boundary=high", "parallel=fsdp", "parallel.strategy.param_dtype=fp32",
         "trainer.accelerator=cpu", "trainer.devices=2", "parallel.strategy.timeout_s=120",
         "callbacks.validation.every_n_steps=2", "callbacks.validation.at_start=false",
-        "callbacks.validation.prompts=[a red ball rolls]", "callbacks.validation.seeds=[0]",
+        "callbacks.validation.prompts=[a red ball rolls]", "callbacks.validation.seeds=[0,1,2]",
         "callbacks.validation.steps=2", "callbacks.validation.loss_samples=0", "parallel.concurrent_loads=1"],
         timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert (out / "validation" / "step_000002" / "p0_s0.mp4").is_file()
+    for seed in (0, 1, 2):
+        assert (out / "validation" / "step_000002" / f"p0_s{seed}.mp4").is_file()
+    saved = json.loads((out / "validation" / "step_000002" / "metrics.json").read_text())
+    assert saved["sampled_by"] == {"p0_s0": 0, "p0_s1": 1, "p0_s2": 0}
     assert "loading validation's low expert in 2 turns of 1 rank(s) per node" in res.stdout
     assert "wanexp: validation: the low expert from model.path, sharded over 2 ranks" in res.stdout
     other = json.loads((out / "validation" / "step_000002" / "metrics.json").read_text())["other_expert"]
@@ -202,3 +207,20 @@ def test_one_expert_validation_under_fsdp_shards_the_other_expert(shared_dir, tm
     ensure_tiny_model(spec)
     whole = sum(p.numel() * p.element_size() for p in spec.load_transformer("low").parameters())
     assert abs(held - whole / 2) < 0.02 * whole, (held, whole)
+
+
+def test_ddp_validation_samples_on_every_rank(shared_dir, tmp_path):
+    """Under DDP each rank samples its share of the validation videos with its own replica (prompt k on rank k mod
+    2) at the same time, and rank 0 writes and logs every one."""
+    out = tmp_path / "run"
+    res = run_cli(_base(shared_dir, out, steps=2) + [
+        "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "parallel.strategy.timeout_s=120",
+        "callbacks.validation.every_n_steps=2", "callbacks.validation.at_start=false",
+        "callbacks.validation.prompts=[a red ball rolls,a blue cube spins]", "callbacks.validation.seeds=[0]",
+        "callbacks.validation.steps=2", "callbacks.validation.loss_samples=0"], timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    step = out / "validation" / "step_000002"
+    assert (step / "p0_s0.mp4").is_file() and (step / "p1_s0.mp4").is_file()
+    saved = json.loads((step / "metrics.json").read_text())
+    assert saved["sampled_by"] == {"p0_s0": 0, "p1_s0": 1}
+    assert list(saved["videos"]) == ["val/video/p0_s0", "val/video/p1_s0"]

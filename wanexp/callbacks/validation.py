@@ -23,9 +23,11 @@ Every ``every_n_steps`` optimizer steps and at the last step (``every_n_steps: 0
   range), with fixed noise: the same weights give the same value, so sweep points compare. Also in status.jsonl
   (``val_loss``), which the sweep summary reads.
 
-Ranks: with replicated weights (DDP) rank 0 validates while the others wait at a barrier of their own gloo group with
-``timeout_s`` (not the training's collective timeout); with FSDP2-sharded weights every rank runs the same calls
-(each forward gathers the shards) and rank 0 writes. The model is in eval mode without gradients meanwhile, and the
+Ranks: every rank samples its share of the videos (prompt x seed x shape k goes to rank k mod world; with
+FSDP2-sharded weights, whose forwards are collective, a rank with fewer runs its last one again and drops it), and
+rank 0 gathers them (uint8 frames over a gloo group of its own with ``timeout_s``, not the training's collective
+timeout), writes and logs them. The held-out loss is rank 0's with replicated weights (DDP), every rank's call with
+sharded ones. The model is in eval mode without gradients meanwhile, and the
 training's random streams are left as they were.
 """
 from __future__ import annotations
@@ -122,18 +124,17 @@ class Validation(Callback):
             print(f"wanexp: validation at step 0: sampling the base model first ({len(self.prompts)} prompt(s) x "
                   f"{len(self.seeds)} seed(s), {self.steps} steps; callbacks.validation.at_start=false skips this, "
                   "callbacks.validation.every_n_steps=0 all validation)", flush=True)
-        if sharded or trainer.global_rank == 0:
-            was_training = pl_module.training
-            devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-            pl_module.eval()
-            try:
-                with torch.no_grad(), torch.random.fork_rng(devices=devices):  # training's random streams untouched
-                    torch.manual_seed(0)  # the pipeline's stochastic scheduler draws from the global generator
-                    result = self._run(trainer, pl_module, step, base)
-            finally:
-                pl_module.train(was_training)
-        if trainer.world_size > 1 and not sharded and self._group is not None:
-            torch.distributed.barrier(group=self._group)  # the others waited here while rank 0 sampled
+        was_training = pl_module.training
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        pl_module.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):  # training's random streams untouched
+                torch.manual_seed(0)  # the pipeline's stochastic scheduler draws from the global generator
+                result = self._run(trainer, pl_module, step, base, sharded)
+        finally:
+            pl_module.train(was_training)
+        if trainer.world_size > 1 and self._group is not None:
+            torch.distributed.barrier(group=self._group)  # rank 0 wrote the videos; the others waited here
         if trainer.global_rank != 0:
             return
         result["seconds"] = time.perf_counter() - t0
@@ -159,7 +160,7 @@ class Validation(Callback):
         print(f"wanexp: validation at step {step}: {len(videos)} video(s) in {folder}"
               + (f"; {said}" if said else "") + f" ({result['seconds']:.1f} s)", flush=True)
 
-    def _run(self, trainer, pl_module, step: int, base: bool) -> dict:
+    def _run(self, trainer, pl_module, step: int, base: bool, sharded: bool = False) -> dict:
         from wanexp.generation import heldout_loss
 
         out: dict = {"step": step, "metrics": {}, "videos": {}, "timesteps": {}}
@@ -168,7 +169,8 @@ class Validation(Callback):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the training step's cached blocks back to the allocator's free pool
         try:
-            if self.loss_samples and getattr(dm, "val_dataset", None) is not None:
+            held_out = sharded or trainer.global_rank == 0  # replicated weights: rank 0's is every rank's
+            if self.loss_samples and held_out and getattr(dm, "val_dataset", None) is not None:
                 from wanexp.generation import adapter, encode_batch
 
                 if own is None and not getattr(dm, "cached", False):  # held-out pixels need the encoders
@@ -183,7 +185,7 @@ class Validation(Callback):
                 out["metrics"].update({f"val/{k}": float(v) for k, v in loss.items() if k != "samples"})
                 out["loss_samples"] = loss.get("samples", 0)
             if self.prompts:
-                self._sample(trainer, pl_module, step, base, own, out)
+                self._sample(trainer, pl_module, step, base, own, out, sharded)
         finally:
             own = None
             import gc
@@ -249,8 +251,28 @@ class Validation(Callback):
                 "(the other expert is sharded over the ranks), or callbacks.validation.prompts=[] (held-out loss "
                 "only), or callbacks.validation.every_n_steps=0")
 
-    def _sample(self, trainer, pl_module, step, base, encoders, out) -> None:
-        from wanexp.generation import adapter, psnr, ssim, strip_frames, write_mp4
+    @staticmethod
+    def _share(trainer, items: list, sharded: bool) -> list:
+        """This rank's share of the validation samples, as (item, real): items r, r + world, ... With sharded
+        weights every forward is collective, so a rank with fewer items runs its last again (real=False, dropped)
+        until every rank runs as many."""
+        rank, world = trainer.global_rank, trainer.world_size
+        mine = [(x, True) for x in items[rank::world]]
+        if sharded and items:
+            per = -(-len(items) // world)
+            mine += [((mine[-1] if mine else (items[0], True))[0], False)] * (per - len(mine))
+        return mine
+
+    def _gather(self, trainer, done: dict) -> list[dict]:
+        """Every rank's samples (``done``) on rank 0 (its gloo group, ``timeout_s``); [done] for one process."""
+        if trainer.world_size == 1 or self._group is None:
+            return [done]
+        parts = [None] * trainer.world_size if trainer.global_rank == 0 else None
+        torch.distributed.gather_object(done, parts, dst=0, group=self._group)
+        return parts or []
+
+    def _sample(self, trainer, pl_module, step, base, encoders, out, sharded: bool = False) -> None:
+        from wanexp.generation import adapter, psnr, ssim, strip_frames, to_uint8, write_mp4
 
         spec, objective = pl_module.spec, pl_module.objective
         dev = pl_module.device
@@ -280,15 +302,12 @@ class Validation(Callback):
         folder = self.dir / f"step_{step:06d}"
         write = trainer.global_rank == 0
         named = len(sizes) > 1  # several shapes: the shape is part of each video's name
+        items = [((i, seed, _tag(sz)), f"p{i}_s{seed}" + (f"_{_tag(sz)}" if named else ""), prompt,
+                  dict(sz, text_len=spec.text_len), images.get((i, _tag(sz))))
+                 for sz in sizes for i, prompt in enumerate(self.prompts) for seed in self.seeds]
+        mine = self._share(trainer, items, sharded)
         gaps = []
-
-        def each():
-            for sz in sizes:
-                s = dict(sz, text_len=spec.text_len)
-                for i, prompt in enumerate(self.prompts):
-                    for seed in self.seeds:
-                        name = f"p{i}_s{seed}" + (f"_{_tag(sz)}" if named else "")
-                        yield (i, seed, _tag(sz)), name, prompt, s, images.get((i, _tag(sz)))
+        done: dict = {"base": [], "after": [], "rank": trainer.global_rank}  # (name, prompt, uint8 video[, ...])
 
         try:
             with pipe.recorded_timesteps() as record:
@@ -297,44 +316,60 @@ class Validation(Callback):
                     pipe.use_student(None)
                     teacher = {}
                     with adapter(modules, None):
-                        for key, name, prompt, s, img in each():
+                        for (key, name, prompt, s, img), real in mine:
                             lat, video, _ = pipe.generate(prompt, key[1], s, self.steps, guidance, negative, dev,
                                                           record, img, embeds=(embeds[prompt], embeds[negative]))
+                            if not real:  # a rank's padding call (sharded weights: every rank runs as many)
+                                continue
                             teacher[key] = (lat, video)
-                            if base and write:
-                                self._before[name] = strip_frames(video)
-                                f = folder / f"{name}_base.mp4"
-                                with saving(f"the validation video {f}", f):
-                                    write_mp4(f, video, self.fps)
-                                out["videos"][f"val/base/{name}"] = (str(f), f"base: {prompt}")
+                            if base:
+                                done["base"].append((name, prompt, to_uint8(video)))
                     if student is not None:
                         self._teacher = teacher
                 lora_moved = step > 0 or student is not None or getattr(pl_module.adapter, "init_from", None)
-                if not lora_moved:  # a fresh LoRA is zero: its step-0 videos would be the base model's
-                    return
-                if student is not None:  # exactly the training's student steps, no CFG
-                    pipe.use_student(list(student.timesteps), student.shift)
-                    steps, guidance = len(student.timesteps), 1.0
-                else:
-                    pipe.use_student(None)
-                    steps, guidance = self.steps, self.guidance
+                if lora_moved:  # a fresh LoRA is zero: its step-0 videos would be the base model's
+                    if student is not None:  # exactly the training's student steps, no CFG
+                        pipe.use_student(list(student.timesteps), student.shift)
+                        steps, guidance = len(student.timesteps), 1.0
+                    else:
+                        pipe.use_student(None)
+                        steps, guidance = self.steps, self.guidance
+                    with adapter(modules, objective.export):
+                        for (key, name, prompt, s, img), real in mine:
+                            lat, video, used = pipe.generate(prompt, key[1], s, steps, guidance, self.negative_prompt,
+                                                             dev, record, img,
+                                                             embeds=(embeds[prompt], embeds[self.negative_prompt]))
+                            if not real:
+                                continue
+                            gap = None
+                            if student is not None:
+                                t_lat, t_video = self._teacher[key]
+                                gap = (float(((lat - t_lat) ** 2).mean()), psnr(video, t_video), ssim(video, t_video))
+                            done["after"].append((name, prompt, to_uint8(video), used, gap))
+            parts = self._gather(trainer, done)
+            if write:  # every rank's videos, in the items' order
+                order = {name: k for k, (_, name, _, _, _) in enumerate(items)}
+                out["sampled_by"] = dict(sorted(((x[0], p["rank"]) for p in parts for x in p["after"] or p["base"]),
+                                                key=lambda x: order[x[0]]))
+                for name, prompt, frames in sorted((x for p in parts for x in p["base"]), key=lambda x: order[x[0]]):
+                    video = torch.from_numpy(frames).float() / 255
+                    self._before[name] = strip_frames(video)
+                    f = folder / f"{name}_base.mp4"
+                    with saving(f"the validation video {f}", f):
+                        write_mp4(f, video, self.fps)
+                    out["videos"][f"val/base/{name}"] = (str(f), f"base: {prompt}")
                 after = {}
-                with adapter(modules, objective.export):
-                    for key, name, prompt, s, img in each():
-                        lat, video, used = pipe.generate(prompt, key[1], s, steps, guidance, self.negative_prompt,
-                                                         dev, record, img,
-                                                         embeds=(embeds[prompt], embeds[self.negative_prompt]))
-                        out["timesteps"][name] = used
-                        if write:
-                            f = folder / f"{name}.mp4"
-                            with saving(f"the validation video {f}", f):
-                                write_mp4(f, video, self.fps)
-                            out["videos"][f"val/video/{name}"] = (str(f), prompt)
-                            after[name] = (strip_frames(video), f"{name}: {prompt}")
-                        if student is not None:
-                            t_lat, t_video = self._teacher[key]
-                            gaps.append((float(((lat - t_lat) ** 2).mean()), psnr(video, t_video),
-                                         ssim(video, t_video)))
+                for name, prompt, frames, used, gap in sorted((x for p in parts for x in p["after"]),
+                                                             key=lambda x: order[x[0]]):
+                    video = torch.from_numpy(frames).float() / 255
+                    out["timesteps"][name] = used
+                    f = folder / f"{name}.mp4"
+                    with saving(f"the validation video {f}", f):
+                        write_mp4(f, video, self.fps)
+                    out["videos"][f"val/video/{name}"] = (str(f), prompt)
+                    after[name] = (strip_frames(video), f"{name}: {prompt}")
+                    if gap is not None:
+                        gaps.append(gap)
                 self._write_strip(after)
         finally:
             del pipe, extra
