@@ -1,14 +1,18 @@
 """The S2V family end to end on the CPU (model=tiny_s2v, the release folder's layout at tiny sizes): clips with
 audio -> wanexp.cli.cache (latents, reference latents and wav2vec2 features; a clip without audio rejected with its
-reason) -> python train.py with a checkpoint -> resume=last -> the LoRA files (ComfyUI's with the original S2V names,
-the audio injector's included; the diffusers file loads back into the DiT) -> the S2V sampler with a speech file ->
-an mp4 with an audio stream."""
+reason) -> python train.py, SIGKILLed after a checkpoint -> resume=auto to the LoRA of an uninterrupted run, bit for
+bit -> the LoRA files (ComfyUI's with the original S2V names, the audio injector's included; the diffusers file loads
+back into the DiT) -> wanexp-sample with a speech file, on one process and two (CFG parallel) -> an mp4 with an audio
+stream."""
 from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import av
 import numpy as np
@@ -18,6 +22,7 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[2]
 FPS = 16
 
 
@@ -126,21 +131,36 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     assert not torch.equal(index.load(latents[str(root / "data" / "side.mp4")])["audio"],
                            index.load(latents[str(root / "data" / "talk0.mp4")])["audio"])
 
-    # 2. train from the cache to a checkpoint, then resume to a later step
-    out = _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=2")])
-    assert "training from the cache" in out
+    # 2. train from the cache in a process of its own, SIGKILLed after its step-2 checkpoint, then resume=auto here
+    steps = 8
+    log = root / "killed.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *_overrides(root, f"trainer.max_steps={steps}",
+                                                                                   "resume=auto")],
+                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if json.loads((run / "status.json").read_text()).get("step", 0) >= 3:
+                    break
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.01)
+        assert proc.poll() is None, f"the run ended before the kill:\n{log.read_text()[-2000:]}"
+        proc.kill()
+        proc.wait()
     step, first = _lora(run / "checkpoints" / "last.ckpt")
     modules = {k.split(".lora_")[0].removeprefix("transformers.dense.") for k in first}
-    assert step == 2 and {"blocks.0.audio_injector.attn.to_q", "blocks.4.audio_injector.attn.to_out.0",
-                          "blocks.1.attn1.to_q", "blocks.3.attn2.to_v", "blocks.2.ffn.net.2"} <= modules
+    assert 2 <= step < steps and {"blocks.0.audio_injector.attn.to_q", "blocks.4.audio_injector.attn.to_out.0",
+                                  "blocks.1.attn1.to_q", "blocks.3.attn2.to_v", "blocks.2.ffn.net.2"} <= modules
     assert not any("blocks.1.audio_injector" in m for m in modules)  # block 1 has no audio injection
-    _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4", "resume=last")])
+    out = _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, f"trainer.max_steps={steps}",
+                                                                        "resume=auto")])
+    assert f"resume=auto: continuing from {run}/checkpoints/" in out
     step, last = _lora(run / "checkpoints" / "last.ckpt")
-    history = [json.loads(x)["step"] for x in (run / "status.jsonl").read_text().splitlines()]
-    assert step == 4 and history == [1, 2, 3, 4]
-    assert all(not torch.equal(first[k], last[k]) for k in first if ".lora_B." in k)
+    assert step == steps and all(not torch.equal(first[k], last[k]) for k in first if ".lora_B." in k)
     # the resumed run's LoRA is bit-identical to an uninterrupted one's (audio dropout draws included)
-    _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=4",
+    _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, f"trainer.max_steps={steps}",
                                                                   f"paths.output_dir={root}/straight")])
     _, straight = _lora(root / "straight" / "checkpoints" / "last.ckpt")
     assert straight.keys() == last.keys() and all(torch.equal(straight[k], last[k]) for k in last)

@@ -159,14 +159,11 @@ class SignalEncoder(ModelMixin, ConfigMixin):
 
 FILES["parts.py"] = '''
 """The toy family's frozen encoders (what training and the cache run) and its sampler."""
-from contextlib import contextmanager
-
 import torch
 
-from wanexp.adapters import load_adapter_file
 from wanexp.errors import ConfigError
 from wanexp.models.encoders import Encoders
-from wanexp.models.pipeline import Pipeline
+from wanexp.models.pipeline import OneExpertPipeline
 from wanexp.text import clean_prompt
 
 
@@ -196,7 +193,7 @@ class ToyEncoders(Encoders):
         return self.vae.decode(x0.to(self.vae.dtype)).float().clamp(-1, 1)
 
 
-class ToyPipeline(Pipeline):
+class ToyPipeline(OneExpertPipeline):
     """Euler steps of flow matching over the DiT with classifier-free guidance, decoded by the VAE. A sample has no
     recorded signal: it is conditioned on zero signal features."""
 
@@ -222,22 +219,6 @@ class ToyPipeline(Pipeline):
             x = self.scheduler.step(v[1:] + guidance * (v[:1] - v[1:]), t, x).prev_sample
         video = self.vae.decode(x.to(self.vae.dtype)).float().clamp(-1, 1)[0].permute(1, 2, 3, 0)  # (F, H, W, 3)
         return x.float().cpu(), ((video + 1) / 2).cpu(), list(record)
-
-    @contextmanager
-    def recorded_timesteps(self):
-        yield []  # generate fills it
-
-    @contextmanager
-    def routed(self, routing):
-        yield  # one expert serves every step
-
-    def load_adapter(self, path, adapter_name, expert):
-        load_adapter_file(self.experts[expert], path, self.spec.adapter_naming, adapter_name, what=f"--lora {path}")
-        return "wanexp.adapters.load_adapter_file"
-
-    def adapters_on(self, on):
-        for t in self.experts.values():
-            (t.enable_adapters if on else t.disable_adapters)()
 
     def use_student(self, timesteps, shift=0.0):
         if timesteps is not None:

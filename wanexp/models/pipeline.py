@@ -2,6 +2,7 @@
 validation callback): the base class a family's ``ModelSpec.load_pipeline`` / ``ModelSpec.make_pipeline`` return."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -69,3 +70,27 @@ class Pipeline:
 
     def _missing(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} (a family's sampling pipeline) provides no {what}")
+
+
+class OneExpertPipeline(Pipeline):
+    """The parts of a pipeline of one dense expert (``spec`` and ``experts`` set by the subclass) whose adapters are
+    peft's under the family's names: no routing, adapter files read by ``wanexp.adapters.load_adapter_file``, the
+    recorded timesteps filled by the subclass's ``generate`` into the list it is given."""
+
+    @contextmanager
+    def recorded_timesteps(self):
+        yield []  # generate fills it
+
+    @contextmanager
+    def routed(self, routing):
+        yield  # one expert serves every step
+
+    def load_adapter(self, path, adapter_name, expert):
+        from wanexp.adapters import load_adapter_file
+
+        load_adapter_file(self.experts[expert], path, self.spec.adapter_naming, adapter_name, what=f"--lora {path}")
+        return "wanexp.adapters.load_adapter_file"
+
+    def adapters_on(self, on: bool) -> None:
+        for t in self.experts.values():
+            (t.enable_adapters if on else t.disable_adapters)()

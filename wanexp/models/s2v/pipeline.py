@@ -12,14 +12,11 @@ center-cropped to the sample's size); without one, a mid-grey frame.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 
-from wanexp.adapters import load_adapter_file
 from wanexp.errors import ConfigError
-from wanexp.models.pipeline import Pipeline
+from wanexp.models.pipeline import OneExpertPipeline
 from wanexp.models.s2v.original import MOTION_FRAMES
 from wanexp.models.wan22.encoders import decode_latents, encode_video
 
@@ -40,7 +37,7 @@ def clip_frames(frames: int) -> int:
     return max(4, min(INFER_FRAMES, frames) // 4 * 4)
 
 
-class S2VPipeline(Pipeline):
+class S2VPipeline(OneExpertPipeline):
     """The S2V DiT (``transformers["dense"]``), the VAE and the scheduler; ``encoders``: an S2VEncoders for prompts
     given as text and the audio encoder (without it, the audio encoder of ``spec.path`` loads when a sample has
     audio)."""
@@ -134,22 +131,6 @@ class S2VPipeline(Pipeline):
         latents = torch.cat(latents_out, dim=2)
         video = torch.cat(videos, dim=2)[0, :, :shape["frames"]].permute(1, 2, 3, 0)  # (F, H, W, 3)
         return latents, ((video + 1) / 2).clamp(0, 1), list(record)
-
-    @contextmanager
-    def recorded_timesteps(self):
-        yield []  # generate fills it
-
-    @contextmanager
-    def routed(self, routing):
-        yield  # one expert serves every step
-
-    def load_adapter(self, path, adapter_name, expert):
-        load_adapter_file(self.experts[expert], path, self.spec.adapter_naming, adapter_name, what=f"--lora {path}")
-        return "wanexp.adapters.load_adapter_file"
-
-    def adapters_on(self, on):
-        for t in self.experts.values():
-            (t.enable_adapters if on else t.disable_adapters)()
 
     def use_student(self, timesteps, shift=0.0):
         if timesteps is not None:

@@ -91,3 +91,15 @@ class WanEncoders(Encoders):
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         return decode_latents(self.vae, x0)
+
+
+def encode_prompts(spec, prompts, device, encoders=None) -> dict:
+    """``ModelSpec.encode_prompts`` of a family with UMT5 text (Wan2.2, S2V): each prompt's embedding on the CPU, by the
+    run's ``encoders`` or by ``spec``'s text encoder loaded for the call (freed after it)."""
+    if encoders is not None:
+        te, tok = encoders.text_encoder, encoders.tokenizer
+    else:
+        te, tok = spec.load_text_encoder().to(device), spec.load_tokenizer()
+    with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
+        emb = encode_text(tok, te, list(prompts), spec.text_len)
+    return {p: e.cpu() for p, e in zip(prompts, emb)}

@@ -145,15 +145,9 @@ class WanSpec(ModelSpec):
         return load_scheduler(self.path)
 
     def encode_prompts(self, prompts, device, encoders=None):
-        from wanexp.models.wan22.encoders import encode_text
+        from wanexp.models.wan22.encoders import encode_prompts
 
-        if encoders is not None:
-            te, tok = encoders.text_encoder, encoders.tokenizer
-        else:
-            te, tok = self.load_text_encoder().to(device), self.load_tokenizer()
-        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
-            emb = encode_text(tok, te, list(prompts), self.text_len)
-        return {p: e.cpu() for p, e in zip(prompts, emb)}
+        return encode_prompts(self, prompts, device, encoders)
 
     @classmethod
     def plain_loop(cls):
