@@ -202,3 +202,45 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     assert torch.equal(load_file(str(root / "two" / "p0_s0_latents.safetensors"))["latents"], entry["latents"])
     two = json.loads((root / "two" / "metrics.json").read_text())["processes"]
     assert two["block_calls"] * 2 == res["processes"]["block_calls"]
+
+
+def test_s2v_trains_with_block_swap_fp8_storage_ddp_and_fsdp(clips, monkeypatch, capsys):
+    """The memory options and the strategies apply to the S2V DiT as to Wan's: block swap (2 of its 5 blocks) gives
+    the plain run's LoRA exactly, FP8 storage trains with finite losses, and DDP and FSDP2 on 2 CPU processes train
+    on the same samples with the same losses (up to the rounding of their gradient sums)."""
+    from wanexp.cli import cache
+    from wanexp.train import main as train
+
+    root = clips
+    _command(monkeypatch, capsys, cache.main, ["wanexp-cache", *_overrides(root)])
+
+    def trained(name, *extra):
+        out = _command(monkeypatch, capsys, train, ["train.py", *_overrides(root, "trainer.max_steps=2",
+                                                                            f"paths.output_dir={root}/{name}", *extra)])
+        return out, load_file(next((root / name / "lora" / "final").glob("*_diffusers.safetensors")))
+
+    _, plain = trained("plain")
+    out, swapped = trained("swap", "model.blocks_to_swap=2")
+    assert "model.blocks_to_swap=2: the frozen weights of 2 of 5 blocks" in out
+    assert plain.keys() == swapped.keys() and all(torch.equal(plain[k], swapped[k]) for k in plain)
+    out, fp8 = trained("fp8", "model.fp8_storage=true")
+    assert "frozen linears of the dense transformer stored in FP8" in out
+    assert all(torch.isfinite(v).all() for v in fp8.values())
+    files = {}
+    for strategy in ("ddp", "fsdp"):
+        done = subprocess.run([sys.executable, str(ROOT / "train.py"), *_overrides(
+            root, "trainer.max_steps=2", f"paths.output_dir={root}/{strategy}", f"parallel={strategy}",
+            "trainer.accelerator=cpu", "trainer.devices=2", "parallel.strategy.timeout_s=120",
+            *(["parallel.strategy.param_dtype=fp32"] if strategy == "fsdp" else []))],
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        files[strategy] = load_file(next((root / strategy / "lora" / "final").glob("*_diffusers.safetensors")))
+    ddp, fsdp = files["ddp"], files["fsdp"]
+    assert ddp.keys() == fsdp.keys() == plain.keys()
+    losses = {k: [json.loads(x)["loss"] for x in (root / k / "status.jsonl").read_text().splitlines()]
+              for k in ("ddp", "fsdp")}
+    # the same samples through the same weights at step 1; after one AdamW step the two gradient reductions' rounding
+    # (all-reduce against reduce-scatter) shows, amplified where a gradient is near zero
+    assert losses["ddp"][0] == pytest.approx(losses["fsdp"][0], rel=1e-6)
+    assert losses["ddp"][1] == pytest.approx(losses["fsdp"][1], rel=1e-3)
+    assert any(not torch.equal(ddp[k], plain[k]) for k in ddp)  # two ranks: twice the samples per step
