@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from wanexp.config import CONF_DIR, check_config, check_paths, one_line_error, register
+from wanexp.config import CONF_DIR, check_config, check_optional_groups, check_paths, one_line_error, register
 from wanexp.errors import ConfigError, UserError, say_error
 from wanexp.runfolder import checkpoint_kind
 
@@ -237,6 +237,11 @@ def hydra_main(task, usage: str | None = None) -> None:
         if {"--help", "-h"} & set(sys.argv[1:]):
             print_help(usage)
             return
+        try:
+            check_optional_groups(sys.argv[1:])
+        except UserError as e:
+            say_error(str(e))
+            sys.exit(2)
         entry()
     except PointStopped as e:  # every point ran; the sweep exits with the first stopped point's code
         sys.exit(e.code)

@@ -36,11 +36,44 @@ def check_config(cfg: DictConfig, model_folder: bool = False) -> None:
     check_rules(cfg, model_folder)
 
 
+def optional_groups() -> list[str]:
+    """The groups ``conf/train.yaml`` lists as optional (``- optional hw: null``): Hydra skips an option of one that
+    has no file instead of failing, so :func:`check_optional_groups` does."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "train.yaml")).get("defaults", [])
+    return [k.split()[1] for d in defaults if isinstance(d, dict) for k in d if k.startswith("optional ")]
+
+
+def check_optional_groups(overrides) -> None:
+    """A command-line ``group=name`` (or ``group=a,b`` of a sweep) of an optional group without its file is one line
+    naming the options, before anything composes."""
+    groups = set(optional_groups())
+    roots = [CONF_DIR]  # and the user's config folders (hydra.searchpath=[file://DIR,...])
+    for arg in overrides:
+        key, eq, value = str(arg).partition("=")
+        if key == "hydra.searchpath":
+            roots += [Path(p.strip().removeprefix("file://")) for p in value.strip("[]").split(",")
+                      if p.strip().startswith("file://")]
+        elif key == "--config-dir" or key == "-cd":
+            roots.append(Path(value))
+    for arg in overrides:
+        key, eq, value = str(arg).lstrip("+").partition("=")
+        if not eq or key not in groups or "(" in value:
+            continue
+        have = sorted({f.stem for root in roots for f in (root / key).glob("*.yaml")})
+        for name in (v.strip() for v in value.split(",")):
+            if name not in have and name != "null":
+                raise ConfigError(f"{key}={name}: no such {key} option (conf/{key}/{name}.yaml); the options: "
+                                  f"{', '.join(have)}")
+
+
 def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bool = False) -> DictConfig:
     """Compose ``conf/train.yaml`` with overrides as ``python train.py`` would (for tests and tools)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    check_optional_groups(overrides)
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=return_hydra_config)
