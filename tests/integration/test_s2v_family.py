@@ -78,7 +78,7 @@ def _overrides(root, *extra) -> list[str]:
     return ["experiment=demo", "model=tiny_s2v", f"paths.tiny_model_dir={root}/models",
             f"paths.output_dir={root}/run", f"data.cache_dir={root}/cache", f"data.metadata={root}/data/metadata.csv",
             "data.generate=null", "data.num_frames=9", "data.height=32", "data.width=32", "data.max_reject_fraction=0.5",
-            "adapter.attention=[self,cross,audio]", "adapter.rank=4", "adapter.alpha=2", "optim.lr=1e-2",
+            "adapter.rank=4", "adapter.alpha=2", "optim.lr=1e-2",
             "optim.warmup_steps=0", "optim.scheduler=constant", "trainer.log_every_n_steps=1", "callbacks.progress=null",
             "callbacks.checkpoint.every_n_train_steps=2", "callbacks.validation=null", *extra]
 

@@ -60,18 +60,20 @@ class LoraAdapter:
     kind = "lora"
 
     def __init__(self, *, name: str, rank: int, alpha: float, dropout: float, targets: list[str],
-                 attention: list[str], init_from: str | None, use_dora: bool = False, family: str | None = None):
+                 attention: list[str] | None, init_from: str | None, use_dora: bool = False, family: str | None = None):
         """The arguments are the ``adapter`` group (conf/adapter/*.yaml, typed by config.schema.LoraConfig);
         ``family``: the model's spec class (``${model._target_}``), whose ``adapter_naming`` names the modules."""
         from wanexp.adapters.files import check_fits, read_adapter
 
         self.name, self.rank, self.alpha, self.dropout = name, int(rank), float(alpha), float(dropout)
-        self.targets, self.attention, self.init_from = list(targets), list(attention), init_from
         self.use_dora = bool(use_dora)
         if self.use_dora and self.kind != "lora":
             raise ConfigError(f"adapter.use_dora=true: DoRA is a LoRA variant, adapter={self.kind} has none; set "
                               "adapter.use_dora=false or adapter=lora")
         self.naming = naming_of(family)
+        # attention null: every attention layer the family names (Wan: self, cross; S2V: also its audio layers)
+        self.targets, self.init_from = list(targets), init_from
+        self.attention = list(self.naming.attention) if attention is None else list(attention)
         self.target_modules = self.naming.target_regex(self.targets, self.attention)  # unknown names fail here
         self._file = None
         if init_from:  # read and checked here too: a file that cannot fit fails before any weight loads

@@ -44,8 +44,10 @@ class AdapterNaming:
                               self.projections.values()] + [f"{blocks}.0.{f}" for f in self.feedforward.values()]
 
     # ---- the config's names -> peft's target_modules --------------------------------------------------------
-    def target_regex(self, targets: list[str], attention: list[str]) -> str:
-        """A peft ``target_modules`` regex (full match on module names) for ``adapter.targets``/``attention``."""
+    def target_regex(self, targets: list[str], attention: list[str] | None) -> str:
+        """A peft ``target_modules`` regex (full match on module names) for ``adapter.targets``/``attention`` (None:
+        every attention kind the family names)."""
+        attention = list(self.attention) if attention is None else attention
         names = []
         for t in targets:
             t = self.aliases.get(t, t)
@@ -79,7 +81,7 @@ class AdapterNaming:
             return f"{self.original_attention[kind]}.{self.aliases[m.group(3)]}"
         return self.aliases[m.group(4)]
 
-    def configured_kinds(self, targets: list[str], attention: list[str]) -> list[str]:
+    def configured_kinds(self, targets: list[str], attention: list[str] | None) -> list[str]:
         """The module kinds (see :meth:`kind`) an adapter with these ``targets``/``attention`` trains, in order."""
         rx = re.compile(self.target_regex(targets, attention))
         return [self.kind(m) for m in self.probe_modules if rx.fullmatch(m)]

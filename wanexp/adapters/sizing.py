@@ -44,7 +44,8 @@ def adapter_size(transformer, adapter) -> AdapterSize:
     from wanexp.adapters.kinds import naming_of
 
     naming = getattr(adapter, "naming", None) or naming_of(adapter.family)
-    pattern = re.compile(naming.target_regex(list(adapter.targets), list(adapter.attention)))
+    attention = None if adapter.attention is None else list(adapter.attention)
+    pattern = re.compile(naming.target_regex(list(adapter.targets), attention))
     kind, dora = getattr(adapter, "kind", "lora"), bool(getattr(adapter, "use_dora", False))
     out = AdapterSize()
     for name, m in transformer.named_modules():

@@ -99,7 +99,7 @@ class LoraConfig:
     alpha: float = knob(MISSING, gt=0.0, doc="scale = alpha / rank")
     dropout: float = knob(MISSING, ge=0.0, lt=1.0)
     targets: List[str] = knob(MISSING)  # names checked by the adapter
-    attention: List[str] = knob(MISSING)
+    attention: Optional[List[str]] = knob(MISSING)
     init_from: Optional[str] = MISSING  # a LoRA file (ComfyUI or diffusers format) to start from
     use_dora: bool = knob(MISSING, doc="DoRA: a trained magnitude per output row besides the LoRA (adapter=lora only)")
     family: str = "${model._target_}"  # the model's spec class: its adapter_naming names the modules adapters train

@@ -50,7 +50,7 @@ class S2VSpec(ModelSpec):
     text_encoder_class = "transformers.UMT5EncoderModel"
 
     # ---- [seam: adapters] ----------------------------------------------------------------------------------------
-    # adapter.attention=[self, cross, audio]: the audio cross-attention of the injected blocks too
+    # adapter.attention (null: all of self, cross, audio): audio is the injected blocks' audio cross-attention
     adapter_naming = S2V_NAMING
 
     # ---- [seam: conditioning] ------------------------------------------------------------------------------------
