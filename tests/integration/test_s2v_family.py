@@ -77,9 +77,11 @@ def clips(tmp_path):
 def _overrides(root, *extra) -> list[str]:
     return ["experiment=demo", "model=tiny_s2v", f"paths.tiny_model_dir={root}/models",
             f"paths.output_dir={root}/run", f"data.cache_dir={root}/cache", f"data.metadata={root}/data/metadata.csv",
-            "data.generate=null", "data.num_frames=9", "data.height=32", "data.width=32", "data.max_reject_fraction=0.5",
+            "data.generate=null", "data.num_frames=9", "data.height=32", "data.width=32",
+            "data.max_reject_fraction=0.5",
             "adapter.rank=4", "adapter.alpha=2", "optim.lr=1e-2",
-            "optim.warmup_steps=0", "optim.scheduler=constant", "trainer.log_every_n_steps=1", "callbacks.progress=null",
+            "optim.warmup_steps=0", "optim.scheduler=constant", "trainer.log_every_n_steps=1",
+            "callbacks.progress=null",
             "callbacks.checkpoint.every_n_train_steps=2", "callbacks.validation=null", *extra]
 
 
@@ -104,7 +106,6 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     from tests.conftest import compose_cfg
     from wanexp.cli import cache
     from wanexp.data.cache import CacheIndex
-    from wanexp.data.media import write_video
     from wanexp.train import main as train
 
     root, run = clips, clips / "run"
@@ -137,7 +138,8 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *_overrides(root, f"trainer.max_steps={steps}",
                                                                                    "resume=auto")],
-                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
             try:

@@ -73,8 +73,9 @@ def _parse(argv):
                     help="also write each sample's final latents (<name>_latents.safetensors, fp32): to decode or "
                          "compare them later")
     ap.add_argument("--gpus", type=int, default=1,
-                    help="generate on N processes of this host (GPU 0..N-1, or N CPU processes with --device cpu): "
-                         "sequence parallel over all of them unless --sp/--cfg-parallel say otherwise")
+                    help="generate on N processes of this host (GPU 0..N-1, or N CPU processes with --device cpu), "
+                         "split as --sp/--cfg-parallel say (default: CFG parallel when N is even and the sample "
+                         "uses CFG, sequence parallel over the rest)")
     ap.add_argument("--sp", type=int,
                     help="sequence-parallel size: the processes that split each transformer call's video tokens "
                          "(default: all the processes not taken by --cfg-parallel)")
@@ -361,17 +362,16 @@ def _main(args, s) -> dict:
                                 embeds=(embeds[prompt], embeds[negative]),
                                 **({"inputs": inputs} if inputs else {}))
         multi.arrive(grid, phase)
-        work = results["processes"]
         timing.append({"sample": phase, "seconds": round(time.perf_counter() - start, 3), "steps": n_steps,
-                       "denoise_s": round(work.pop("_end") - work.pop("_start"), 3)})
-        work["_new"] = True  # the next sample's first call starts its clock
+                       "denoise_s": round(clock.pop("end") - clock.pop("start"), 3)})  # the next sample starts anew
         return got
 
     timing: list[dict] = []
+    clock: dict = {}  # this sample's first transformer call's start and last call's end (_denoise_clock)
     # each transformer call's timestep (the last token's: a clean TI2V first frame has 0), the expert that served
     # it with its adapter on or off, and what this rank's first blocks computed (calls, tokens per call)
     with pipe.recorded_timesteps() as record, recorded_experts(modules) as served, \
-            _block_work(spec, modules, results["processes"]):
+            _block_work(spec, modules, results["processes"], clock):
         for i, prompt in enumerate(args.prompt):
             img = s["images"][i] if s["images"] else None
             inputs = s["inputs"][i] if s["inputs"] else None
@@ -411,7 +411,6 @@ def _main(args, s) -> dict:
                     print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
                                                              f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
                                                              if args.teacher else ""), flush=True)
-    results["processes"].pop("_new", None)
     results["timing"] = timing  # each sample's wall seconds (its decode included), steps, and the steps' seconds
     results["processes"]["peak_gib"] = multi.gather(grid, _peak_gib(device))  # per rank
     if leader:  # the latents stay in the returned results (for callers), not in metrics.json
@@ -422,19 +421,18 @@ def _main(args, s) -> dict:
 
 
 @contextmanager
-def _block_work(spec, modules: dict, into: dict):
+def _block_work(spec, modules: dict, into: dict, clock: dict):
     """Count the calls of each transformer's first block on this process and the most tokens one call held, into
     ``into`` (``block_calls``, ``block_tokens``): a split over processes shows there (a CFG-parallel rank computes
-    half of the calls, a sequence-parallel one its share of the tokens)."""
+    half of the calls, a sequence-parallel one its share of the tokens). ``clock``: see :func:`_denoise_clock`."""
     into.update(block_calls=0, block_tokens=0)
 
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         into.update(block_calls=into["block_calls"] + 1, block_tokens=max(into["block_tokens"], hidden.shape[1]))
 
-    firsts = {id(b): b for b in (spec.blocks(t)[0] for t in modules.values())}
-    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in firsts.values()]
-    handles += _denoise_clock(modules, into)
+    handles = [spec.blocks(t)[0].register_forward_pre_hook(hook, with_kwargs=True) for t in _distinct(modules)]
+    handles += _denoise_clock(modules, clock)
     try:
         yield
     finally:
@@ -442,32 +440,36 @@ def _block_work(spec, modules: dict, into: dict):
             h.remove()
 
 
-def _denoise_clock(modules: dict, into: dict) -> list:
-    """Hooks that keep the wall time from the start of a sample's first transformer call to the end of its last
-    (the GPU's work included): ``into["denoise_s"]`` of the sample that ran last (steps only: no text encoding, no
-    decode). Returns the hook handles."""
+def _denoise_clock(modules: dict, clock: dict) -> list:
+    """Hooks that keep in ``clock`` the start of a sample's first transformer call (``start``, set while there is
+    none: the caller pops it after each sample) and the end of its latest (``end``, the GPU's work included): the
+    sample's steps alone, no text encoding, no decode. Returns the hook handles."""
     import torch
 
     def start(module, args, kwargs):
-        if into.get("_end") is None or into.get("_new"):
-            into.update(_start=time.perf_counter(), _new=False)
+        clock.setdefault("start", time.perf_counter())
 
     def end(module, args, kwargs, output):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        into["_end"] = time.perf_counter()
+        clock["end"] = time.perf_counter()
 
     handles = []
-    for m in {id(m): m for m in modules.values()}.values():
+    for m in _distinct(modules):
         handles.append(m.register_forward_pre_hook(start, with_kwargs=True))
         handles.append(m.register_forward_hook(end, with_kwargs=True))
     return handles
 
 
+def _distinct(modules: dict) -> list:
+    """The transformers of ``modules`` (expert name -> module), each once (one module may serve two experts)."""
+    return list({id(m): m for m in modules.values()}.values())
+
+
 def _weight_bytes(modules: dict) -> int:
     """Bytes of the transformers' weights this process holds (its shards of a sharded one)."""
     total = 0
-    for m in {id(m): m for m in modules.values()}.values():
+    for m in _distinct(modules):
         for p in m.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             total += local.numel() * local.element_size()

@@ -8,6 +8,7 @@ Only this package and ``wanexp/train.py`` touch Hydra.
 """
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -36,13 +37,14 @@ def check_config(cfg: DictConfig, model_folder: bool = False) -> None:
     check_rules(cfg, model_folder)
 
 
-def optional_groups() -> list[str]:
+@cache
+def optional_groups() -> tuple[str, ...]:
     """The groups ``conf/train.yaml`` lists as optional (``- optional hw: null``): Hydra skips an option of one that
     has no file instead of failing, so :func:`check_optional_groups` does."""
     from omegaconf import OmegaConf
 
     defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "train.yaml")).get("defaults", [])
-    return [k.split()[1] for d in defaults if isinstance(d, dict) for k in d if k.startswith("optional ")]
+    return tuple(k.split()[1] for d in defaults if isinstance(d, dict) for k in d if k.startswith("optional "))
 
 
 def check_optional_groups(overrides) -> None:

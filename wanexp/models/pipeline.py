@@ -6,6 +6,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def cfg_pair(grid, cond, uncond):
+    """A CFG step's (conditional, unconditional) outputs from two calls without arguments: both here, or with CFG
+    parallel (``grid``: wanexp.parallel.generation.Grid with two CFG branches) each on its branch's processes, then
+    exchanged, so every process ends with both."""
+    if grid is None or grid.layout.cfg == 1:
+        return cond(), uncond()
+    import torch
+    import torch.distributed as dist
+
+    mine = (cond if grid.cfg_rank == 0 else uncond)().contiguous()
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine, group=grid.cfg_group)
+    return both[0], both[1]
+
+
 class Pipeline:
     """A family's sampling pipeline around loaded modules (what ``ModelSpec.load_pipeline`` and
     ``ModelSpec.make_pipeline`` return). ``experts``: expert name -> transformer, as the pipeline holds them. A
@@ -16,18 +31,9 @@ class Pipeline:
     grid = None  # this process's place when several generate together (wanexp.parallel.generation.Grid)
 
     def cfg_pair(self, cond, uncond):
-        """A CFG step's (conditional, unconditional) outputs from two calls without arguments: both here, or with
-        CFG parallel (``grid``, ModelSpec.cfg_parallel = "pairs") each on its branch's processes, then exchanged."""
-        g = self.grid
-        if g is None or g.layout.cfg == 1:
-            return cond(), uncond()
-        import torch
-        import torch.distributed as dist
-
-        mine = (cond if g.cfg_rank == 0 else uncond)().contiguous()
-        both = [torch.empty_like(mine) for _ in range(2)]
-        dist.all_gather(both, mine, group=g.cfg_group)
-        return both[0], both[1]
+        """A CFG step's (conditional, unconditional) outputs from two calls without arguments (:func:`cfg_pair` on
+        this pipeline's ``grid``: ModelSpec.cfg_parallel = "pairs")."""
+        return cfg_pair(self.grid, cond, uncond)
 
     def generate(self, prompt: str, seed: int, shape: dict, steps: int, guidance: float, negative: str, device,
                  record: list, image=None, embeds=None, inputs: dict | None = None):
@@ -35,10 +41,10 @@ class Pipeline:
         ``shape``: height, width, frames, text_len. ``image``: the first frame (PIL) of an image-to-video sample.
         ``embeds``: the (prompt, negative prompt) text embeddings, each (text_len, D), for a pipeline built without
         its text encoder (validation reads them from the cache). The same seed gives the same sample. On several
-        processes every one runs it whole (each decodes: their memory peaks stay equal). The transformers are called through
-        ``nn.Module.__call__`` with keyword arguments, the conditional call of a CFG step before its unconditional
-        one (wanexp.parallel.generation.cfg_split relies on it). ``inputs``: the family's own inputs of this sample
-        by name (``ModelSpec.sample_inputs``, e.g. ``{"audio": path}``: ``wanexp-sample --audio``)."""
+        processes every one runs it whole (each decodes: their memory peaks stay equal). The transformers are
+        called through ``nn.Module.__call__`` with keyword arguments, the conditional call of a CFG step before its
+        unconditional one (wanexp.parallel.generation.cfg_split relies on it). ``inputs``: the family's own inputs
+        of this sample by name (``ModelSpec.sample_inputs``, e.g. ``{"audio": path}``: ``wanexp-sample --audio``)."""
         raise self._missing("generate")
 
     def soundtrack(self, inputs: dict | None, frames: int, fps: int):

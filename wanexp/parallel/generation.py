@@ -10,8 +10,9 @@ The ranks form a grid of ``cfg`` x ``sp`` (rank = c * sp + s):
   runs both and nothing is exchanged inside the transformer.
 
 Every rank draws the same noise from the sample's seed and ends each step with the same latents; each decodes them
-(the GPUs' memory peaks stay equal) and rank 0 writes. Nothing collective happens while a rank builds or loads its modules: each loads its own copy onto its own
-device (never all onto GPU 0). Each phase ends at a barrier of a gloo group with the run's timeout (:func:`arrive`):
+(the GPUs' memory peaks stay equal) and rank 0 writes. Nothing collective happens while a rank builds or loads its
+modules: each loads its own copy, or with ``--shard`` its own shards (wanexp.models.sharded), onto its own device
+(never all onto GPU 0). Each phase ends at a barrier of a gloo group with the run's timeout (:func:`arrive`):
 a rank that does not arrive in time is named in one line with the phase, instead of a silent hang.
 
 The launcher (:func:`launch`) starts the N processes on this host, keeps every rank's phase and first error line in
@@ -219,8 +220,7 @@ def cfg_split(grid: Grid | None, modules, negative, guidance: float, mode: str |
     if grid is None or grid.layout.cfg == 1 or guidance <= 1.0 or mode != "text":
         yield
         return
-    import torch
-    import torch.distributed as dist
+    from wanexp.models.pipeline import cfg_pair
 
     pending: list = []
 
@@ -236,14 +236,11 @@ def cfg_split(grid: Grid | None, modules, negative, guidance: float, mode: str |
                     raise RuntimeError("cfg_split: a transformer call that is not the unconditional half of the "
                                        "previous call's step")
                 return (out,)
-            if grid.cfg_rank == 1:
-                text = kw["encoder_hidden_states"]
-                kw["encoder_hidden_states"] = negative.to(text.device, text.dtype).expand_as(text)
-            mine = inner(**kw)[0].contiguous()
-            both = [torch.empty_like(mine) for _ in range(2)]
-            dist.all_gather(both, mine, group=grid.cfg_group)
-            pending.append((hidden, both[1]))
-            return (both[0],)
+            text = kw["encoder_hidden_states"]
+            unconditional = dict(kw, encoder_hidden_states=negative.to(text.device, text.dtype).expand_as(text))
+            cond, uncond = cfg_pair(grid, lambda: inner(**kw)[0], lambda: inner(**unconditional)[0])
+            pending.append((hidden, uncond))
+            return (cond,)
         return forward
 
     saved = [(m, m.__dict__.get("forward")) for m in modules]
