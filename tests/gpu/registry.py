@@ -1290,12 +1290,18 @@ GEN_SHAPE = ("--height", "480", "--width", "832", "--frames", "81", "--steps", "
 GEN_VISIBLE = {1: "0", 2: "0,1", 4: "0,1,2,3"}
 
 
-def generate(name: str, case: str, procs: int, *extra: str, env: dict | None = None, minutes: float = 3) -> Phase:
-    """``wanexp.cli.sample`` on ``procs`` GPUs (torchrun, each process capped), into ``<results>/<name>``."""
+def generate(name: str, case: str, procs: int, *extra: str, env: dict | None = None, minutes: float = 3,
+             model: Callable[[Ctx], Path] = None, shape: Callable[[Ctx], list[str]] | None = None,
+             cap: int | None = CAP_GIB) -> Phase:
+    """``wanexp.cli.sample`` on ``procs`` GPUs (torchrun, each process capped at ``cap`` GiB; None: uncapped), into
+    ``<results>/<name>``: the model folder ``model(ctx)`` (default: the TI2V-5B build) at ``shape(ctx)`` (default:
+    GEN_SHAPE)."""
     def argv(ctx: Ctx) -> list[str]:
         head = [ctx.python] if procs == 1 else [ctx.python, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
-        return [*head, "tests/gpu/capped.py", str(CAP_GIB), "wanexp.cli.sample", "--model-path", str(model_dir(ctx)),
-                *GEN_SHAPE, *extra, "--out", str(ctx.results(case) / name)]
+        capped = ["tests/gpu/capped.py", str(cap), "wanexp.cli.sample"] if cap else ["-m", "wanexp.cli.sample"]
+        folder = (model or model_dir)(ctx)
+        return [*head, *capped, "--model-path", str(folder), *(shape(ctx) if shape else GEN_SHAPE), *extra,
+                "--out", str(ctx.results(case) / name)]
     return Phase(name, argv, minutes=minutes, env={"CUDA_VISIBLE_DEVICES": GEN_VISIBLE[procs], **(env or {})},
                  fresh=lambda ctx: [ctx.results(case) / name])
 
@@ -1377,4 +1383,107 @@ CASES[GEN1] = Case(
             Check("metrics.gen_704.peak_gib", "<=", CAP_GIB, "gen_704", "peak under the cap")),
     collect=generation_metrics(GEN1, "gen_1", "gen_704"),
     record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_704") for k in ("s_per_step", "peak_gib")),
+)
+
+
+# ---- Wan2.2-S2V-14B at real size: LoRA training on one 28 GiB GPU, generation on two (docs/s2v.md) -------------------
+# The released DiT's shapes with random weights, the full wav2vec2-large, UMT5-XXL and the Wan2.1 VAE (real_sizes.yaml
+# s2v14b), as the release folder; two generated 81-frame 480x832 clips with audio tracks.
+def s2v_dir(ctx: Ctx) -> Path:
+    return ctx.work / "s2v14b"
+
+
+def s2v_data(ctx: Ctx) -> list[str]:
+    return ["model=s2v14b", f"model.path={s2v_dir(ctx)}", "data=synthetic", "data.generate=null",
+            f"data.metadata={ctx.work / 's2v_data' / 'metadata.csv'}", "data.height=480", "data.width=832",
+            "data.num_frames=81", "data.batch_size=1", "data.num_workers=2", f"paths.cache_dir={ctx.work / 'cache_s2v'}",
+            "trainer.precision=bf16-mixed"]
+
+
+def s2v_shape(ctx: Ctx) -> list[str]:
+    """One clip of the reference's 80 frames (77 kept after the 3 the first clip drops), CFG 4.5, 4 steps."""
+    return ["--height", "480", "--width", "832", "--frames", "77", "--steps", "4", "--guidance", "4.5", "--seed", "0",
+            "--prompt", "a person talking to the camera", "--audio", str(ctx.work / "s2v_data" / "speech.wav")]
+
+
+S2V = "s2v_14b"
+S2V_GEN = ("gen_1", "gen_sp2", "gen_cfg2")
+CASES[S2V] = Case(
+    name=S2V, gpus=2, model="s2v14b",
+    about="Wan2.2-S2V-14B at real size (random weights; real wav2vec2-large, UMT5-XXL, Wan2.1 VAE): LoRA r32 at "
+          f"480x832x81 on one GPU capped at {CAP_GIB} GiB (the plan sizes block swap to model.memory_budget_gib, the "
+          "checkpointed blocks' inputs in host memory), 4 steps from the cache; one 480x832 clip (80 frames, 4 steps, "
+          f"CFG 4.5) on one uncapped GPU, then on 2 GPUs each capped at {CAP_GIB} GiB with the weights sharded: "
+          "Ulysses sp=2, and CFG parallel",
+    phases=(Phase("build_s2v", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "s2v14b",
+                                            "--entry", "s2v14b", "--path", str(s2v_dir(ctx))], minutes=5),
+            Phase("clips_s2v", lambda ctx: [ctx.python, "tests/gpu/s2v_clips.py", str(ctx.work / "s2v_data")],
+                  minutes=0.5),
+            Phase("cache_s2v", lambda ctx: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB), "wanexp.cli.cache",
+                                            *s2v_data(ctx), f"paths.output_dir={ctx.run_dir('cache_s2v')}"],
+                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            Phase("train_s2v", lambda ctx: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB), "train.py",
+                                            *s2v_data(ctx), "adapter.rank=32", "trainer.max_steps=4",
+                                            "model.gradient_checkpointing=true", "model.offload_activations=true",
+                                            f"model.memory_budget_gib={CAP_GIB}", "model.blocks_to_swap=auto",
+                                            "callbacks.progress=null", "callbacks.validation.every_n_steps=0",
+                                            "trainer.log_every_n_steps=1", f"paths.output_dir={ctx.run_dir('s2v')}",
+                                            "run_name=s2v"],
+                  minutes=3, env={"CUDA_VISIBLE_DEVICES": "0"}, fresh=lambda ctx: [ctx.run_dir("s2v")]),
+            generate("gen_1", S2V, 1, model=s2v_dir, shape=s2v_shape, cap=None),
+            generate("gen_sp2", S2V, 2, "--sp", "2", "--no-cfg-parallel", "--shard", model=s2v_dir, shape=s2v_shape),
+            generate("gen_cfg2", S2V, 2, "--shard", model=s2v_dir, shape=s2v_shape)),
+    checks=(*finished("train", 4, "train_s2v"),
+            Check("metrics.train.peak_mem_gib", "<=", CAP_GIB, "train_s2v", "the LoRA step under the cap"),
+            *(Check(f"phases.{p}.rc", "==", 0, p, "exits 0") for p in S2V_GEN),
+            Check("metrics.gen_sp2.peak_spread", "<=", 0.10, "gen_sp2", "peak memory within 10 % across the GPUs"),
+            Check("metrics.gen_sp2.peak_gib", "<=", CAP_GIB, "gen_sp2", "each GPU under the cap"),
+            Check("metrics.gen_sp2.speedup", "present", None, "gen_sp2", "against one uncapped GPU"),
+            Check("metrics.gen_cfg2.speedup", "present", None, "gen_cfg2", "against one uncapped GPU")),
+    collect=both(lambda ctx, phases: {"train": run_metrics(ctx.run_dir("s2v"))},
+                 generation_metrics(S2V, *S2V_GEN)),
+    record=("train.median_step_s", "train.peak_mem_gib",
+            *(f"{p}.{k}" for p in S2V_GEN for k in ("s_per_step", "speedup", "peak_gib", "peak_spread"))),
+)
+
+
+# ---- I2V-A14B generation on two 28 GiB GPUs: the experts sharded, the one not in use in host memory -----------------
+def a14b_gen_dir(ctx: Ctx) -> Path:
+    return ctx.work / "i2v14b_gen"
+
+
+def a14b_shape(ctx: Ctx) -> list[str]:
+    """480x832x81 from a generated image, 6 steps (high-noise then low-noise expert), CFG 3.5."""
+    return ["--height", "480", "--width", "832", "--frames", "81", "--steps", "6", "--guidance", "3.5", "--seed", "0",
+            "--prompt", "a red ball rolls down a wooden ramp", "--image", str(ctx.work / "a14b_image.png")]
+
+
+A14B_GEN = "generate_a14b_2gpu"
+A14B_PHASES = ("gen_1", "gen_sp2_offload", "gen_cfg2_offload")
+CASES[A14B_GEN] = Case(
+    name=A14B_GEN, gpus=2, model="a14b",
+    about="I2V-A14B (both real-size experts, the real Wan2.1 VAE, a light UMT5: it is freed before the DiT loads) "
+          "at 480x832x81, 6 steps, CFG 3.5: one uncapped GPU with both experts resident, then 2 GPUs each capped at "
+          f"{CAP_GIB} GiB with the experts sharded and the one not in use in host memory (--offload-experts): "
+          "sequence parallel, and CFG parallel",
+    phases=(Phase("build_a14b_gen", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "i2v14b",
+                                                 "--entry", "i2v14b_gen", "--path", str(a14b_gen_dir(ctx))],
+                  minutes=7),
+            Phase("image", lambda ctx: [ctx.python, "-c", "import numpy as n, PIL.Image as I, sys; I.fromarray("
+                                        "n.random.default_rng(0).integers(0, 255, (480, 832, 3), dtype=n.uint8))"
+                                        ".save(sys.argv[1])", str(ctx.work / "a14b_image.png")], minutes=0.2),
+            generate("gen_1", A14B_GEN, 1, model=a14b_gen_dir, shape=a14b_shape, cap=None, minutes=3),
+            generate("gen_sp2_offload", A14B_GEN, 2, "--no-cfg-parallel", "--shard", "--offload-experts",
+                     model=a14b_gen_dir, shape=a14b_shape, minutes=3),
+            generate("gen_cfg2_offload", A14B_GEN, 2, "--shard", "--offload-experts", model=a14b_gen_dir,
+                     shape=a14b_shape, minutes=3)),
+    checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0") for p in A14B_PHASES),
+            *(Check(f"metrics.{p}.peak_gib", "<=", CAP_GIB, p, "each GPU under the cap")
+              for p in A14B_PHASES[1:]),
+            *(Check(f"metrics.{p}.peak_spread", "<=", 0.10, p, "peak memory within 10 % across the GPUs")
+              for p in A14B_PHASES[1:]),
+            Check("metrics.gen_sp2_offload.speedup", ">=", 1.8, "gen_sp2_offload", "2 GPUs' steps/s over one's"),
+            Check("metrics.gen_cfg2_offload.speedup", ">=", 1.8, "gen_cfg2_offload", "2 GPUs' steps/s over one's")),
+    collect=generation_metrics(A14B_GEN, *A14B_PHASES),
+    record=tuple(f"{p}.{k}" for p in A14B_PHASES for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
 )

@@ -204,11 +204,19 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
     assert torch.equal(load_file(str(root / "two" / "p0_s0_latents.safetensors"))["latents"], entry["latents"])
     two = json.loads((root / "two" / "metrics.json").read_text())["processes"]
     assert two["block_calls"] * 2 == res["processes"]["block_calls"]
+    # and with the sequence split over two processes (Ulysses over noisy, reference and motion tokens)
+    done = subprocess.run([sys.executable, "-m", "wanexp.cli.sample", *args, "--gpus", "2", "--sp", "2", "--out",
+                           str(root / "sp")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(load_file(str(root / "sp" / "p0_s0_latents.safetensors"))["latents"],
+                               entry["latents"], rtol=1e-4, atol=1e-5)
+    sp = json.loads((root / "sp" / "metrics.json").read_text())["processes"]
+    assert (sp["sp"], sp["cfg"]) == (2, 1) and sp["block_tokens"] == -(-res["processes"]["block_tokens"] // 2)
 
 
 def test_s2v_trains_with_block_swap_fp8_storage_ddp_and_fsdp(clips, monkeypatch, capsys):
-    """The memory options and the strategies apply to the S2V DiT as to Wan's: block swap (2 of its 5 blocks) gives
-    the plain run's LoRA exactly, FP8 storage trains with finite losses, and DDP and FSDP2 on 2 CPU processes train
+    """The memory options and the strategies apply to the S2V DiT as to Wan's: block swap (2 of its 5 blocks) and
+    offloaded activations give the plain run's LoRA exactly, FP8 storage trains with finite losses, and DDP and FSDP2 on 2 CPU processes train
     on the same samples with the same losses (up to the rounding of their gradient sums)."""
     from wanexp.cli import cache
     from wanexp.train import main as train
@@ -225,6 +233,9 @@ def test_s2v_trains_with_block_swap_fp8_storage_ddp_and_fsdp(clips, monkeypatch,
     out, swapped = trained("swap", "model.blocks_to_swap=2")
     assert "model.blocks_to_swap=2: the frozen weights of 2 of 5 blocks" in out
     assert plain.keys() == swapped.keys() and all(torch.equal(plain[k], swapped[k]) for k in plain)
+    # every block checkpointed with its input waiting in host memory: the same function
+    _, offloaded = trained("offload", "model.gradient_checkpointing=true", "model.offload_activations=true")
+    assert all(torch.equal(plain[k], offloaded[k]) for k in plain)
     out, fp8 = trained("fp8", "model.fp8_storage=true")
     assert "frozen linears of the dense transformer stored in FP8" in out
     assert all(torch.isfinite(v).all() for v in fp8.values())

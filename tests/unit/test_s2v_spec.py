@@ -144,3 +144,32 @@ def _args(spec) -> dict:
 
     cfg = compose_cfg(["model=tiny_s2v", f"paths.tiny_model_dir={spec.path.parent}"]).model
     return {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "_target_"}
+
+
+def test_sequence_parallel_is_the_families_own_forward_not_fast_modulation():
+    """S2V's forward is wanexp's own (its fast_modulation is false): parallel.sp_size passes the rules; Wan2.2's
+    diffusers forward (fast_modulation=false) is refused in one line."""
+    from wanexp.config.rules import check_rules
+
+    sp = ["parallel=ddp", "parallel.sp_size=2", "trainer.devices=2", "trainer.accelerator=cpu"]
+    check_rules(compose_cfg(["model=tiny_s2v", *sp]))
+    with pytest.raises(ConfigError, match="needs wanexp's transformer forward"):
+        check_rules(compose_cfg(["model=tiny", "model.fast_modulation=false", *sp]))
+
+
+def test_the_memory_formula_counts_the_real_size_dit():
+    """The planner's weights for the released 14B config (every block resident) are the meta-built DiT's parameters
+    within 1 %, audio cross-attention included; every block swapped leaves the two in flight and the rest."""
+    from wanexp.models.s2v import build
+    from wanexp.models.s2v.memory import S2VMemory
+    from wanexp.models.s2v.transformer import WanS2VTransformer
+
+    config = build.real_config()
+    with torch.device("meta"):
+        model = WanS2VTransformer(**config)
+    real = sum(p.numel() for p in model.parameters()) * 2 / 2**30
+    f = S2VMemory()
+    assert f.weights_gib(config, 2, 2, 40) == pytest.approx(real, rel=0.01)
+    blocks = sum(p.numel() for p in model.blocks.parameters()) * 2 / 2**30
+    assert f.weights_gib(config, 2, 2, 2) == pytest.approx(real - blocks * 38 / 40, rel=0.01)
+    assert f.activations_gib(config, 32760, True, True, True) < f.activations_gib(config, 32760, True, False, True)

@@ -4,7 +4,10 @@ the output, the loss and (after the data-parallel average DDP/FSDP apply) the Lo
 Tiny random Wan DiTs in fp32 with peft LoRA (B randomised so every LoRA tensor gets a gradient). The TI2V case has a
 per-token timestep (a clean first frame) and 3 latent frames of 24 tokens split 36/36 between the ranks, so a rank's
 share starts and ends inside a frame; one case runs with activation checkpointing (the recompute repeats the
-all-to-alls).
+all-to-alls). The S2V DiT (models/s2v/transformer.py; every parameter trained) splits its whole sequence of noisy,
+reference and motion tokens: 103 tokens, padded to 104, so rank 0 ends inside the third noisy frame (the audio
+cross-attention's frames cut) and rank 1 holds a padding token; with gradients and checkpointing, and without
+gradients as generation runs it.
 """
 from __future__ import annotations
 
@@ -63,6 +66,38 @@ def _loss_and_grads(t, hidden, timestep, text):
     return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in t.named_parameters() if p.requires_grad}
 
 
+S2V_CASES = {"s2v_checkpointed": True, "s2v_generation": False}  # name: with gradients (and checkpointing)
+
+
+def _s2v(ckpt: bool):
+    from wanexp.models.s2v import build
+    from wanexp.models.s2v.transformer import WanS2VTransformer
+
+    t = build.randomize_(WanS2VTransformer(**build.tiny_config()), seed=3)
+    if ckpt:
+        t.enable_gradient_checkpointing()
+    return t.requires_grad_(ckpt)
+
+
+def _s2v_inputs(t):
+    c, g = t.config, torch.Generator().manual_seed(2)
+    return dict(hidden_states=torch.randn(1, c.in_dim, 3, 8, 10, generator=g), timestep=torch.tensor([600.0]),
+                encoder_hidden_states=torch.randn(1, 7, c.text_dim, generator=g),
+                ref_latents=torch.randn(1, c.in_dim, 1, 6, 10, generator=g),
+                audio_features=torch.randn(1, c.audio_layers, c.audio_dim, 12, generator=g),
+                motion_latents=torch.randn(1, c.in_dim, 19, 8, 10, generator=g))  # 60 + 15 + 28 = 103 tokens
+
+
+def _s2v_run(t, grad: bool):
+    with torch.set_grad_enabled(grad):
+        out = t(**_s2v_inputs(t))
+    if not grad:
+        return out, None, {}
+    loss = (out ** 2).mean()
+    loss.backward()
+    return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in t.named_parameters() if p.grad is not None}
+
+
 def _worker(rank: int, port: int, result_path: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -72,6 +107,17 @@ def _worker(rank: int, port: int, result_path: str):
         wan_sequence.enable(t, sequence.build_group(2))
         out, loss, grads = _loss_and_grads(t, *_inputs(per_token))
         for g in grads.values():  # what DDP / FSDP do with the gradients: the average over all ranks
+            dist.all_reduce(g)
+            g /= 2
+        results[case] = {"out": out, "loss": loss, "grads": grads}
+        del t
+    from wanexp.models.s2v.spec import S2VSpec
+
+    for case, grad in S2V_CASES.items():
+        t = _s2v(grad)
+        S2VSpec.enable_sequence_parallel(None, t, sequence.build_group(2), gradient_free=not grad)
+        out, loss, grads = _s2v_run(t, grad)
+        for g in grads.values():
             dist.all_reduce(g)
             g /= 2
         results[case] = {"out": out, "loss": loss, "grads": grads}
@@ -109,6 +155,19 @@ def test_sp2_matches_one_process(case, sp2_results):
     assert set(got["grads"]) == set(ref_grads) and any("lora_A" in n for n in ref_grads)
     for name, g in ref_grads.items():
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", list(S2V_CASES))
+def test_s2v_sp2_matches_one_process(case, sp2_results):
+    grad = S2V_CASES[case]
+    ref_out, ref_loss, ref_grads = _s2v_run(_s2v(grad), grad)
+    got = sp2_results[case]
+    torch.testing.assert_close(got["out"], ref_out, rtol=1e-5, atol=1e-6)
+    if grad:
+        torch.testing.assert_close(got["loss"], ref_loss, rtol=1e-5, atol=1e-7)
+        assert set(got["grads"]) == set(ref_grads) and any("audio_injector" in n for n in ref_grads)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_modulation_rows_follow_the_split_inside_frames():

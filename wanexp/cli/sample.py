@@ -86,6 +86,10 @@ def _parse(argv):
     ap.add_argument("--shard", action="store_true",
                     help="shard each transformer's weights over the processes (FSDP2, loaded rank by rank from the "
                          "safetensors files): each GPU holds 1/N of them, for models that do not fit one card")
+    ap.add_argument("--offload-experts", action="store_true",
+                    help="a two-expert model (A14B): only the expert whose steps run on the GPU, the other in pinned "
+                         "host memory until its steps start (one move per expert and sample); with --shard, for two "
+                         "32 GB cards")
     ap.add_argument("--compile", action="store_true",
                     help="compile each transformer block (torch.compile, a GPU of compute capability 8.0 or more): "
                          "the first sample pays the compilation")
@@ -169,6 +173,9 @@ def _layout(args, spec, s):
         raise ConfigError(f"{world} processes: model={s['model_group'].name} has no sequence parallel; add "
                           "--cfg-parallel (2 processes, or 2 x --sp) and/or --shard with --sp 1")
     grid = layout(world, args.sp, cfg)
+    if args.offload_experts and len(set(spec_experts(s))) < 2:
+        raise ConfigError(f"--offload-experts: model={s['model_group'].name} has one transformer, nothing to move "
+                          "aside; leave out --offload-experts")
     if args.shard and grid.world == 1:
         raise ConfigError("--shard splits the weights over several processes: add --gpus N (or run it under "
                           "torchrun --nproc_per_node=N)")
@@ -183,7 +190,7 @@ def _layout(args, spec, s):
         ft, fh, fw = spec.vae_stride
         pt, ph, pw = spec.patch
         tokens = (((s["frames"] - 1) // ft + 1) // pt) * (s["height"] // (fh * ph)) * (s["width"] // (fw * pw))
-        check_split(tokens, int(config["num_attention_heads"]), grid.sp)
+        check_split(None if spec.pads_sequence else tokens, int(config["num_attention_heads"]), grid.sp)
     return grid
 
 
@@ -332,8 +339,14 @@ def _main(args, s) -> dict:
         if "wanexp_student_timesteps" in header:
             distilled = ([float(t) for t in header["wanexp_student_timesteps"].split(",")],
                          float(header["wanexp_student_shift"]))
+    offload = None
+    if args.offload_experts:  # the first expert stays; the others wait in host memory until their steps
+        from wanexp.models.expert_offload import ExpertOffload
+
+        distinct = {id(m): (name, m) for name, m in modules.items()}
+        offload = ExpertOffload(dict(distinct.values()), device).attach(next(iter(distinct.values()))[0])
     multi.arrive(grid, "loading the weights")
-    held = multi.gather(grid, _weight_bytes(modules))  # per rank, as loaded (FSDP2 keeps a root's gathered later)
+    held = multi.gather(grid, offload.held_bytes() if offload else _weight_bytes(modules))  # per rank, as loaded
     ratio = s["boundary_ratio"] if s["boundary_ratio"] is not None else pipe.boundary_ratio
     routing = expert_routing(list(modules), ratio, trained, distilled is not None)  # as the training routed
     teacher_routing = expert_routing(list(modules), ratio, [], False)
@@ -411,6 +424,8 @@ def _main(args, s) -> dict:
                     print(f"wanexp: wrote {entry['file']}" + (f" (vs teacher: latent MSE {entry['latent_mse']:.4g}, "
                                                              f"PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f})"
                                                              if args.teacher else ""), flush=True)
+    if offload is not None:
+        results["processes"]["expert_moves"] = dict(offload.moves)  # arrivals on the device, per expert
     results["timing"] = timing  # each sample's wall seconds (its decode included), steps, and the steps' seconds
     results["processes"]["peak_gib"] = multi.gather(grid, _peak_gib(device))  # per rank
     if leader:  # the latents stay in the returned results (for callers), not in metrics.json

@@ -115,7 +115,7 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
         if p.name not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel.sp_size={p.sp_size} with parallel={p.name}: sequence parallel runs under "
                               "parallel=ddp or parallel=fsdp")
-        if not m.fast_modulation:
+        if not model_class(cfg).wanexp_forward(bool(m.fast_modulation)):
             raise ConfigError(f"parallel.sp_size={p.sp_size} needs wanexp's transformer forward: set "
                               "model.fast_modulation=true")
         devices = t.devices if isinstance(t.devices, int) else None
@@ -436,3 +436,4 @@ def check_dora(cfg: DictConfig) -> None:
     if m.get("fp8") or m.get("fp8_storage"):
         raise ConfigError("adapter.use_dora=true with an FP8 base: DoRA's magnitude is computed from the base weight "
                           "as trained and exported; set model.fp8=false and model.fp8_storage=false")
+

@@ -204,12 +204,15 @@ class ModelSpec:
         self.audio_dropout = self.default_audio_dropout if audio_dropout is None else audio_dropout
         if audio_dropout and not self.draws_audio_dropout:
             raise ConfigError(f"model.audio_dropout={audio_dropout}: model={name} has no audio input; set it to 0")
-        if offload_activations and not (gradient_checkpointing and fast_modulation):
+        own = self.wanexp_forward(fast_modulation)
+        needs = " and ".join(["model.gradient_checkpointing=true"] * (not gradient_checkpointing)
+                             + ["model.fast_modulation=true"] * (not own))
+        if offload_activations and needs:
             raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
-                              "needs model.gradient_checkpointing=true and model.fast_modulation=true")
-        if memory_budget_gib is not None and not (gradient_checkpointing and fast_modulation):
+                              f"needs {needs}")
+        if memory_budget_gib is not None and needs:
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
-                              "needs model.gradient_checkpointing=true and model.fast_modulation=true")
+                              f"needs {needs}")
         if attention_backend is not None:
             check_attention_backend(attention_backend)
         if first_frame_cond and not self.draws_first_frame:
@@ -405,6 +408,14 @@ class ModelSpec:
     def blocks(self, transformer):
         """The DiT's repeated blocks, an nn.ModuleList (block swap, FP8, compilation and FSDP work per block)."""
         return transformer.blocks
+
+    pads_sequence = False  # sequence parallel: True where the family pads its tokens to a multiple of the ranks
+
+    @classmethod
+    def wanexp_forward(cls, fast_modulation: bool) -> bool:
+        """Whether the DiT runs wanexp's own forward (what sequence parallel, offloaded activations and the memory
+        budget hook into): for Wan2.2, ``model.fast_modulation``'s forward (models/wan22/fast.py)."""
+        return fast_modulation
 
     def enable_sequence_parallel(self, transformer, sp, gradient_free: bool = False) -> None:
         """Split every training forward's tokens over the ranks of ``sp`` (a wanexp.models.sequence.SequenceGroup);

@@ -68,16 +68,16 @@ def layout(world: int, sp: int | None, cfg_parallel: bool) -> Layout:
     return Layout(cfg, sp)
 
 
-def check_split(tokens: int, heads: int, sp: int) -> None:
-    """The sequence split of a sample of ``tokens`` DiT tokens through ``heads`` attention heads over ``sp`` ranks,
-    checked before any weight loads."""
+def check_split(tokens: int | None, heads: int, sp: int) -> None:
+    """The sequence split of a sample of ``tokens`` DiT tokens (None: a family that pads its sequence) through
+    ``heads`` attention heads over ``sp`` ranks, checked before any weight loads."""
     if sp == 1:
         return
     if heads % sp:
         ok = [d for d in range(2, heads + 1) if heads % d == 0][:6]
         raise ConfigError(f"--sp {sp}: the model's {heads} attention heads do not divide by {sp}; use --sp "
                           f"{' or '.join(map(str, ok))} (with that many processes, or add --cfg-parallel)")
-    if tokens % sp:
+    if tokens is not None and tokens % sp:
         raise ConfigError(f"--sp {sp}: a sample of {tokens} DiT tokens does not split into {sp} equal parts; pick "
                           f"--height/--width/--frames whose token count divides by {sp}")
 

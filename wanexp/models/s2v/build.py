@@ -114,29 +114,39 @@ def write_real_size_s2v(folder, device="cuda", dtype=torch.bfloat16, seed: int =
     return config
 
 
-def write_tiny_build(spec, folder: Path, dtype: torch.dtype = torch.float32) -> None:
-    """A complete tiny S2V folder for ``spec`` (an S2VSpec; sizes from ``spec.build``): the DiT in the original
+def write_tiny_build(spec, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """A complete random S2V folder for ``spec`` (an S2VSpec; sizes from ``spec.build``): the DiT in the original
     layout, the Wan2.1 VAE and UMT5 as diffusers/transformers folders ``vae/`` and ``text_encoder/``, the tokenizer
-    at ``google/umt5-xxl/``, a tiny wav2vec2, and ``model_index.json`` naming the build."""
+    at ``google/umt5-xxl/``, the wav2vec2 and a ``model_index.json`` naming the build. ``transformer: real`` in the
+    build section writes the released 14B DiT (:func:`write_real_size_s2v`, drawn on ``device``) and ``audio: real``
+    the full wav2vec2; otherwise both are tiny (the VAE and UMT5 take the section's sizes either way)."""
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from wanexp.models.s2v.audio_encoder import FOLDER, wav2vec2_config, write_tiny_wav2vec2
+    from wanexp.models.s2v.audio_encoder import FOLDER, wav2vec2_config, write_wav2vec2
     from wanexp.models.wan22.build import build_tokenizer
     from wanexp.models.wan22.original import TOKENIZER_DIR, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
 
     b = spec.build
     seed = int(b.get("seed", 0))
     te = dict(b["text_encoder"])
-    audio = wav2vec2_config("tiny")
-    write_tiny_s2v(folder, seed=seed, **{**b["transformer"], "text_dim": te["d_model"],
-                                         "audio_dim": audio.hidden_size, "audio_layers": audio.num_hidden_layers + 1})
-    write_tiny_wav2vec2(folder / FOLDER, seed=seed)
+    audio_size = str(b.get("audio", "tiny"))
+    audio = wav2vec2_config(audio_size)
+    if b["transformer"] == "real":
+        write_real_size_s2v(folder, device=device, dtype=torch.bfloat16 if dtype == torch.float32 else dtype,
+                            seed=seed)
+    else:
+        write_tiny_s2v(folder, seed=seed, **{**b["transformer"], "text_dim": te["d_model"],
+                                             "audio_dim": audio.hidden_size,
+                                             "audio_layers": audio.num_hidden_layers + 1})
+    write_wav2vec2(folder / FOLDER, audio_size, seed=seed)
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(z_dim=spec.latent_channels, **b["vae"], latents_mean=WAN21_LATENTS_MEAN,
-                           latents_std=WAN21_LATENTS_STD)
-    vae.to(dtype).save_pretrained(folder / "vae")
-    text = UMT5EncoderModel(UMT5Config(**te, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    text.to(dtype).save_pretrained(folder / "text_encoder")
+    with torch.device(device):
+        vae = AutoencoderKLWan(z_dim=spec.latent_channels, **b["vae"], latents_mean=WAN21_LATENTS_MEAN,
+                               latents_std=WAN21_LATENTS_STD)
+        vae.to(dtype).save_pretrained(folder / "vae")
+        del vae
+        text = UMT5EncoderModel(UMT5Config(**te, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+        text.to(dtype).save_pretrained(folder / "text_encoder")
     build_tokenizer(folder / TOKENIZER_DIR, spec.text_len)
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanS2V", "build": spec.name}, indent=2))

@@ -134,8 +134,38 @@ class S2VSpec(ModelSpec):
             model.enable_gradient_checkpointing()
         return self.prepare_transformer(model)
 
+    @classmethod
+    def wanexp_forward(cls, fast_modulation: bool) -> bool:
+        return True  # the S2V DiT's forward is wanexp's own (models/s2v/transformer.py)
+
+    def prepare_transformer(self, model):
+        """Offloaded activations (``model.offload_activations``): the checkpointed blocks' inputs in host memory."""
+        model._wanexp_offload_activations = self.offload_activations
+        return model
+
     def compute_dtype(self, transformer) -> torch.dtype:
         return transformer.patch_embedding.weight.dtype
+
+    def enable_sequence_parallel(self, transformer, sp, gradient_free=False):
+        """Ulysses over the whole sequence (noisy, reference and motion tokens), padded to a multiple of the ranks
+        (the padding is left out of the attention): any token count splits; the heads must divide."""
+        from wanexp.models.wan22 import sequence
+
+        transformer._wanexp_sp = sp
+        transformer._wanexp_sp_gradient_free = gradient_free
+        sequence.enable(transformer, sp, gradient_free, heads=transformer.config.num_heads)
+
+    def set_sequence_parallel(self, transformer, active):
+        from wanexp.models.wan22 import sequence
+
+        sequence.set_active(transformer, active)
+
+    pads_sequence = True  # sequence parallel pads the tokens: only the heads must divide
+
+    def memory_formula(self):
+        from wanexp.models.s2v.memory import S2VMemory
+
+        return S2VMemory()
 
     def load_vae(self):
         from diffusers import AutoencoderKLWan
@@ -285,12 +315,13 @@ class S2VSpec(ModelSpec):
 
     # ---- the tiny random build -------------------------------------------------------------------------------
     def write_random_model(self, folder, device="cpu", dtype=torch.float32) -> None:
-        """The release layout at tiny sizes (``model.build``): the DiT's config.json + shards, ``vae/`` and
-        ``text_encoder/`` folders (the converted form), the tokenizer, a tiny wav2vec2 and a ``model_index.json``
-        naming the build (what wanexp.models.tiny recognises a finished build by)."""
+        """The release layout at ``model.build``'s sizes (tiny, or the real sizes: ``transformer: real``): the DiT's
+        config.json + shards, ``vae/`` and ``text_encoder/`` folders (the converted form), the tokenizer, the
+        wav2vec2 and a ``model_index.json`` naming the build (what wanexp.models.tiny recognises a finished build
+        by)."""
         from wanexp.models.s2v.build import write_tiny_build
 
-        write_tiny_build(self, Path(folder), dtype)
+        write_tiny_build(self, Path(folder), device, dtype)
 
 
 

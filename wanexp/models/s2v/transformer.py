@@ -129,18 +129,29 @@ class AudioInjector(nn.Module):
             self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
 
     def forward(self, hidden_states: torch.Tensor, noisy_tokens: int, audio_tokens: torch.Tensor,
-                audio_global: torch.Tensor | None) -> torch.Tensor:
-        """``audio_tokens`` (B*F, tokens per frame, D), ``audio_global`` (B*F, D); the first ``noisy_tokens`` tokens of
-        ``hidden_states`` (B, L, D) are F frames of equal size."""
-        b, _, d = hidden_states.shape
+                audio_global: torch.Tensor | None, offset: int = 0) -> torch.Tensor:
+        """``audio_tokens`` (B*F, tokens per frame, D), ``audio_global`` (B*F, D); the noisy tokens are F frames of
+        equal size. ``hidden_states`` (B, L, D) holds the sequence's tokens from position ``offset`` on (a rank's
+        share under sequence parallel; 0: all), of which the first ``noisy_tokens`` are noisy (clipped to [0, L]).
+        A share that starts or ends inside a frame is padded to whole frames with zero queries, which attend on their
+        own and are dropped: every token's result is the one it has in the whole sequence."""
+        b, length, d = hidden_states.shape
+        n = min(max(0, noisy_tokens), length)
+        if n == 0:
+            return hidden_states
         frames = audio_tokens.shape[0] // b
-        noisy = hidden_states[:, :noisy_tokens].reshape(b * frames, noisy_tokens // frames, d)
+        per_frame = (noisy_tokens + offset) // frames
+        f0, f1 = offset // per_frame, -(-(offset + n) // per_frame)
+        lead = offset - f0 * per_frame
+        noisy = F.pad(hidden_states[:, :n], (0, 0, lead, (f1 - f0) * per_frame - lead - n))
+        noisy = noisy.reshape(b * (f1 - f0), per_frame, d)
+        tokens = audio_tokens.unflatten(0, (b, frames))[:, f0:f1].flatten(0, 1)
         if self.adain is not None:
-            query = self.adain(noisy, temb=audio_global)
+            query = self.adain(noisy, temb=audio_global.unflatten(0, (b, frames))[:, f0:f1].flatten(0, 1))
         else:
             query = self.norm(noisy)
-        out = self.attn(query, audio_tokens).reshape(b, noisy_tokens, d)
-        return torch.cat([hidden_states[:, :noisy_tokens] + out, hidden_states[:, noisy_tokens:]], dim=1)
+        out = self.attn(query, tokens).reshape(b, (f1 - f0) * per_frame, d)[:, lead:lead + n]
+        return torch.cat([hidden_states[:, :n] + out, hidden_states[:, n:]], dim=1)
 
 
 # ---- blocks -----------------------------------------------------------------------------------------------------
@@ -154,9 +165,11 @@ class WanS2VBlock(WanTransformerBlock):
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                 rotary_emb: tuple[torch.Tensor, torch.Tensor], noisy_tokens: int,
-                audio_tokens: torch.Tensor | None = None, audio_global: torch.Tensor | None = None) -> torch.Tensor:
+                audio_tokens: torch.Tensor | None = None, audio_global: torch.Tensor | None = None,
+                offset: int = 0) -> torch.Tensor:
         """``temb`` (B, 2, 6, D): the projected time embedding of the noisy tokens (row 0) and of the reference and
-        motion tokens (row 1); ``noisy_tokens``: where row 1 starts in this (possibly sequence-split) sequence."""
+        motion tokens (row 1); ``noisy_tokens``: where row 1 starts in this (possibly sequence-split) sequence, whose
+        first token is the whole sequence's token ``offset``."""
         n = min(max(0, noisy_tokens), hidden_states.shape[1])
         mod = self.scale_shift_table.unsqueeze(0) + temb.float()  # (1, 1, 6, D) + (B, 2, 6, D)
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mod.unbind(2)  # (B, 2, D) each
@@ -183,8 +196,14 @@ class WanS2VBlock(WanTransformerBlock):
         hidden_states = (hidden_states.float() + gate(ff_output.float(), c_gate_msa)).type_as(hidden_states)
         # 4. audio
         if self.audio_injector is not None and audio_tokens is not None:
-            hidden_states = self.audio_injector(hidden_states, noisy_tokens, audio_tokens, audio_global)
+            hidden_states = self.audio_injector(hidden_states, noisy_tokens, audio_tokens, audio_global, offset)
         return hidden_states
+
+
+def _set_valid_tokens(model: nn.Module, tokens: int) -> None:
+    """The real tokens of a padded, sequence-split sequence: the self-attention leaves the padding out."""
+    for block in model.blocks:
+        block.attn1.processor.tokens = tokens
 
 
 # ---- motion frames ------------------------------------------------------------------------------------------------
@@ -310,6 +329,19 @@ class WanS2VTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.frame_packer = FramePackMotioner(in_dim, dim, framepack_drop_mode)
         self.gradient_checkpointing = False
 
+    def _sequence_split(self):
+        """The sequence group this forward splits its tokens over (wanexp.models.sequence): set by
+        ``S2VSpec.enable_sequence_parallel``; training forwards split, and gradient-free ones when the transformer
+        generates on several ranks. None: the whole sequence here."""
+        group = getattr(self, "_wanexp_sp", None)
+        if group is None:
+            return None
+        from wanexp.models.wan22.sequence import set_active
+
+        split = torch.is_grad_enabled() or getattr(self, "_wanexp_sp_gradient_free", False)
+        set_active(self, split)
+        return group if split else None
+
     @property
     def lat_motion_frames(self) -> int:
         """Latent frames of the ``motion_frames`` pixel frames before a clip (73 -> 19)."""
@@ -389,13 +421,28 @@ class WanS2VTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
         temb = temb[:b].float()
         context = emb.text_embedder(encoder_hidden_states)
 
-        for block in self.blocks:
-            args = (x, context, mod, rotary_emb, noisy_tokens, audio_tokens, audio_global)
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                x = self._gradient_checkpointing_func(block, *args)
-            else:
-                x = block(*args)
+        sp = self._sequence_split()
+        total, offset = x.shape[1], 0
+        if sp is not None:  # this rank's share of the tokens, the sequence padded to a multiple of the ranks
+            from wanexp.models import sequence
 
+            pad = -total % sp.size
+            x = sequence.shard(F.pad(x, (0, 0, 0, pad)), sp)
+            rotary_emb = tuple(sequence.shard(F.pad(r, (0, 0, 0, 0, 0, pad)), sp) for r in rotary_emb)
+            offset = sp.rank * x.shape[1]
+            _set_valid_tokens(self, total)
+
+        ckpt = None
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            ckpt = self._gradient_checkpointing_func
+            if getattr(self, "_wanexp_offload_activations", False):
+                from wanexp.models.wan22.fast import offloaded_checkpoint as ckpt
+        for block in self.blocks:
+            args = (x, context, mod, rotary_emb, noisy_tokens - offset, audio_tokens, audio_global, offset)
+            x = ckpt(block, *args) if ckpt is not None else block(*args)
+
+        if sp is not None:
+            x = sequence.gather(x, sp)
         x = x[:, :noisy_tokens]
         shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)

@@ -10,10 +10,12 @@ from wanexp.models.sequence import SequenceGroup, check_heads, heads_to_tokens, 
 class UlyssesAttnProcessor:
     """Self-attention of a ``WanAttention`` over sequence-split tokens (see the module doc); the projections, norms,
     rotary embedding and output layers are the module's own (peft's LoRA layers included). ``active`` is set by the
-    transformer's forward: off (gradient-free forwards: validation, a teacher) it is diffusers' processor."""
+    transformer's forward: off (gradient-free forwards: validation, a teacher) it is diffusers' processor. ``tokens``
+    (set by a forward that pads its sequence to a multiple of the ranks): the real tokens, the first ``tokens`` of the
+    gathered sequence; the padding is left out of the attention and its output rows are zeros."""
 
     def __init__(self, base, sp: SequenceGroup):
-        self.base, self.sp, self.active = base, sp, False
+        self.base, self.sp, self.active, self.tokens = base, sp, False, None
         self._attention_backend = getattr(base, "_attention_backend", None)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
@@ -28,8 +30,13 @@ class UlyssesAttnProcessor:
         if rotary_emb is not None:  # this rank's tokens' rows of the tables
             query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
         query, key, value = (tokens_to_heads(x, self.sp) for x in (query, key, value))
+        padded = query.shape[1]
+        if self.tokens is not None and self.tokens < padded:
+            query, key, value = (x[:, :self.tokens] for x in (query, key, value))
         out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
                                     backend=self._attention_backend)
+        if out.shape[1] < padded:
+            out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, padded - out.shape[1]))
         out = heads_to_tokens(out, self.sp).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -45,10 +52,12 @@ def rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) ->
     return out.type_as(x)
 
 
-def enable(transformer, sp: SequenceGroup, gradient_free: bool = False) -> None:
-    """Set Ulysses self-attention on every block of a loaded transformer (wanexp's forward: models/wan22/fast.py);
-    ``gradient_free``: forwards without gradients split their tokens too (generation on several ranks)."""
-    check_heads(transformer.config.num_attention_heads, sp.size)
+def enable(transformer, sp: SequenceGroup, gradient_free: bool = False, heads: int | None = None) -> None:
+    """Set Ulysses self-attention on every block's ``attn1`` (a diffusers ``WanAttention``) of a loaded transformer
+    whose forward splits the tokens (Wan2.2's: models/wan22/fast.py; S2V's own); ``gradient_free``: forwards without
+    gradients split their tokens too (generation on several ranks); ``heads``: the attention heads (default: the
+    config's ``num_attention_heads``)."""
+    check_heads(heads or transformer.config.num_attention_heads, sp.size)
     transformer._wanexp_sp = sp
     transformer._wanexp_sp_gradient_free = gradient_free
     for block in transformer.blocks:
