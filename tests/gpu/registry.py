@@ -1302,7 +1302,10 @@ def generate(name: str, case: str, procs: int, *extra: str, env: dict | None = N
         folder = (model or model_dir)(ctx)
         return [*head, *capped, "--model-path", str(folder), *(shape(ctx) if shape else GEN_SHAPE), *extra,
                 "--out", str(ctx.results(case) / name)]
-    return Phase(name, argv, minutes=minutes, env={"CUDA_VISIBLE_DEVICES": GEN_VISIBLE[procs], **(env or {})},
+    from wanexp.cli.sample import ALLOCATOR  # what the command sets itself, too late under capped.py
+
+    return Phase(name, argv, minutes=minutes,
+                 env={"CUDA_VISIBLE_DEVICES": GEN_VISIBLE[procs], **ALLOCATOR, **(env or {})},
                  fresh=lambda ctx: [ctx.results(case) / name])
 
 
@@ -1429,7 +1432,10 @@ CASES[S2V] = Case(
                                             "callbacks.progress=null", "callbacks.validation.every_n_steps=0",
                                             "trainer.log_every_n_steps=1", f"paths.output_dir={ctx.run_dir('s2v')}",
                                             "run_name=s2v"],
-                  minutes=3, env={"CUDA_VISIBLE_DEVICES": "0"}, fresh=lambda ctx: [ctx.run_dir("s2v")]),
+                  minutes=3, fresh=lambda ctx: [ctx.run_dir("s2v")],
+                  # train.py's own allocator setting (parallel.env), which comes too late under capped.py: the cap
+                  # initialises CUDA before train.py runs
+                  env={"CUDA_VISIBLE_DEVICES": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
             generate("gen_1", S2V, 1, model=s2v_dir, shape=s2v_shape, cap=None),
             generate("gen_sp2", S2V, 2, "--sp", "2", "--no-cfg-parallel", "--shard", model=s2v_dir, shape=s2v_shape),
             generate("gen_cfg2", S2V, 2, "--shard", model=s2v_dir, shape=s2v_shape)),

@@ -273,9 +273,17 @@ def _lora_expert(path: Path, header: dict, modules: dict) -> str:
     return expert
 
 
+# The allocator setting training applies (parallel.env): growing segments instead of fixed ones, so that memory freed
+# between the steps and the VAE decode is reused whole (on a 28 GiB cap, S2V's decode after the sharded steps met
+# 4 GiB reserved but unusable)
+ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def main(argv=None) -> dict:
     import sys
 
+    for key, value in ALLOCATOR.items():  # before CUDA starts in this process (and in the processes it launches)
+        os.environ.setdefault(key, value)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
     from wanexp.parallel import generation as multi

@@ -2,8 +2,8 @@
 generates with the expert whose steps run on the GPU and the other in host memory.
 
 The weights do not change while a model samples, so each transformer's parameter storage is copied to (pinned) host
-memory once, the first time it leaves the device; leaving again only frees the device storage (``resize_(0)``), and
-coming back re-grows the same storage and copies the host bytes into it. The tensors, their views and every reference
+memory once, as it loads; leaving the device then only frees the device storage (``resize_(0)``), and coming back
+re-grows the same storage and copies the host bytes into it. The tensors, their views and every reference
 to them (FSDP2's sharded parameters and its unsharded root parameters included) stay valid: only their memory comes
 and goes. A transformer is brought in by a forward pre-hook that runs before any other (FSDP2's gathering included),
 which first sends the expert on the device out. A sample moves each expert in once (the high-noise steps come first,
@@ -48,9 +48,12 @@ class ExpertOffload:
         self.handles: list = []
 
     def attach(self, first: str) -> "ExpertOffload":
-        """Hook every transformer; ``first`` stays on the device, the others go to host memory now."""
-        for module in self.modules.values():
+        """Hook every transformer; ``first`` stays on the device, the others go to host memory now. Every
+        transformer's host copy is made here, while loading, so that a switch during a sample only frees one device
+        storage and fills the other (a first copy out at the switch, with its pinned allocation, took seconds)."""
+        for name, module in self.modules.items():
             _own_storage(module)
+            self._copy_out(name)
         for name, module in self.modules.items():
             self.handles.append(module.register_forward_pre_hook(self._hook(name), prepend=True))
         self.resident = first
@@ -82,16 +85,18 @@ class ExpertOffload:
         self._arrive(name)
         self.resident = name
 
+    def _copy_out(self, name: str) -> None:
+        """The transformer's bytes in pinned host memory (once: frozen weights never change)."""
+        pin = torch.cuda.is_available() and self.device.type == "cuda"
+        copies = []
+        for storage in _storages(self.modules[name]):
+            data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(data)
+            copies.append((storage, host))
+        self.host[name] = copies
+
     def _leave(self, name: str) -> None:
-        if name not in self.host:  # the first time: the bytes to pinned host memory (frozen: they never change)
-            pin = torch.cuda.is_available() and self.device.type == "cuda"
-            copies = []
-            for storage in _storages(self.modules[name]):
-                data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=pin)
-                host.copy_(data)
-                copies.append((storage, host))
-            self.host[name] = copies
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies out, and any work still reading them
         for storage, _ in self.host[name]:
