@@ -210,8 +210,6 @@ def print_help(usage: str | None = None) -> None:
     seconds)."""
     from wanexp.config import compose
 
-    from wanexp.config.folders import config_roots
-
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
     roots = config_roots(sys.argv[1:])  # the shipped conf/ and the user's config folders
     groups = sorted({p.name for root in roots if root.is_dir() for p in root.iterdir()
@@ -221,7 +219,7 @@ def print_help(usage: str | None = None) -> None:
            "(the same overrides as python train.py)\n") + "\nconfig groups (group=option):\n" +
           "".join(f"  {g:<11} {', '.join(options[g])}\n" for g in groups) +
           "  (top level)  run_name, seed, tags, resume (null|last|auto|PATH), overwrite, allow_resume_changes, "
-          "guard.*\n" + "".join(f"  (your folder) {r}\n" for r in roots[1:] if r.is_dir()), flush=True)
+          "guard.*\n" + "".join(f"  (your folder) {r}\n" for r in roots if r != CONF_DIR and r.is_dir()), flush=True)
     print("== Config (override any key with key=value; python train.py --cfg job [overrides] prints it resolved) ==\n"
           + OmegaConf.to_yaml(compose(overrides)) + "Hydra's own flags: --hydra-help.", flush=True)
 

@@ -125,6 +125,22 @@ def test_a_musubi_tuner_toml_maps_to_datasets(tmp_path):
         "(16:9 to 9:16) of 960x544's area")
 
 
+@pytest.mark.parametrize("how, extra, frames, note", [
+    ("chunk", "", {"num_frames": 25, "window": "chunks", "windows_per_clip": 0}, None),
+    ("slide", "frame_stride = 10\n", {"num_frames": 25, "window": "chunks", "windows_per_clip": 0},
+     "frame_extraction=slide (frame_stride=10): window=chunks (consecutive windows; wanexp has no sliding start)"),
+    ("full", "max_frames = 47\n", {"num_frames": 45, "window": "first"},
+     "frame_extraction=full: every clip at max_frames=45 frames (shorter clips are rejected, not trimmed)"),
+])
+def test_musubi_frame_extraction_maps_to_windows(tmp_path, how, extra, frames, note):
+    text = f"[[datasets]]\nvideo_directory = '/v'\ntarget_frames = [25]\nframe_extraction = '{how}'\n{extra}"
+    found = read_dataset_file(_file(tmp_path, "d.toml", text), cwd=tmp_path)
+    # musubi-tuner's defaults: resolution [960, 544] (width, height), .txt captions, one repeat, no buckets
+    assert found.datasets == {"v": {"metadata": "/v", "repeat": 1, **frames, "height": 544, "width": 960,
+                                    "caption_extension": ".txt"}}
+    assert found.approximated == ([note] if note else []) and found.ignored == []
+
+
 def test_a_diffusion_pipe_toml_maps_to_datasets(tmp_path):
     found = read_dataset_file(_file(tmp_path, "dataset.toml", PIPE), cwd=tmp_path)
     prefix = {"caption_extension": ".txt", "caption_prefix": "in the style of x, "}

@@ -295,7 +295,7 @@ def _musubi_frames(out: DatasetFile, d: dict, entry: dict, where: str) -> list[t
                          "(consecutive windows; wanexp has no sliding start)")
     elif how == "full":
         most = _positive(d, "max_frames", where, 129)
-        targets = [most - (most - 1) % 4]
+        targets = [most - (most - 1) % 4]  # musubi-tuner trims a full clip to N*4+1 frames, at most max_frames
         window = {"window": "first"}
         out._approximate(f"frame_extraction=full: every clip at max_frames={targets[0]} frames (shorter clips are "
                          "rejected, not trimmed)")
