@@ -8,6 +8,7 @@ the trained parameters the disk estimate and the memory plan count), and the mem
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wanexp.config import CONF_DIR, check_config, check_optional_groups, check_paths, one_line_error, register
+from wanexp.config.folders import config_roots, shadowed_options, with_user_config_dir
 from wanexp.errors import ConfigError, UserError, say_error
 from wanexp.runfolder import checkpoint_kind
 
@@ -209,12 +211,15 @@ def print_help(usage: str | None = None) -> None:
     from wanexp.config import compose
 
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
-    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+    roots = config_roots(sys.argv[1:])  # the shipped conf/ and the user's config folders
+    groups = sorted({p.name for root in roots if root.is_dir() for p in root.iterdir()
+                     if p.is_dir() and p.name != "hydra"})
+    options = {g: sorted({f.stem for root in roots for f in (root / g).glob("*.yaml")}) for g in groups}
     print((usage if usage is not None else f"usage: {Path(sys.argv[0]).name} [group=option ...] [key=value ...] "
            "(the same overrides as python train.py)\n") + "\nconfig groups (group=option):\n" +
-          "".join(f"  {g.name:<11} {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}\n" for g in groups) +
+          "".join(f"  {g:<11} {', '.join(options[g])}\n" for g in groups) +
           "  (top level)  run_name, seed, tags, resume (null|last|auto|PATH), overwrite, allow_resume_changes, "
-          "guard.*\n", flush=True)
+          "guard.*\n" + "".join(f"  (your folder) {r}\n" for r in roots if r != CONF_DIR and r.is_dir()), flush=True)
     print("== Config (override any key with key=value; python train.py --cfg job [overrides] prints it resolved) ==\n"
           + OmegaConf.to_yaml(compose(overrides)) + "Hydra's own flags: --hydra-help.", flush=True)
 
@@ -232,16 +237,34 @@ def hydra_main(task, usage: str | None = None) -> None:
     skip_exit_collection()
     keep_traceback = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing its report
-    entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(task)
+
+    @functools.wraps(task)
+    def composed(cfg: DictConfig):
+        from wanexp.config.dataset_files import apply_dataset_file
+        from wanexp.config.rules import command_line
+
+        try:  # data.datasets=FILE: its datasets (every point of a sweep would be refused alike)
+            apply_dataset_file(cfg, command_line(cfg), say=launch_rank() == 0)
+        except UserError as e:
+            say_error(str(e))
+            sys.exit(2)
+        return task(cfg)
+
+    entry = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(composed)
     try:
-        if {"--help", "-h"} & set(sys.argv[1:]):
-            print_help(usage)
-            return
         try:
+            sys.argv[1:] = with_user_config_dir(sys.argv[1:])  # ./conf (or WANEXP_CONFIG_DIR) on the search path
+            if {"--help", "-h"} & set(sys.argv[1:]):
+                print_help(usage)
+                return
             check_optional_groups(sys.argv[1:])
         except UserError as e:
             say_error(str(e))
             sys.exit(2)
+        shadowed = shadowed_options(config_roots(sys.argv[1:]))
+        if shadowed and launch_rank() == 0:
+            print(f"wanexp: warning: not used, wanexp ships an option of the same name: {', '.join(shadowed)}; "
+                  "rename yours", flush=True)
         entry()
     except PointStopped as e:  # every point ran; the sweep exits with the first stopped point's code
         sys.exit(e.code)

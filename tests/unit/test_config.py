@@ -31,6 +31,8 @@ def test_every_option_composes_and_passes_its_schema(group, option):
         overrides.append("model=t2v14b")  # high/low need a two-expert model
     if group == "parallel" and option in ("fsdp", "deepspeed"):
         overrides.append("trainer.accelerator=gpu")
+    if group == "data" and option in ("folder", "csv"):  # the templates of the user's data: its path is required
+        overrides.append("data.metadata=/somewhere")
     cfg = compose_cfg(overrides)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     check_schema(cfg)

@@ -23,6 +23,11 @@ def one_line_error(exc: BaseException) -> str:
     if m:
         group = m.group(1).rpartition("/")[0]
         options = re.findall(r"^\t(\S+)$", str(exc).split("Config search path")[0], flags=re.M)
-        return f"{group}={m.group(1).rpartition('/')[2]}: no such option; allowed values are {', '.join(options)}"
+        # the user's folders beside the shipped conf/ (provider=main): --config-dir, hydra.searchpath, ./conf
+        users = re.findall(r"^\tprovider=(?!main,|hydra,|schema,)[^,]*, path=file://(.+)$", str(exc), flags=re.M)
+        folders = ", ".join(f"{u.rstrip('/')}/{group}/" for u in users)
+        where = f" (looked in conf/{group}/, {folders})" if users else ""
+        return (f"{group}={m.group(1).rpartition('/')[2]}: no such option{where}; allowed values are "
+                f"{', '.join(options)}")
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return "; ".join(lines[:2]) + (f": {first}" if cause is not exc else "")

@@ -82,6 +82,9 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
     m, b, d, p = cfg.model, cfg.boundary, cfg.data, cfg.parallel
     if OmegaConf.is_missing(m, "path"):
         raise ConfigError(f"model.path is not set: pass model.path=/path/to/local/diffusers/folder for model={m.name}")
+    if d.get("datasets") is None and not d.generate and not str(d.metadata).strip():  # the templates' required key
+        raise ConfigError(f"data.metadata is not set: data={d.name} reads your own data; pass data.metadata=/path/to/"
+                          "it (a folder of clips with caption files, or a CSV/JSON/JSONL file)")
     if not b.sigma_min < b.sigma_max:
         raise ConfigError(f"boundary sigma range [{b.sigma_min}, {b.sigma_max}]: sigma_min must be below sigma_max")
     for head, frames in [(f"data.num_frames={d.num_frames}:", d.num_frames), *validation_frames(cfg)]:
@@ -367,7 +370,8 @@ def check_model_path(cfg: DictConfig) -> None:
 
 
 def check_paths(cfg: DictConfig) -> None:
-    """Files a run needs before anything loads: the metadata file, the resume checkpoint, a free run folder."""
+    """Files a run needs before anything loads: the metadata file (data.datasets' entries name their own, which the
+    datamodule reads, each in one line when missing), the resume checkpoint, a free run folder."""
     d = cfg.data
     if d.generate and Path(d.metadata).is_dir():
         raise ConfigError(
@@ -375,7 +379,7 @@ def check_paths(cfg: DictConfig) -> None:
             f"demo clips are listed in (e.g. {Path(d.metadata) / 'synthetic' / 'metadata.csv'}); or set "
             "data.generate=null to train on the media and captions of that folder"
         )
-    if not d.generate and not Path(d.metadata).exists():
+    if not d.generate and d.get("datasets") is None and not Path(d.metadata).exists():  # entries: read one by one
         raise ConfigError(
             f"data.metadata={d.metadata}: file not found; point data.metadata (or paths.data_dir) at your "
             f"metadata CSV/JSON/JSONL or a folder of media with .txt captions, or use data=synthetic"

@@ -226,6 +226,7 @@ class DataConfig:
     val_fraction: float = knob(MISSING, ge=0.0, lt=1.0, doc="share of the media files held out for the validation loss")
     dataset_repeat: int = knob(MISSING, ge=1, doc="each sample this many times per epoch")
     caption_dropout: float = knob(MISSING, ge=0.0, le=1.0, doc="share of samples trained with the empty prompt")
+    caption_extension: str = MISSING  # a folder's caption files: clip.mp4 + clip.txt (or .caption, ...)
     datasets: Optional[Any] = MISSING  # several datasets (a list, or name -> dataset); null: metadata etc. above
     buckets: Optional[List[List[int]]] = MISSING  # [[height, width], ...]: aspect-ratio buckets; null: height x width
     probe: bool = MISSING  # check every media file before training (rejects unusable ones)

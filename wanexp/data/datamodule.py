@@ -48,7 +48,7 @@ Shape = tuple[int, int, int]  # (frames, height, width) of a bucket
 
 # what each entry of data.datasets may set (the rest comes from the data group's own keys)
 PART_KEYS = ("name", "metadata", "root", "repeat", "weight", "num_frames", "height", "width", "buckets", "fps",
-             "frame_stride", "window", "windows_per_clip", "caption_prefix")
+             "frame_stride", "window", "windows_per_clip", "caption_prefix", "caption_extension")
 
 
 @dataclasses.dataclass
@@ -69,6 +69,7 @@ class Part:
     caption_prefix: str = ""
     weight: float = 1.0  # samples per epoch: items x repeat x weight (see epoch_share)
     fps: int | None = None  # the frame rate its clips are resampled to (None: their own frames)
+    caption_extension: str = ".txt"  # a folder's caption files: clip.mp4 + clip<caption_extension>
 
     @property
     def base(self) -> Path:
@@ -114,12 +115,23 @@ def _part(entry, name: str, top: dict, frame_rule: tuple[int, int] = (1, 0)) -> 
                           "to), or null for data.fps")
     if v["window"] not in ("first", "uniform", "chunks", "random"):
         raise ConfigError(f"{where}.window={v['window']!r}: one of first, uniform, chunks, random")
+    caption_extension = caption_extension_setting(v.get("caption_extension", ".txt"), f"{where}.caption_extension")
     buckets = v["buckets"]
     return Part(name=str(entry.get("name") or name), metadata=Path(str(v["metadata"])), root=v["root"],
                 repeat=v["repeat"], num_frames=v["num_frames"], height=v["height"], width=v["width"],
                 resolutions=[tuple(r) for r in buckets] if buckets else None, frame_stride=v["frame_stride"],
                 window=v["window"], windows_per_clip=v["windows_per_clip"],
-                caption_prefix=str(v.get("caption_prefix") or ""), weight=_weight(v.get("weight", 1), where), fps=fps)
+                caption_prefix=str(v.get("caption_prefix") or ""), weight=_weight(v.get("weight", 1), where), fps=fps,
+                caption_extension=caption_extension)
+
+
+def caption_extension_setting(value, key: str) -> str:
+    """A caption file extension as written (``.txt``, ``.caption``): a dot, then a name without a path separator."""
+    text = value if isinstance(value, str) else ""
+    if not text.startswith(".") or len(text) < 2 or "/" in text or "\\" in text:
+        raise ConfigError(f"{key}={value!r}: a file extension with its dot, e.g. .txt or .caption (each clip's "
+                          "caption is the file of its name with this extension)")
+    return text
 
 
 def parse_datasets(datasets, top: dict, frame_rule: tuple[int, int] = (1, 0)) -> list[Part]:
@@ -530,7 +542,7 @@ class MediaDataModule(L.LightningDataModule):
                  cache_dir: str | None, use_cache: bool, cache_shard_size: int, cache_dtype: str,
                  generate: dict | None, seed: int, val_fraction: float = 0.0, caption_dropout: float = 0.0,
                  datasets: list | dict | None = None, fps: int | None = None, encoders: object | None = None,
-                 context: RunContext | None = None):
+                 context: RunContext | None = None, caption_extension: str = ".txt"):
         """The arguments are the ``data`` group (config.schema.DataConfig), the run's seed, ``encoders``: what
         identifies the model's VAE and text encoder for cache keys, its latent grid and its native frame rate, which
         clips are resampled to unless ``fps`` says otherwise
@@ -543,6 +555,7 @@ class MediaDataModule(L.LightningDataModule):
         self.fps = fps if fps is not None else getattr(encoders, "fps", None)  # the rate clips are resampled to
         self.batch_size, self.num_workers, self.max_samples = batch_size, num_workers, max_samples
         self.dataset_repeat = dataset_repeat
+        self.caption_extension = caption_extension_setting(caption_extension, "data.caption_extension")
         self.caption_dropout = float(caption_dropout)  # share of samples per epoch trained with the empty prompt
         self.window, self.windows_per_clip = window, windows_per_clip
         self.token_budget = token_budget
@@ -582,7 +595,7 @@ class MediaDataModule(L.LightningDataModule):
         top = {"metadata": None, "root": self.root, "repeat": self.dataset_repeat, "num_frames": self.num_frames,
                "height": self.height, "width": self.width, "buckets": self.resolutions, "fps": self.fps,
                "frame_stride": self.frame_stride, "window": self.window, "windows_per_clip": self.windows_per_clip,
-               "caption_prefix": ""}
+               "caption_prefix": "", "caption_extension": self.caption_extension}
         rule = tuple(getattr(self.encoders, "frame_rule", (1, 0)))
         if datasets is None:  # the single-dataset keys: one dataset
             return [_part(dict(top, metadata=str(self.metadata)), self.name, top, rule)]
@@ -608,7 +621,8 @@ class MediaDataModule(L.LightningDataModule):
         """
         samples, rejects = read_metadata_with_rejects(self.metadata, self.root,
                                                       tuple(getattr(self.encoders, "sample_inputs", ())),
-                                                      dict(getattr(self.encoders, "input_fallbacks", ())))
+                                                      dict(getattr(self.encoders, "input_fallbacks", ())),
+                                                      self.caption_extension)
         if self.max_samples:
             samples = samples[: self.max_samples]
         sizes: list[tuple[int, int] | None] = [None] * len(samples)
@@ -692,7 +706,7 @@ class MediaDataModule(L.LightningDataModule):
         child.metadata, child.root, child.num_frames = part.metadata, part.root, part.num_frames
         child.height, child.width, child.resolutions = part.height, part.width, part.resolutions
         child.frame_stride, child.window, child.windows_per_clip = part.frame_stride, part.window, part.windows_per_clip
-        child.fps = part.fps
+        child.fps, child.caption_extension = part.fps, part.caption_extension
         if self.rejects_path is not None:
             r = self.rejects_path
             child.rejects_path = r.with_name(f"{r.stem}-{part.name}{r.suffix}")

@@ -4,12 +4,14 @@ Accepted inputs:
 
 * a CSV file (DiffSynth-Studio style: columns ``video,prompt``; ``video`` may also name an image),
 * a JSON list or a JSONL file of objects (VideoX-Fun style: ``file_path``, ``text``, ``type``),
-* a folder of media files, each with a same-named ``.txt`` caption beside it (musubi-tuner /
-  diffusion-pipe style); read recursively, hidden files and folders skipped, in sorted order.
+* a folder of media files, each with a same-named caption file beside it (``.txt``, or another
+  ``caption_extension``: musubi-tuner / diffusion-pipe / ai-toolkit style); read recursively, hidden files and
+  folders skipped, in sorted order.
 
 Column names are case-insensitive; the first non-empty one wins:
 
-* media:  ``video``, ``image``, ``file_name``, ``path``, ``file_path``
+* media:  ``video``, ``image``, ``file_name``, ``path``, ``file_path``, ``video_path``, ``image_path``
+  (the last two: musubi-tuner's JSONL)
 * prompt: ``prompt``, ``caption``, ``text``
 * kind:   ``type`` (``video`` or ``image``; when absent or empty the file extension decides)
 
@@ -54,7 +56,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MEDIA_COLUMNS: tuple[str, ...] = ("video", "image", "file_name", "path", "file_path")
+MEDIA_COLUMNS: tuple[str, ...] = ("video", "image", "file_name", "path", "file_path", "video_path", "image_path")
 PROMPT_COLUMNS: tuple[str, ...] = ("prompt", "caption", "text")
 KIND_COLUMN = "type"
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
@@ -301,9 +303,9 @@ def _read_file(path: Path, base: Path, inputs: tuple[str, ...] = (),
     return samples, rejects
 
 
-def _read_caption(media: Path) -> tuple[str, str]:
-    """(caption, "") from ``<stem>.txt`` beside ``media``, else ("", reject reason)."""
-    caption = media.with_suffix(CAPTION_EXTENSION)
+def _read_caption(media: Path, extension: str = CAPTION_EXTENSION) -> tuple[str, str]:
+    """(caption, "") from ``<stem><extension>`` (``.txt``) beside ``media``, else ("", reject reason)."""
+    caption = media.with_suffix(extension)
     try:
         text = caption.read_bytes().decode("utf-8-sig")
     except FileNotFoundError:
@@ -316,8 +318,8 @@ def _read_caption(media: Path) -> tuple[str, str]:
     return (text, "") if text else ("", "empty caption")
 
 
-def _read_folder(folder: Path, inputs: tuple[str, ...] = (),
-                 fallbacks: Mapping[str, tuple[str, ...]] | None = None) -> tuple[list[Sample], list[Reject]]:
+def _read_folder(folder: Path, inputs: tuple[str, ...] = (), fallbacks: Mapping[str, tuple[str, ...]] | None = None,
+                 caption_extension: str = CAPTION_EXTENSION) -> tuple[list[Sample], list[Reject]]:
     media: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -325,12 +327,13 @@ def _read_folder(folder: Path, inputs: tuple[str, ...] = (),
     if not media:
         raise MetadataError(
             f"{folder}: no media files found (looked for {', '.join(sorted(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS))}); "
-            "point data.metadata at a folder of clips/images with .txt captions, or at a CSV/JSON/JSONL file"
+            f"point data.metadata at a folder of clips/images with {caption_extension} captions, or at a "
+            "CSV/JSON/JSONL file"
         )
     samples: list[Sample] = []
     rejects: list[Reject] = []
     for path in sorted(media, key=lambda p: p.relative_to(folder).as_posix()):
-        prompt, reason = _read_caption(path)
+        prompt, reason = _read_caption(path, caption_extension)
         shown = _printable(os.fspath(path))
         required = [c for c in inputs if c not in (fallbacks or {})]
         if not reason and required:  # a caption file names no other file
@@ -349,7 +352,7 @@ def _absolute(path: str | os.PathLike[str]) -> Path:
 
 def read_metadata_with_rejects(
     metadata_path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, inputs: tuple[str, ...] = (),
-    fallbacks: Mapping[str, tuple[str, ...]] | None = None,
+    fallbacks: Mapping[str, tuple[str, ...]] | None = None, caption_extension: str = CAPTION_EXTENSION,
 ) -> tuple[list[Sample], list[Reject]]:
     """Read a CSV/JSON/JSONL metadata file, or a folder of captioned media, into (samples, rejects).
 
@@ -357,13 +360,14 @@ def read_metadata_with_rejects(
     ``Reject`` records, in file order. ``root`` (relative media paths) is not used for a folder. ``inputs``: the
     model family's sample input columns (ModelSpec.sample_inputs), each a path resolved like the media's; a row
     without one is a reject, unless ``fallbacks`` (ModelSpec.sample_input_fallbacks) names other columns for it:
-    then a row without any of them gives the media path itself.
+    then a row without any of them gives the media path itself. ``caption_extension``: a folder's caption files
+    (``clip.mp4`` + ``clip<caption_extension>``).
     Raises a one-line ``MetadataError`` for problems with the whole file (see the module doc).
     Media files themselves are not opened (see ``missing_files`` and ``wanexp.data.probe``).
     """
     path = _absolute(metadata_path)
     if path.is_dir():
-        return _read_folder(path, inputs, fallbacks)
+        return _read_folder(path, inputs, fallbacks, caption_extension)
     if not path.is_file():
         raise MetadataError(
             f"{path}: metadata file not found; check the path (relative paths are taken from {os.getcwd()})"
