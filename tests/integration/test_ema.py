@@ -136,3 +136,31 @@ def test_fsdp_gathers_the_shadow_for_its_files_and_takes_its_shards_back_on_resu
         e3 = 0.5 * raw[2][k] + 0.5 * raw[3][k]
         torch.testing.assert_close(ema[3][k], e3, rtol=1e-6, atol=1e-8)
         torch.testing.assert_close(ema[4][k], 0.5 * e3 + 0.5 * raw[4][k], rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_ends_with_the_uninterrupted_ema(shared_dir, tmp_path):
+    """SIGKILL once the run passed its step-4 checkpoint (at a moment between steps), then resume=auto: the EMA files
+    (and the raw ones) equal those of an uninterrupted run bit for bit."""
+    common = _common(shared_dir, "trainer.max_steps=8", "callbacks.checkpoint.every_n_train_steps=2",
+                     "callbacks.ema.decay=0.7", "callbacks.ema.every_n_steps=3")
+    run(compose_cfg([*common, f"paths.output_dir={tmp_path / 'ref'}"]))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"paths.output_dir={out}",
+                             "resume=auto"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads((out / "status.json").read_text()).get("step", 0) >= 5:
+                break
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the kill"
+    proc.kill()
+    proc.wait()
+    assert (out / "checkpoints" / "step_000004.ckpt").is_file()
+    run(compose_cfg([*common, f"paths.output_dir={out}", "resume=auto"]))
+    for name in (RAW, EMA, "tiny_lora_ema_comfyui.safetensors"):
+        assert _same(tmp_path / "ref" / "lora" / "final" / name, out / "lora" / "final" / name), name
