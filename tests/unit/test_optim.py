@@ -163,14 +163,19 @@ def test_a_missing_optimizer_package_names_its_pin(name, monkeypatch):
                                          "(or pip install 'wanexp[optim]'), or use optim=adamw")
 
 
-def test_eight_bit_adamw_on_the_cpu_is_probed(monkeypatch):
-    """The installed bitsandbytes runs 8-bit AdamW on the CPU (the rule's probe finds no problem); a build without CPU
-    kernels is refused in one line naming the version that has them."""
+def test_eight_bit_adamw_on_the_cpu_needs_a_build_with_cpu_kernels(monkeypatch):
+    """bitsandbytes 0.50 brought CPU kernels for its optimizers (test_each_optimizer_resumes_from_its_saved_state_bit_
+    for_bit runs its 8-bit AdamW on the CPU); an earlier installed version is refused on the CPU in one line naming
+    the pin, and is fine on a GPU."""
     pytest.importorskip("bitsandbytes")
-    from wanexp.config import rules
+    import importlib.metadata
 
-    assert rules._bitsandbytes_cpu_problem() is None
-    monkeypatch.setattr(rules, "_bitsandbytes_cpu_problem", lambda: "no CPU kernel")
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.49.1" if d == "bitsandbytes" else real(d))
     assert _refusal("optim=adamw8bit") == (
-        "optim=adamw8bit with trainer.accelerator=cpu: the installed bitsandbytes has no 8-bit AdamW on the CPU (no CPU "
-        "kernel); pip install bitsandbytes==0.50.2 (its CPU build has it), train on a GPU, or use optim=adamw")
+        "optim=adamw8bit with trainer.accelerator=cpu: bitsandbytes 0.49.1 has no CPU kernels for its optimizers "
+        "(they came with 0.50.0); pip install bitsandbytes==0.50.2, train on a GPU, or use optim=adamw")
+    from tests.conftest import compose_cfg
+    from wanexp.config.rules import check_optim
+
+    check_optim(compose_cfg(["experiment=demo", "optim=adamw8bit", "trainer.accelerator=gpu"]))

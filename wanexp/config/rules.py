@@ -443,7 +443,8 @@ def check_dora(cfg: DictConfig) -> None:
 def check_optim(cfg: DictConfig) -> None:
     """The optimizer of ``optim=<name>`` (its schema class's attributes, wanexp.config.schema.OptimizerConfig): its
     package installed (the pip pin named), its learning-rate rule, the parallel strategies and objectives it runs
-    under, and, for bitsandbytes on the CPU, that the installed build has the 8-bit kernels there."""
+    under, and on the CPU a package version that has CPU kernels (read from the installed metadata: nothing is
+    imported)."""
     o, p = cfg.optim, cfg.parallel
     schema = OmegaConf.get_type(o.optimizer)
     if not (isinstance(schema, type) and issubclass(schema, OptimizerConfig)):
@@ -472,35 +473,20 @@ def check_optim(cfg: DictConfig) -> None:
             raise ConfigError(f"{name} with objective={cfg.objective.name}: each of its adapters sets its own "
                               f"learning rate (objective.<adapter>.lr), which {schema.option} would take as a "
                               "multiplier of its step-size estimate; use optim=adamw or adamw8bit")
-    if schema.package is not None and schema.package[0] == "bitsandbytes" and cfg.trainer.accelerator == "cpu":
-        problem = _bitsandbytes_cpu_problem()
-        if problem:
-            raise ConfigError(f"{name} with trainer.accelerator=cpu: the installed bitsandbytes has no 8-bit AdamW on "
-                              f"the CPU ({problem}); pip install {schema.package[1]} (its CPU build has it), train on a "
-                              "GPU, or use optim=adamw")
+    if schema.cpu_from and cfg.trainer.accelerator == "cpu":
+        from importlib.metadata import PackageNotFoundError, version
 
+        from packaging.version import Version
 
-def _bitsandbytes_cpu_problem() -> str | None:
-    """One 8-bit AdamW step on a CPU tensor large enough for 8-bit moments: None when it ran and kept them in 8 bits,
-    else what went wrong (bitsandbytes builds before its CPU backend have no CPU kernels)."""
-    import logging
-
-    import torch
-
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its import's notes on optional CPU kernels
-    try:
-        import bitsandbytes as bnb
-
-        p = torch.nn.Parameter(torch.zeros(4096))
-        p.grad = torch.ones_like(p)
-        opt = bnb.optim.AdamW8bit([p], lr=1e-3)
-        opt.step()
-        state = opt.state[p].get("state1")
-    except Exception as e:  # an import or kernel failure of a third-party build: its first line
-        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    if state is None or state.dtype != torch.uint8 or not torch.isfinite(p).all():
-        return "its step kept no 8-bit state"
-    return None
+        dist = schema.package[1].partition("==")[0]
+        try:
+            have = version(dist)
+        except PackageNotFoundError:  # importable without its metadata (e.g. a source checkout): let it run
+            return
+        if Version(have) < Version(schema.cpu_from):
+            raise ConfigError(f"{name} with trainer.accelerator=cpu: {dist} {have} has no CPU kernels for its "
+                              f"optimizers (they came with {schema.cpu_from}); pip install {schema.package[1]}, "
+                              "train on a GPU, or use optim=adamw")
 
 
 def check_ema(cfg: DictConfig) -> None:

@@ -198,6 +198,7 @@ class OptimizerConfig:
     lr_is_multiplier: ClassVar[bool] = False  # lr scales the optimizer's own step-size estimate (no lr_scaling)
     adapter_overrides: ClassVar[bool] = True  # takes Adam's betas (2), eps, weight_decay (objective=dmd sets them)
     unsharded_only: ClassVar[str] = ""  # why it cannot run on FSDP/DeepSpeed-sharded parameters; "": it can
+    cpu_from: ClassVar[Optional[str]] = None  # the package version whose kernels run on the CPU; None: any
 
 
 @dataclass
@@ -216,6 +217,7 @@ class AdamW8bitConfig(OptimizerConfig):
     option: ClassVar[str] = "adamw8bit"
     package: ClassVar[Optional[Tuple[str, str]]] = ("bitsandbytes", "bitsandbytes==0.50.2")
     unsharded_only: ClassVar[str] = "bitsandbytes' 8-bit kernels take whole plain tensors, not sharded parameters"
+    cpu_from: ClassVar[Optional[str]] = "0.50.0"  # its CPU optimizer kernels (earlier builds: CUDA and XPU only)
     betas: List[float] = knob(MISSING)
     eps: float = knob(MISSING, gt=0.0)
     weight_decay: float = knob(MISSING, ge=0.0)
