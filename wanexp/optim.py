@@ -7,17 +7,12 @@ wanexp/train.py and called here with the parameters and the learning rate.
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from collections.abc import Callable, Iterable
 
 import torch
 
 from wanexp.config.schema import LR_SCALING, SCHEDULERS
-
-# optim=adamw8bit: bitsandbytes' import notes that optional CPU kernels (4-bit inference, from a hub) are missing on
-# CPUs with AVX512-BF16; the 8-bit optimizer needs none of them and the user cannot act on it
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def scaled_lr(lr: float, rule: str, effective_batch: int, reference_batch: int) -> float:

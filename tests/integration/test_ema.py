@@ -36,7 +36,8 @@ def _same(a: Path, b: Path) -> bool:
 
 def test_the_ema_files_follow_the_update_rule_beside_the_raw_ones(shared_dir, tmp_path):
     """decay 0.15 with warm-up, every 2 steps: updates at steps 2 (decay min(0.15, 1/10)) and 4 (0.15); an export at
-    every step (the raw weights of each step), each with its EMA files in both formats."""
+    every step (the raw weights of each step), each with its EMA files in both formats; wanexp-sample's --run picks
+    the raw files, with --ema the EMA's."""
     out = tmp_path / "run"
     run(compose_cfg(_common(shared_dir, "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=1",
                             "callbacks.lora_export.keep_last=-1", "callbacks.ema.decay=0.15",
@@ -60,6 +61,9 @@ def test_the_ema_files_follow_the_update_rule_beside_the_raw_ones(shared_dir, tm
     assert len(ups) == len(b) and all(any(torch.equal(v, ema[4][k]) for k in b) for v in ups.values())
     with safe_open(final / EMA, "pt") as f:
         assert f.metadata()["wanexp_weights"] == "ema" and "lora_adapter_metadata" in f.metadata()
+    from wanexp.generation import run_adapter_files  # wanexp-sample --run [--ema]: one file per expert, of one kind
+
+    assert run_adapter_files(final) == [final / RAW] and run_adapter_files(final, ema=True) == [final / EMA]
 
 
 def test_a_resumed_run_ends_with_the_uninterrupted_ema_also_with_ema_validation(shared_dir, tmp_path):
