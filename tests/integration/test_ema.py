@@ -66,6 +66,14 @@ def test_the_ema_files_follow_the_update_rule_beside_the_raw_ones(shared_dir, tm
     assert run_adapter_files(final) == [final / RAW] and run_adapter_files(final, ema=True) == [final / EMA]
 
 
+def test_an_accumulated_step_updates_the_ema_once(shared_dir, tmp_path):
+    r = run(compose_cfg(_common(shared_dir, "trainer.max_steps=2", "trainer.accumulate_grad_batches=2",
+                                "callbacks.checkpoint.every_n_train_steps=2", "callbacks.ema.decay=0.9",
+                                f"paths.output_dir={tmp_path / 'run'}")))
+    ema = next(c for c in r["trainer"].callbacks if hasattr(c, "validation_weights"))
+    assert (ema.steps, ema.updates) == (2, 2) and r["global_step"] == 2  # 4 batches, 2 optimizer steps
+
+
 def test_a_resumed_run_ends_with_the_uninterrupted_ema_also_with_ema_validation(shared_dir, tmp_path):
     """The reference trains 4 steps without validation; the other stops at step 2 and resumes to 4, validating the raw
     and the EMA weights every 2 steps: its raw and EMA files equal the reference's bit for bit (the EMA state resumes
