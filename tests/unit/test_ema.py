@@ -32,7 +32,7 @@ def test_the_shadow_follows_decay_warmup_and_cadence():
     assert list(shadow) == [n for n, p in m.named_parameters() if p.requires_grad]  # the trainable ones only
     expected = {n: t.clone() for n, t in shadow.items()}
     trained = dict(m.named_parameters())
-    for step, d in [(1, None), (2, 0.1), (3, None), (4, 0.15), (5, None), (6, 0.15)]:  # warm-up: min(0.15, 1/10, 2/11..)
+    for step, d in [(1, None), (2, 0.1), (3, None), (4, 0.15), (5, None), (6, 0.15)]:  # min(0.15, 1/10, 2/11, ..)
         _step(m)
         ema.update()
         if d is not None:

@@ -461,9 +461,9 @@ def check_optim(cfg: DictConfig) -> None:
         raise ConfigError(f"{name} with parallel={p.name}: {schema.unsharded_only}; use parallel=ddp (or one device), "
                           "or optim=adamw")
     if o.optimizer.get("relative_step"):
-        raise ConfigError(f"optim.optimizer.relative_step=true with {name}: Adafactor's own time-dependent rate would "
-                          "replace optim.lr and the schedule; set optim.optimizer.relative_step=false and the rate with "
-                          "optim.lr")
+        raise ConfigError(f"optim.optimizer.relative_step=true with {name}: Adafactor's own time-dependent rate "
+                          "would replace optim.lr and the schedule; set optim.optimizer.relative_step=false and the "
+                          "rate with optim.lr")
     if objective_class(cfg.objective).manual:  # one optimizer per adapter, with the objective's own settings
         if not schema.adapter_overrides:
             raise ConfigError(f"{name} with objective={cfg.objective.name}: each of its adapters sets Adam's betas, "
