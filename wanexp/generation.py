@@ -28,10 +28,12 @@ def lora_header(path: Path) -> dict:
         return dict(f.metadata() or {})
 
 
-def run_adapter_files(folder: Path) -> list[Path]:
+def run_adapter_files(folder: Path, ema: bool = False) -> list[Path]:
     """The adapter files of an export folder (a run's ``lora/final``) to sample with, one per trained expert: its
-    ``_diffusers`` file, else (a LoHa) its ``_comfyui`` file."""
-    comfy = sorted(Path(folder).glob("*_comfyui.safetensors"))
+    ``_diffusers`` file, else (a LoHa) its ``_comfyui`` file; the raw weights', or with ``ema`` the EMA's
+    (``callbacks.ema``: the files whose header says ``wanexp_weights=ema``)."""
+    comfy = [p for p in sorted(Path(folder).glob("*_comfyui.safetensors"))
+             if (lora_header(p).get("wanexp_weights") == "ema") == ema]
     diffusers = [p.with_name(p.name.replace("_comfyui.", "_diffusers.")) for p in comfy]
     return [d if d.is_file() else c for c, d in zip(comfy, diffusers)]
 

@@ -1,6 +1,7 @@
 """Optimizer and learning-rate schedule of the trained (adapter) parameters: pure functions the module calls.
 
-The optimizer itself comes from the ``optim.optimizer`` node (``_target_`` + ``_partial_``), instantiated by
+The optimizer itself comes from the ``optim.optimizer`` node (``_target_`` + ``_partial_``: torch's AdamW, or
+bitsandbytes' AdamW8bit, Prodigy, CAME or transformers' Adafactor by ``optim=<name>``), instantiated by
 wanexp/train.py and called here with the parameters and the learning rate.
 """
 from __future__ import annotations

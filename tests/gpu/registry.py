@@ -1493,3 +1493,40 @@ CASES[A14B_GEN] = Case(
     collect=generation_metrics(A14B_GEN, *A14B_PHASES),
     record=tuple(f"{p}.{k}" for p in A14B_PHASES for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
 )
+
+
+# ---- the optimizers by name and the adapter's EMA on the real-size 5B step (docs/configuration.md#optimizers) -----
+OPTIM = "optimizers_5b"
+OPTIM_STEPS = 10  # the median step over steps 4-10 (the first three: compilation, first loads)
+OPTIM_RUNS = {"adamw": (), "adamw8bit": ("optim=adamw8bit",), "prodigy": ("optim=prodigy",), "came": ("optim=came",),
+              "adafactor": ("optim=adafactor",), "adamw_ema": ("callbacks.ema.decay=0.999",)}
+
+
+def optim_metrics(ctx: Ctx, phases: dict) -> dict:
+    """Each run's metrics (run_metrics) and its median step over AdamW's (``step_vs_adamw``)."""
+    m = runs(**{k: f"5b_optim_{k}" for k in OPTIM_RUNS})(ctx, phases)
+    base = m.get("adamw", {}).get("median_step_s")
+    for v in m.values():
+        v["step_vs_adamw"] = v["median_step_s"] / base if base and v.get("median_step_s") else None
+    return m
+
+
+CASES[OPTIM] = Case(
+    name=OPTIM, gpus=1, model="ti2v5b",
+    about=f"python train.py (the user's defaults: DDP, bf16-mixed, compiled, checkpointing) on the real-size TI2V-5B "
+          f"(light encoders) at 704x1280x17 from the cache, {OPTIM_STEPS} steps with each optimizer by name (AdamW, "
+          "optim=adamw8bit, prodigy, came, adafactor) and with callbacks.ema.decay=0.999: each finishes with finite "
+          "losses and its LoRA files (the EMA's beside), the median step and peak per optimizer recorded; needs the "
+          "bitsandbytes, prodigyopt and came-pytorch wheels in .whl/",
+    phases=(BUILD_LIGHT, CACHE_LIGHT,
+            *(train(f"5b_optim_{k}", 1, OPTIM_STEPS, light_data, "parallel=ddp", "trainer.log_every_n_steps=1",
+                    "callbacks.checkpoint.every_n_train_steps=1000", *extra, phase=k, minutes=3)
+              for k, extra in OPTIM_RUNS.items())),
+    checks=(*(c for k in OPTIM_RUNS for c in finished(k, OPTIM_STEPS)),
+            *(Check(f"metrics.{k}.{m}", "present", None, k, f"{k}: {what} recorded")
+              for k in OPTIM_RUNS for m, what in (("median_step_s", "the median step"), ("peak_mem_gib", "the peak"))),
+            Check("metrics.adamw_ema.lora_final_files", "==", 4, "adamw_ema",
+                  "the raw and the EMA LoRA files, ComfyUI and diffusers each")),
+    collect=optim_metrics,
+    record=tuple(f"{k}.{m}" for k in OPTIM_RUNS for m in ("median_step_s", "step_vs_adamw", "peak_mem_gib")),
+)

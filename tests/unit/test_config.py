@@ -219,7 +219,11 @@ CLI_BAD = [
     (["trainer.max_steps=abc"], "trainer.max_steps=abc: must be an integer"),
     (["data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
     (["optim.lr=1e38"], "optim.lr=1e+38: must be > 0.0 and <= 1.0"),
-    (["optim=sgd"], "optim=sgd: no such option; allowed values are adamw"),
+    (["optim=sgd"], "optim=sgd: no such option; allowed values are adafactor, adamw, adamw8bit, came, prodigy"),
+    (["experiment=demo", "optim=adafactor", "optim.optimizer.relative_step=true"],
+     "optim.optimizer.relative_step=true with optim=adafactor: Adafactor's own time-dependent rate"),
+    (["experiment=demo", "callbacks.ema.decay=0.999", "objective=kd"],
+     "callbacks.ema.decay with objective=kd: the objective trains and exports a whole model"),
     (["adapter.rnak=8"], "adapter.rnak: no such key in adapter"),
     (["experiment=demo", "adapter.targets=[q,qkv]"], "adapter.targets: unknown target 'qkv'"),
     (["guard.max_bad_steps=0"], "guard.max_bad_steps=0: must be >= 1"),
@@ -284,14 +288,17 @@ def _schema_fields(schema_name: str) -> dict:
     return {f.name: f for f in dataclasses.fields(SCHEMAS[schema_name])}
 
 
-def _assert_set_only_where_schema_has_no_default(node: dict, schema_name_or_cls, where: str) -> list[str]:
+def _assert_set_only_where_schema_has_no_default(node: dict, schema_name_or_cls, where: str,
+                                                 own: tuple = ()) -> list[str]:
+    """``own``: keys of ``node`` that a schema entry of their own types (e.g. ``/schema/optimizer/came@optimizer``),
+    checked against that schema instead."""
     import dataclasses
 
     cls = SCHEMAS[schema_name_or_cls] if isinstance(schema_name_or_cls, str) else schema_name_or_cls
     fields = {f.name: f for f in dataclasses.fields(cls)}
     checked = []
     for key, value in node.items():
-        if key == "defaults":
+        if key == "defaults" or key in own:
             continue
         f = fields[key]
         has_default = f.default is not dataclasses.MISSING and f.default != "???" or \
@@ -315,11 +322,13 @@ def test_each_default_exists_once():
         raw = OmegaConf.to_container(OmegaConf.load(path))
         if not isinstance(raw, dict):
             continue
-        for entry in raw.get("defaults", []):
-            if isinstance(entry, str) and entry.startswith("/schema/"):
-                name, _, package = entry.removeprefix("/schema/").partition("@")
-                node = raw if package == "_here_" else raw.get(package, {})
-                checked += _assert_set_only_where_schema_has_no_default(node, name, str(path))
+        entries = [e.removeprefix("/schema/").partition("@") for e in raw.get("defaults", [])
+                   if isinstance(e, str) and e.startswith("/schema/")]
+        own = tuple(package for _, _, package in entries if package != "_here_")
+        for name, _, package in entries:
+            node = raw if package == "_here_" else raw.get(package, {})
+            checked += _assert_set_only_where_schema_has_no_default(node, name, str(path),
+                                                                    own if package == "_here_" else ())
     assert len(checked) > 80
     # and nothing is left unset in the composed default run except the one value a user must give
     def missing(node, prefix=""):

@@ -307,6 +307,31 @@ def test_a_strategy_case_reads_its_run_folders_and_scaling(tmp_path):
     assert registry.evaluate(case, slow)[0] == "FAIL"
 
 
+def test_the_optimizer_case_reads_each_run_and_its_step_over_adamws(tmp_path):
+    """optimizers_5b from its run folders: each optimizer's run finished, its median step (the first three left out)
+    over AdamW's, its peak; the EMA run holds the EMA's files beside the raw ones."""
+    case = CASES[registry.OPTIM]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    steps = {"adamw": 0.40, "adamw8bit": 0.42, "prodigy": 0.44, "came": 0.46, "adafactor": 0.45, "adamw_ema": 0.41}
+    for key, step in steps.items():
+        folder = ctx.run_dir(f"5b_optim_{key}")
+        fake_run(folder, losses=(0.5,) * 4, step=registry.OPTIM_STEPS)
+        with (folder / "logs/version_0/metrics.csv").open("a", newline="") as f:
+            for i in range(7):
+                csv.writer(f).writerow([4 + i, 0.5, step, 12.5])
+        if key == "adamw_ema":
+            for name in ("x_ema_comfyui.safetensors", "x_ema_diffusers.safetensors"):
+                (folder / "lora" / "final" / name).write_bytes(b"0" * 1024)
+    result = judge_case(case, tmp_path, [p.name for p in case.phases])
+    assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
+    m = result["metrics"]
+    assert m["came"]["step_vs_adamw"] == pytest.approx(0.46 / 0.40) and m["adamw"]["step_vs_adamw"] == 1.0
+    assert m["prodigy"]["peak_mem_gib"] == 20.0  # status.json's peak over the logged 12.5
+    no_ema = json.loads(json.dumps(result))
+    no_ema["metrics"]["adamw_ema"]["lora_final_files"] = 2
+    assert registry.evaluate(case, no_ema)[0] == "FAIL"
+
+
 def test_a_later_device_call_reads_what_an_earlier_phase_wrote(runner, monkeypatch, tmp_path, capsys):
     """Each device call starts with an empty --out: a phase's JSON lives under --work (kept on the warm machine), so
     the call that runs the last phase judges every phase's numbers, and each call's --out gets copies."""

@@ -1,5 +1,6 @@
 """Adapter files (ComfyUI + diffusers where diffusers loads the kind; one set per trained expert) with every
-checkpoint and at the end of a run.
+checkpoint and at the end of a run; with ``callbacks.ema`` the EMA weights' files beside them (``_ema`` after the
+adapter kind in their names, the same formats).
 
 The weights come from the checkpoint's state dict, which every strategy has already gathered on rank 0 (DDP: the
 module's own; FSDP: the full LoRA tensors), so export never needs its own collectives.
@@ -59,6 +60,10 @@ class LoraExport(Callback):
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             flagged = self._write(pl_module, checkpoint["state_dict"], step, tmp)
+            ema = next((w for c in trainer.callbacks if hasattr(c, "exported")
+                        for w in [c.exported(checkpoint)] if w is not None), None)
+            if ema is not None:  # callbacks.ema: the EMA weights as files of their own, "ema" in their names
+                flagged += self._write(pl_module, ema, step, tmp, tag="_ema")
             if flagged:
                 (tmp / FLAG_FILE).write_text(json.dumps(flagged))
         except Exception as e:
@@ -72,10 +77,12 @@ class LoraExport(Callback):
             self._flag(trainer, expert, largest, [target / Path(f).name for f in files])
         self.prune(newest=step)
 
-    def _write(self, pl_module, state_dict: dict, step: int, folder: Path) -> list:
-        """Every file of one export into ``folder``; returns the flagged experts as (expert, max |weight|, files)."""
+    def _write(self, pl_module, state_dict: dict, step: int, folder: Path, tag: str = "") -> list:
+        """Every file of one export into ``folder``; returns the flagged experts as (expert, max |weight|, files).
+        ``tag`` goes after the adapter kind in each file's name (``_ema``: ``<model>_lora_ema_comfyui.safetensors``)."""
         meta = {"wanexp_model": pl_module.spec.name, "wanexp_step": step,
-                "wanexp_boundary": pl_module.boundary_name, **pl_module.objective.export_metadata()}
+                "wanexp_boundary": pl_module.boundary_name, **pl_module.objective.export_metadata(),
+                **({"wanexp_weights": tag.strip("_")} if tag else {})}
         custom = pl_module.objective.export_checkpoint
         if custom is not None:  # e.g. KD: the student as a pipeline folder
             custom(pl_module, state_dict, folder)
@@ -85,7 +92,7 @@ class LoraExport(Callback):
         for expert, transformer in pl_module.transformers.items():
             prefix = f"transformers.{expert}."
             files = pl_module.adapter.export(state_dict, prefix, transformer, folder,
-                                             f"{pl_module.spec.name}_{kind}{EXPERT_SUFFIX[expert]}",
+                                             f"{pl_module.spec.name}_{kind}{tag}{EXPERT_SUFFIX[expert]}",
                                              adapter_name=pl_module.objective.export,
                                              meta=dict(meta, wanexp_expert=expert))
             largest = max((float(v.detach().abs().max()) if torch.isfinite(v).all() else float("inf")

@@ -22,6 +22,9 @@ Every ``every_n_steps`` optimizer steps and at the last step (``every_n_steps: 0
   ``loss_samples`` held-out samples (``data.val_fraction``) at each of ``loss_sigmas`` (those in the boundary's
   range), with fixed noise: the same weights give the same value, so sweep points compare. Also in status.jsonl
   (``val_loss``), which the sweep summary reads.
+- **EMA** (``callbacks.ema``): the weights ``callbacks.ema.validate_with`` names (raw, ema or both) are validated in
+  turn, the EMA's swapped into the adapter for the call and the raw ones put back exactly; the EMA's videos and
+  metrics carry ``ema`` in their names (``p0_s0_ema.mp4``, ``val/ema/loss``). The strip shows the last set validated.
 
 Ranks: every rank samples its share of the videos (prompt x seed x shape k goes to rank k mod world; with
 FSDP2-sharded weights, whose forwards are collective, a rank with fewer runs its last one again and drops it), and
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -161,31 +165,14 @@ class Validation(Callback):
               + (f"; {said}" if said else "") + f" ({result['seconds']:.1f} s)", flush=True)
 
     def _run(self, trainer, pl_module, step: int, base: bool, sharded: bool = False) -> dict:
-        from wanexp.generation import heldout_loss
-
         out: dict = {"step": step, "metrics": {}, "videos": {}, "timesteps": {}}
-        dm = trainer.datamodule
         own = pl_module.encoders  # an online run's encoders; a run from the cache has none
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the training step's cached blocks back to the allocator's free pool
         try:
-            held_out = sharded or trainer.global_rank == 0  # replicated weights: rank 0's is every rank's
-            if self.loss_samples and held_out and getattr(dm, "val_dataset", None) is not None:
-                from wanexp.generation import adapter, encode_batch
-
-                if own is None and not getattr(dm, "cached", False):  # held-out pixels need the encoders
-                    own = _load_encoders(pl_module.spec, pl_module.device)
-                lo, hi = pl_module.sigma_range
-                sigmas = [s for s in self.loss_sigmas if lo <= s <= hi] or \
-                    [lo + (hi - lo) * (k + 0.5) / 5 for k in range(5)]
-                batches = (encode_batch(b, own, pl_module.device) for b in dm.val_batches(self.loss_samples))
-                with adapter(list(pl_module.transformers.values()), pl_module.objective.export), \
-                        trainer.precision_plugin.forward_context():
-                    loss = heldout_loss(pl_module.denoiser, batches, sigmas, seed=0)
-                out["metrics"].update({f"val/{k}": float(v) for k, v in loss.items() if k != "samples"})
-                out["loss_samples"] = loss.get("samples", 0)
-            if self.prompts:
-                self._sample(trainer, pl_module, step, base, own, out, sharded)
+            for k, (tag, weights) in enumerate(_weight_sets(trainer, pl_module)):
+                with weights:  # the raw weights, or the EMA's swapped in (callbacks.ema.validate_with)
+                    own = self._validate_weights(trainer, pl_module, step, base and k == 0, own, out, sharded, tag)
         finally:
             own = None
             import gc
@@ -196,6 +183,33 @@ class Validation(Callback):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return out
+
+    def _validate_weights(self, trainer, pl_module, step: int, base: bool, own, out: dict, sharded: bool,
+                          tag: str):
+        """The held-out loss and the videos of the weights in the model now; ``tag`` (``ema``) goes into their metric
+        names (``val/ema/loss``) and video names (``p0_s0_ema``). Returns the encoders used (loaded once)."""
+        from wanexp.generation import heldout_loss
+
+        dm = trainer.datamodule
+        held_out = sharded or trainer.global_rank == 0  # replicated weights: rank 0's is every rank's
+        if self.loss_samples and held_out and getattr(dm, "val_dataset", None) is not None:
+            from wanexp.generation import adapter, encode_batch
+
+            if own is None and not getattr(dm, "cached", False):  # held-out pixels need the encoders
+                own = _load_encoders(pl_module.spec, pl_module.device)
+            lo, hi = pl_module.sigma_range
+            sigmas = [s for s in self.loss_sigmas if lo <= s <= hi] or \
+                [lo + (hi - lo) * (k + 0.5) / 5 for k in range(5)]
+            batches = (encode_batch(b, own, pl_module.device) for b in dm.val_batches(self.loss_samples))
+            with adapter(list(pl_module.transformers.values()), pl_module.objective.export), \
+                    trainer.precision_plugin.forward_context():
+                loss = heldout_loss(pl_module.denoiser, batches, sigmas, seed=0)
+            out["metrics"].update({f"val/{tag}/{k}" if tag else f"val/{k}": float(v)
+                                   for k, v in loss.items() if k != "samples"})
+            out["loss_samples"] = loss.get("samples", 0)
+        if self.prompts:
+            self._sample(trainer, pl_module, step, base, own, out, sharded, tag)
+        return own
 
     # ---- what a sample needs: text embeddings, the VAE, the experts ----------------------------------------------
     def _embeddings(self, trainer, pl_module, encoders, negatives: tuple = ()) -> dict[str, torch.Tensor]:
@@ -271,7 +285,8 @@ class Validation(Callback):
         torch.distributed.gather_object(done, parts, dst=0, group=self._group)
         return parts or []
 
-    def _sample(self, trainer, pl_module, step, base, encoders, out, sharded: bool = False) -> None:
+    def _sample(self, trainer, pl_module, step, base, encoders, out, sharded: bool = False, tag: str = "") -> None:
+        """``tag``: the weight set's name in the adapter's video names and metrics (the base model's have none)."""
         from wanexp.generation import adapter, psnr, ssim, strip_frames, to_uint8, write_mp4
 
         spec, objective = pl_module.spec, pl_module.objective
@@ -362,12 +377,13 @@ class Validation(Callback):
                 for name, prompt, frames, used, gap in sorted((x for p in parts for x in p["after"]),
                                                              key=lambda x: order[x[0]]):
                     video = torch.from_numpy(frames).float() / 255
-                    out["timesteps"][name] = used
-                    f = folder / f"{name}.mp4"
+                    tagged = f"{name}_{tag}" if tag else name
+                    out["timesteps"][tagged] = used
+                    f = folder / f"{tagged}.mp4"
                     with saving(f"the validation video {f}", f):
                         write_mp4(f, video, self.fps)
-                    out["videos"][f"val/video/{name}"] = (str(f), prompt)
-                    after[name] = (strip_frames(video), f"{name}: {prompt}")
+                    out["videos"][f"val/video/{tagged}"] = (str(f), prompt)
+                    after[name] = (strip_frames(video), f"{tagged}: {prompt}")
                     if gap is not None:
                         gaps.append(gap)
                 self._write_strip(after)
@@ -377,9 +393,10 @@ class Validation(Callback):
                 vae.to("cpu")  # kept for the next call, off the GPU
         if gaps:
             n = len(gaps)
-            out["metrics"].update({"val/teacher_latent_mse": sum(g[0] for g in gaps) / n,
-                                   "val/teacher_psnr": sum(min(g[1], 100.0) for g in gaps) / n,
-                                   "val/teacher_ssim": sum(g[2] for g in gaps) / n})
+            head = f"val/{tag}/" if tag else "val/"
+            out["metrics"].update({f"{head}teacher_latent_mse": sum(g[0] for g in gaps) / n,
+                                   f"{head}teacher_psnr": sum(min(g[1], 100.0) for g in gaps) / n,
+                                   f"{head}teacher_ssim": sum(g[2] for g in gaps) / n})
 
     def _write_strip(self, after: dict) -> None:
         """DIR/validation/strip.png: a row per video, the base model's (sampled at step 0 of this session) first,
@@ -411,6 +428,13 @@ class Validation(Callback):
                 return None
             out.update({(i, _tag(sz)): first_frame_image(frames[i % len(frames)]) for i in range(len(self.prompts))})
         return out
+
+
+def _weight_sets(trainer, pl_module) -> list:
+    """(tag, context) per weight set validated: the raw weights (tag ""), or those ``callbacks.ema.validate_with``
+    names (wanexp.callbacks.ema: the EMA's swapped in while its context is open, tag ``ema``)."""
+    ema = next((c for c in trainer.callbacks if hasattr(c, "validation_weights")), None)
+    return ema.validation_weights(pl_module) if ema is not None else [("", nullcontext())]
 
 
 def _tag(size: dict) -> str:

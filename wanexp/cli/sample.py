@@ -46,6 +46,8 @@ def _parse(argv):
     ap.add_argument("--lora", action="append", default=[],
                     help="a *_diffusers.safetensors LoRA file (repeat for an A14B pair; *_low_noise_* goes to the "
                          "low-noise expert); default: the run's lora/final")
+    ap.add_argument("--ema", action="store_true",
+                    help="with --run: the run's EMA LoRA files (callbacks.ema) instead of its raw ones")
     ap.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
     ap.add_argument("--image", action="append", default=[],
                     help="image-to-video: the first frame of the prompt's sample, one per --prompt in their order "
@@ -125,7 +127,7 @@ def _settings(args) -> dict:
             s["negative_prompt"] = cfg.objective.get("negative_prompt")
         from wanexp.generation import run_adapter_files
 
-        s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final")  # a LoHa run's: its _comfyui files
+        s["loras"] = s["loras"] or run_adapter_files(run / "lora" / "final", ema=args.ema)  # LoHa: its _comfyui
         s["out"] = s["out"] or str(run / "samples")
     if not s["model_path"] or not Path(s["model_path"]).is_dir():
         raise ConfigError(f"--model-path {s['model_path']}: not a model folder; pass --model-path or --run with a run "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from wanexp.config.schema import typed_node
+from wanexp.config.schema import OptimizerConfig, typed_node
 from wanexp.errors import ConfigError
 
 
@@ -153,6 +153,8 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
         check_model_path(cfg)
     check_family(cfg)
     check_objective(cfg)
+    check_optim(cfg)
+    check_ema(cfg)
     check_validation_images(cfg)
 
 
@@ -441,3 +443,67 @@ def check_dora(cfg: DictConfig) -> None:
         raise ConfigError("adapter.use_dora=true with an FP8 base: DoRA's magnitude is computed from the base weight "
                           "as trained and exported; set model.fp8=false and model.fp8_storage=false")
 
+
+def check_optim(cfg: DictConfig) -> None:
+    """The optimizer of ``optim=<name>`` (its schema class's attributes, wanexp.config.schema.OptimizerConfig): its
+    package installed (the pip pin named), its learning-rate rule, the parallel strategies and objectives it runs
+    under, and on the CPU a package version that has CPU kernels (read from the installed metadata: nothing is
+    imported)."""
+    o, p = cfg.optim, cfg.parallel
+    schema = OmegaConf.get_type(o.optimizer)
+    if not (isinstance(schema, type) and issubclass(schema, OptimizerConfig)):
+        return  # an optimizer node from outside wanexp's groups: its class checks its own arguments
+    name = f"optim={schema.option}"
+    if schema.package is not None and importlib.util.find_spec(schema.package[0]) is None:
+        raise ConfigError(f"{name}: the {schema.package[0]} package is not installed; pip install {schema.package[1]} "
+                          "(or pip install 'wanexp[optim]'), or use optim=adamw")
+    if schema.lr_is_multiplier and o.lr_scaling != "none":
+        raise ConfigError(f"{name} with optim.lr_scaling={o.lr_scaling}: optim.lr multiplies the optimizer's own "
+                          "step-size estimate, which needs no scaling with the batch; set optim.lr_scaling=none (tune "
+                          "optim.optimizer.d_coef for larger or smaller steps)")
+    if schema.unsharded_only and p.name in ("fsdp", "deepspeed"):
+        raise ConfigError(f"{name} with parallel={p.name}: {schema.unsharded_only}; use parallel=ddp (or one device), "
+                          "or optim=adamw")
+    if o.optimizer.get("relative_step"):
+        raise ConfigError(f"optim.optimizer.relative_step=true with {name}: Adafactor's own time-dependent rate "
+                          "would replace optim.lr and the schedule; set optim.optimizer.relative_step=false and the "
+                          "rate with optim.lr")
+    if objective_class(cfg.objective).manual:  # one optimizer per adapter, with the objective's own settings
+        if not schema.adapter_overrides:
+            raise ConfigError(f"{name} with objective={cfg.objective.name}: each of its adapters sets Adam's betas, "
+                              f"eps and weight_decay (objective.<adapter>.*), which {schema.option} does not take; use "
+                              "optim=adamw or adamw8bit")
+        if schema.lr_is_multiplier:
+            raise ConfigError(f"{name} with objective={cfg.objective.name}: each of its adapters sets its own "
+                              f"learning rate (objective.<adapter>.lr), which {schema.option} would take as a "
+                              "multiplier of its step-size estimate; use optim=adamw or adamw8bit")
+    if schema.cpu_from and cfg.trainer.accelerator == "cpu":
+        from importlib.metadata import PackageNotFoundError, version
+
+        from packaging.version import Version
+
+        dist = schema.package[1].partition("==")[0]
+        try:
+            have = version(dist)
+        except PackageNotFoundError:  # importable without its metadata (e.g. a source checkout): let it run
+            return
+        if Version(have) < Version(schema.cpu_from):
+            raise ConfigError(f"{name} with trainer.accelerator=cpu: {dist} {have} has no CPU kernels for its "
+                              f"optimizers (they came with {schema.cpu_from}); pip install {schema.package[1]}, "
+                              "train on a GPU, or use optim=adamw")
+
+
+def check_ema(cfg: DictConfig) -> None:
+    """``callbacks.ema`` (wanexp.callbacks.ema): an EMA of the trained adapter, under the strategies that hold each
+    adapter weight on every rank (one device, DDP) or shard it per parameter (FSDP2); not DeepSpeed's engine, nor an
+    objective that trains a whole model (KD's student) rather than adapters."""
+    node = (cfg.callbacks or {}).get("ema")
+    if switched_off(node) or node.get("decay") is None:
+        return
+    if cfg.parallel.name == "deepspeed":
+        raise ConfigError("callbacks.ema.decay with parallel=deepspeed: DeepSpeed keeps the trained weights inside its "
+                          "engine's partitions, which the EMA does not follow; use parallel=ddp or fsdp, or "
+                          "callbacks.ema.decay=null")
+    if objective_class(cfg.objective).export_checkpoint is not None:
+        raise ConfigError(f"callbacks.ema.decay with objective={cfg.objective.name}: the objective trains and exports "
+                          "a whole model, and the EMA covers adapter weights only; set callbacks.ema.decay=null")

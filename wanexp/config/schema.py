@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from omegaconf import MISSING
 
@@ -34,6 +34,7 @@ FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP")
 FSDP_PARAM_DTYPES = ("bf16", "fp32")
 WANDB_MODES = ("online", "offline", "disabled")
 WINDOW_MODES = ("first", "uniform", "chunks", "random")
+EMA_VALIDATE = ("raw", "ema", "both")  # callbacks.ema.validate_with
 
 
 def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, doc: str = ""):
@@ -185,9 +186,24 @@ class KDConfig(ObjectiveConfig):
 
 
 @dataclass
-class AdamWConfig:
+class OptimizerConfig:
+    """What every ``optim.optimizer`` node has: the class, called with the parameters and the (scaled) learning rate
+    (``_partial_``). Each optimizer's schema extends it; its class attributes (not config keys) say what the config
+    rules hold it to (wanexp.config.rules.check_optim)."""
+
     _target_: str = MISSING
     _partial_: bool = MISSING  # the module calls it with the parameters and the (scaled) learning rate
+    option: ClassVar[str] = ""  # the optim group's option (conf/optim/<option>.yaml)
+    package: ClassVar[Optional[Tuple[str, str]]] = None  # (module, the pip pin that installs it); None: torch's
+    lr_is_multiplier: ClassVar[bool] = False  # lr scales the optimizer's own step-size estimate (no lr_scaling)
+    adapter_overrides: ClassVar[bool] = True  # takes Adam's betas (2), eps, weight_decay (objective=dmd sets them)
+    unsharded_only: ClassVar[str] = ""  # why it cannot run on FSDP/DeepSpeed-sharded parameters; "": it can
+    cpu_from: ClassVar[Optional[str]] = None  # the package version whose kernels run on the CPU; None: any
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    option: ClassVar[str] = "adamw"
     betas: List[float] = knob(MISSING)
     eps: float = knob(MISSING, gt=0.0)
     weight_decay: float = knob(MISSING, ge=0.0)
@@ -195,14 +211,86 @@ class AdamWConfig:
 
 
 @dataclass
+class AdamW8bitConfig(OptimizerConfig):
+    """bitsandbytes' AdamW with 8-bit blockwise-quantized moments (about a quarter of AdamW's optimizer memory)."""
+
+    option: ClassVar[str] = "adamw8bit"
+    package: ClassVar[Optional[Tuple[str, str]]] = ("bitsandbytes", "bitsandbytes==0.50.2")
+    unsharded_only: ClassVar[str] = "bitsandbytes' 8-bit kernels take whole plain tensors, not sharded parameters"
+    cpu_from: ClassVar[Optional[str]] = "0.50.0"  # its CPU optimizer kernels (earlier builds: CUDA and XPU only)
+    betas: List[float] = knob(MISSING)
+    eps: float = knob(MISSING, gt=0.0)
+    weight_decay: float = knob(MISSING, ge=0.0)
+    min_8bit_size: int = knob(MISSING, ge=1, doc="tensors with fewer elements keep 32-bit moments")
+
+
+@dataclass
+class ProdigyConfig(OptimizerConfig):
+    """Prodigy: Adam whose step size d is estimated from the gradients; ``optim.lr`` multiplies it."""
+
+    option: ClassVar[str] = "prodigy"
+    package: ClassVar[Optional[Tuple[str, str]]] = ("prodigyopt", "prodigyopt==1.1.2")
+    lr_is_multiplier: ClassVar[bool] = True
+    unsharded_only: ClassVar[str] = "its step-size estimate sums over whole parameters, which sharding splits " \
+                                    "across ranks"
+    betas: List[float] = knob(MISSING)
+    beta3: Optional[float] = knob(MISSING, gt=0.0, lt=1.0, doc="the d estimate's running averages; null: sqrt(beta2)")
+    eps: float = knob(MISSING, gt=0.0)
+    weight_decay: float = knob(MISSING, ge=0.0)
+    decouple: bool = knob(MISSING, doc="AdamW-style decoupled weight decay")
+    use_bias_correction: bool = knob(MISSING, doc="Adam's bias correction (recommended for diffusion)")
+    safeguard_warmup: bool = knob(MISSING, doc="lr left out of the d estimate's denominator (needed with warm-up)")
+    d0: float = knob(MISSING, gt=0.0, doc="initial step-size estimate")
+    d_coef: float = knob(MISSING, gt=0.0, doc="scales the step-size estimate: the knob to tune (0.5 smaller, 2 larger)")
+    growth_rate: float = knob(MISSING, gt=1.0, doc="largest growth of d per step (inf: unbounded)")
+    slice_p: int = knob(MISSING, ge=1, doc="estimate d from every p-th element (11: less memory, approximate)")
+
+
+@dataclass
+class CAMEConfig(OptimizerConfig):
+    """CAME: confidence-guided Adafactor-style factored moments (about Adafactor's memory, Adam-like updates)."""
+
+    option: ClassVar[str] = "came"
+    package: ClassVar[Optional[Tuple[str, str]]] = ("came_pytorch", "came-pytorch==0.1.3")
+    adapter_overrides: ClassVar[bool] = False
+    unsharded_only: ClassVar[str] = "its factored moments need each weight's whole rows and columns"
+    betas: List[float] = knob(MISSING, doc="three: first moment, second moment, confidence")
+    eps: List[float] = knob(MISSING, doc="two: the squared-gradient and the instability regularizers")
+    clip_threshold: float = knob(MISSING, gt=0.0, doc="update RMS clipping")
+    weight_decay: float = knob(MISSING, ge=0.0)
+
+
+@dataclass
+class AdafactorConfig(OptimizerConfig):
+    """transformers' Adafactor with an external learning rate (``relative_step: false``): factored second moments."""
+
+    option: ClassVar[str] = "adafactor"
+    adapter_overrides: ClassVar[bool] = False
+    unsharded_only: ClassVar[str] = "its factored moments need each weight's whole rows and columns"
+    eps: List[float] = knob(MISSING, doc="two: the squared-gradient and the parameter-scale regularizers")
+    clip_threshold: float = knob(MISSING, gt=0.0, doc="update RMS clipping")
+    decay_rate: float = knob(MISSING, lt=0.0, doc="second-moment decay exponent")
+    beta1: Optional[float] = knob(MISSING, ge=0.0, lt=1.0, doc="first moment; null: none (less memory)")
+    weight_decay: float = knob(MISSING, ge=0.0)
+    scale_parameter: bool = knob(MISSING, doc="lr scaled by each parameter's RMS")
+    relative_step: bool = knob(MISSING, doc="false: optim.lr and the schedule set the step (true is refused)")
+    warmup_init: bool = knob(MISSING, doc="relative_step's own warm-up (needs relative_step)")
+
+
+@dataclass
 class OptimConfig:
+    """The ``optim`` group: the learning rate, its scaling and schedule (the same for every optimizer), and the
+    optimizer (``conf/optim/<name>.yaml`` sets ``lr`` and ``optimizer``)."""
+
     lr: float = knob(MISSING, gt=0.0, le=1.0, doc="learning rate at reference_batch")
-    lr_scaling: str = knob(MISSING, choices=LR_SCALING, doc="scale lr with effective batch / reference_batch")
-    reference_batch: int = knob(MISSING, ge=1)
-    scheduler: str = knob(MISSING, choices=SCHEDULERS, doc="after warm-up")
-    warmup_steps: int = knob(MISSING, ge=0)
-    min_lr_ratio: float = knob(MISSING, ge=0.0, le=1.0, doc="cosine/linear floor as a fraction of lr")
-    optimizer: AdamWConfig = MISSING
+    lr_scaling: str = knob("none", choices=LR_SCALING, doc="scale lr with effective batch / reference_batch: none, "
+                           "linear (x ratio) or sqrt (x its square root)")
+    reference_batch: int = knob(1, ge=1, doc="the effective batch (per-device batch x devices x accumulation) that lr "
+                                "was tuned for")
+    scheduler: str = knob("constant", choices=SCHEDULERS, doc="after warm-up")
+    warmup_steps: int = knob(0, ge=0)
+    min_lr_ratio: float = knob(0.0, ge=0.0, le=1.0, doc="cosine/linear floor as a fraction of lr")
+    optimizer: OptimizerConfig = MISSING  # the optimizer's own schema (its YAML's defaults entry)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -397,6 +485,17 @@ class ValidationConfig:
 
 
 @dataclass
+class EMAConfig:
+    _target_: str = "wanexp.callbacks.ema.AdapterEMA"
+    decay: Optional[float] = knob(MISSING, ge=0.0, lt=1.0, doc="each update moves the shadow by (1 - decay) toward "
+                                  "the weights; null: no EMA")
+    every_n_steps: int = knob(MISSING, ge=1, doc="update after every N optimizer steps")
+    warmup: bool = knob(MISSING, doc="decay min(decay, (1 + n) / (10 + n)) at the n-th update: a short run's EMA is "
+                        "not held at the start weights")
+    validate_with: str = knob(MISSING, choices=EMA_VALIDATE, doc="the weights validation samples and scores")
+
+
+@dataclass
 class PathsConfig:
     root_dir: str = MISSING
     data_dir: str = MISSING
@@ -446,6 +545,11 @@ SCHEMAS: dict[str, type] = {
     "objective/dmd": DMDConfig,
     "objective/kd": KDConfig,
     "optim": OptimConfig,
+    "optimizer/adamw": AdamWConfig,
+    "optimizer/adamw8bit": AdamW8bitConfig,
+    "optimizer/prodigy": ProdigyConfig,
+    "optimizer/came": CAMEConfig,
+    "optimizer/adafactor": AdafactorConfig,
     "data": DataConfig,
     "parallel": ParallelConfig,
     "strategy/ddp": DDPConfig,
@@ -461,6 +565,7 @@ SCHEMAS: dict[str, type] = {
     "callbacks/preemption": PreemptionConfig,
     "callbacks/validation": ValidationConfig,
     "callbacks/profile": ProfileConfig,
+    "callbacks/ema": EMAConfig,
     "paths": PathsConfig,
 }
 
