@@ -9,12 +9,14 @@ original Wan modules); ComfyUI's UMT5 files use transformers' own names.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from tests.conftest import compose_cfg
@@ -100,8 +102,18 @@ def tiny_vae(model: str):
     return build_components(build(compose_cfg([f"model={model}", "paths.tiny_model_dir=/unused"]).model))["vae"]
 
 
+@functools.lru_cache(maxsize=None)
+def model_group(model: str):
+    return compose_cfg([f"model={model}", "model.build=null"]).model
+
+
 def spec_of(overrides: list[str], model: str = "tiny"):
-    return build(compose_cfg([f"model={model}", "model.build=null", *overrides]).model)
+    """The spec of model group ``model`` (no build) with ``model.KEY=VALUE`` overrides (composed once per group)."""
+    node = copy.deepcopy(model_group(model))
+    for item in overrides:
+        key, _, value = item.partition("=")
+        OmegaConf.update(node, key.removeprefix("model."), None if value == "null" else value)
+    return build(node)
 
 
 @pytest.fixture(scope="module")
@@ -255,11 +267,15 @@ def overrides(files: dict, **change) -> list[str]:
 
 
 def test_a_run_from_files_only_checks_counts_and_keys_them(files, tmp_path):
+    from safetensors.torch import load_file
+
     spec = spec_of(overrides(files))
     assert spec.single_files
     spec.check_folder(spec.experts)
-    assert spec.load_bytes(spec.experts, True) == sum(Path(files[k]).stat().st_size
-                                                      for k in ("path", "vae_path", "text_encoder_path"))
+    params = {k: sum(v.numel() for n, v in load_file(files[k]).items() if not n.endswith(single_file.MARKERS + (
+        ".scale_weight", ".scale_input"))) for k in ("path", "vae_path", "text_encoder_path")}
+    assert spec.load_bytes(spec.experts, True) == 4 * sum(params.values())  # fp32 once loaded (model=tiny)
+    assert spec.load_bytes(spec.experts, False) == 4 * params["path"]
     assert spec.meta_transformers("full")["dense"].config.num_attention_heads == 1
     sched = spec.load_scheduler()
     assert type(sched).__name__ == "UniPCMultistepScheduler" and sched.config.flow_shift == spec.shift
@@ -272,6 +288,15 @@ def test_a_run_from_files_only_checks_counts_and_keys_them(files, tmp_path):
     with torch.no_grad():
         emb = encoders.encode_prompts(["a red square"])
     assert emb.shape == (1, spec.text_len, 32)
+
+
+def test_model_path_null_takes_each_component_from_its_key_and_one_file_is_named_once(files):
+    dit_file = files["path"]
+    spec = spec_of(overrides(files, path="null", transformer_path=dit_file))
+    spec.check_folder(spec.experts)
+    assert_same_model(spec.read_transformer("dense"), spec_of(overrides(files)).read_transformer("dense"))
+    msg = refusal(overrides(files, transformer_path=dit_file))
+    assert msg.startswith(f"model.path={dit_file} and model.transformer_path={dit_file} both name the transformer")
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -419,6 +444,7 @@ def test_paths_are_checked_before_torch_and_other_families_refuse_component_path
     with pytest.raises(ConfigError) as e:
         check_config(compose_cfg(["model.path=null"]), model_folder=True)
     assert one_line(e).startswith("model.path=null: no weights")
+    check_config(compose_cfg(["model.path=null", f"model.transformer_path={tmp_path}"]), model_folder=True)
     with pytest.raises(ConfigError) as e:
         build(compose_cfg(["model=s2v14b", f"model.path={tmp_path}", f"model.vae_path={tmp_path}"]).model)
     assert "model.vae_path: model=s2v14b loads its weights from a model.path folder only" in one_line(e)

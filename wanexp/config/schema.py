@@ -49,9 +49,9 @@ def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=
 class ModelConfig:
     _target_: str = MISSING  # the spec class: a wanexp.models.family.ModelSpec subclass (e.g. a wan22 layout)
     name: str = MISSING
-    path: Optional[str] = knob(MISSING, doc="a local diffusers-format folder, or one .safetensors DiT file (ComfyUI's "
-                               "repackaged or any file in the original Wan names: the dense or high-noise transformer); "
-                               "null: every component from its own path below")
+    path: Optional[str] = knob(MISSING, doc="a local diffusers-format folder, or one .safetensors DiT file "
+                               "(ComfyUI's repackaged, or any in the original Wan names: the dense or high-noise "
+                               "transformer); null: every component from its own path below")
     dtype: str = knob(MISSING, choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")
     vae_dtype: str = knob(MISSING, choices=tuple(DTYPES))
     text_encoder_dtype: str = knob(MISSING, choices=tuple(DTYPES))

@@ -350,7 +350,7 @@ class ModelSpec:
         return load_class(self.tokenizer_class).from_pretrained(os.fspath(self.path / "tokenizer"))
 
     def encoder_source(self, component: str) -> Path:
-        """Where an encoder component (``vae``, ``text_encoder``, ``tokenizer``) loads from: its folder in model.path."""
+        """Where an encoder component (``vae``, ``text_encoder``, ``tokenizer``) loads from: its model.path folder."""
         return self.path / component
 
     def encoder_info(self) -> EncoderInfo:

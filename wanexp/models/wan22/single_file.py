@@ -189,8 +189,9 @@ class WeightFile:
         raise self.error(f"holds {WHAT[kind]}, not {WHAT[wanted]}{where}")
 
     @property
-    def quantized(self) -> bool:
-        return bool(self.scales) or any(d in FLOAT8 for d in self.dtypes.values())
+    def numel(self) -> int:
+        """Elements of the weights (their scales and markers left out)."""
+        return sum(math.prod(s) for s in self.shapes.values())
 
     # -- the tensors --
     @contextmanager

@@ -71,13 +71,23 @@ class WanSpec(ModelSpec):
         single_file.check(self, experts)
 
     def load_bytes(self, experts, encoders):
+        """A component's folder counts its weight files' bytes; a single file the bytes its weights take once loaded
+        in the component's dtype (an fp8 file holds half of them)."""
         if not self.single_files:
             return super().load_bytes(experts, encoders)
         from wanexp.models.family import weight_files
+        from wanexp.models.wan22 import single_file
 
-        comps = [self.expert_folders[e] for e in experts] + (["vae", "text_encoder"] if encoders else [])
-        sources = [src for src in map(self.source, dict.fromkeys(comps)) if src is not None and src.exists()]
-        return sum(f.stat().st_size for src in sources for f in ([src] if src.is_file() else weight_files(src)))
+        dtypes = {"vae": self.vae_dtype, "text_encoder": self.text_encoder_dtype}
+        total = 0
+        for comp in dict.fromkeys([self.expert_folders[e] for e in experts]
+                                  + (["vae", "text_encoder"] if encoders else [])):
+            src = self.source(comp)
+            if src is not None and src.is_file():
+                total += single_file.plan(self, comp).file.numel * dtypes.get(comp, self.dtype).itemsize
+            elif src is not None and src.is_dir():
+                total += sum(f.stat().st_size for f in weight_files(src))
+        return total
 
     def _source_or_refuse(self, component: str):
         from wanexp.models.wan22 import single_file
