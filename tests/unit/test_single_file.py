@@ -416,7 +416,7 @@ def test_an_expert_file_in_the_wrong_slot_and_a_missing_low_expert_are_one_line(
 
     high = write(tmp_path / "high.safetensors", load_file(path))
     msg = refusal([*overrides(rest), f"model.path={high}"], "t2v14b")
-    assert msg.startswith("model.transformer_2_path is not set and the run trains the low-noise expert")
+    assert msg.startswith("model.transformer_2_path is not set and the run needs the low-noise expert")
     assert "wan2.2_t2v_low_noise_14B_fp16.safetensors" in msg
 
 

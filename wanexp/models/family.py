@@ -9,7 +9,9 @@ attributes defined here, so a family is added without editing any file outside i
 A family sets the class attributes (layout, channels, strides, the component classes) and implements
 :meth:`ModelSpec.model_inputs` (the DiT input of a training sample) and :meth:`ModelSpec.write_random_model` (its tiny
 random build, for tests). Components are loaded from a local diffusers-format folder: ``model_index.json`` and one
-subfolder per component (each expert's, ``ModelSpec.expert_folders``, and the encoders', ``encoder_folders``).
+subfolder per component (each expert's, ``ModelSpec.expert_folders``, and the encoders', ``encoder_folders``); a
+family with ``component_files`` also takes them one by one (``model.transformer_path`` ..., single weight files or
+component folders: ``read_transformer``, ``load_vae``, ``load_text_encoder``, ``load_tokenizer``, ``encoder_source``).
 The rest of the protocol is in one section a part, each with defaults that fit one dense expert: adapters (the
 adapter naming), conditioning (experts and routing, encoders, per-sample inputs, the transformer call, blocks,
 sequence parallel), shapes, memory and FLOPs (the memory and FLOP formulas, the family's own config checks; the

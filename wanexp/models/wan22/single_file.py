@@ -94,8 +94,9 @@ class WeightFile:
         self.path, self.key = Path(path), key
         self._open = None  # the safetensors handle or the torch state dict while reading()
         entries, metadata, quant = self._read_header()
-        self.prefix = next((p for p in DIT_PREFIXES if entries and all(k.startswith(p) for k in entries)), "")
-        entries = {k[len(self.prefix):]: v for k, v in entries.items()}
+        self.prefix = next((p for p in DIT_PREFIXES if any(k.startswith(p) for k in entries)
+                            and all(k.startswith(p) or k in MARKERS for k in entries)), "")
+        entries = {k.removeprefix(self.prefix): v for k, v in entries.items()}
         self.check_quantization(metadata, quant)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
@@ -214,7 +215,7 @@ class WeightFile:
                 self._open = None
 
     def _get(self, name: str) -> torch.Tensor:
-        key = self.prefix + name
+        key = self.prefix + name  # (only the markers may lack the prefix, and they are never read)
         return self._open[key] if isinstance(self._open, dict) else self._open.get_tensor(key)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -451,22 +452,22 @@ def plan(spec, component: str) -> Plan:
     return plans[component]
 
 
-def not_set(spec, component: str, experts: list[str]) -> ConfigError:
-    """The one line for a component the run needs that no path gives."""
+def not_set(spec, component: str) -> ConfigError:
+    """The one line for a component the run needs that no path gives (model.path is null or a DiT file)."""
     p = spec.path
     why = "model.path=null" if p is None else f"model.path={p} is a single DiT file"
     dit = COMFY_DIT[spec.layout]
     if component == "transformer":
         wants = f"the {'high-noise expert' if 'high' in spec.experts else 'DiT'}'s file (ComfyUI: {dit.format('high')})"
     elif component == "transformer_2":
-        why = "the run trains the low-noise expert"
+        why = "the run needs the low-noise expert (to train it, or for the validation samples of boundary=high)"
         wants = f"the low-noise expert's file (ComfyUI: {dit.format('low')})"
     elif component == "vae":
         wants = f"the VAE file (ComfyUI: {comfy_vae(spec.layout)})"
     elif component == "text_encoder":
         wants = f"the UMT5 file (ComfyUI: {COMFY_UMT5})"
     else:
-        why = "UMT5 single files carry no tokenizer" if p is None or p.is_file() else why
+        why = "UMT5 single files carry no tokenizer"
         wants = ("a tokenizer folder (the tokenizer/ of a Wan2.2 diffusers download, or google/umt5-xxl/ of the "
                  "Wan-AI one)")
     return ConfigError(f"{KEYS[component]} is not set and {why}: set it to {wants}")
@@ -484,7 +485,7 @@ def check(spec, experts: list[str]) -> None:
     for component in components:
         src = spec.source(component)
         if src is None:
-            raise not_set(spec, component, experts)
+            raise not_set(spec, component)
         if component == "tokenizer":
             _check_tokenizer(spec, src)
         elif src.is_file():

@@ -94,7 +94,7 @@ class WanSpec(ModelSpec):
 
         src = self.source(component)
         if src is None:
-            raise single_file.not_set(self, component, self.experts)
+            raise single_file.not_set(self, component)
         return src
 
     def transformer_config(self, expert):
