@@ -81,7 +81,8 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
     check_booleans(cfg, command_line(cfg))
     m, b, d, p = cfg.model, cfg.boundary, cfg.data, cfg.parallel
     if OmegaConf.is_missing(m, "path"):
-        raise ConfigError(f"model.path is not set: pass model.path=/path/to/local/diffusers/folder for model={m.name}")
+        raise ConfigError(f"model.path is not set: pass model.path=/path/to/local/diffusers/folder (or a single "
+                          f".safetensors DiT file) for model={m.name}")
     if d.get("datasets") is None and not d.generate and not str(d.metadata).strip():  # the templates' required key
         raise ConfigError(f"data.metadata is not set: data={d.name} reads your own data; pass data.metadata=/path/to/"
                           "it (a folder of clips with caption files, or a CSV/JSON/JSONL file)")
@@ -361,14 +362,34 @@ LOGGER_PACKAGES = {
 def missing_model_folder(path, name: str) -> str:
     """The one line for a ``model.path`` that does not exist (here, before torch is imported, and in the spec's own
     folder check)."""
+    if Path(str(path)).suffix in WEIGHT_FILE_SUFFIXES:
+        return f"model.path={path}: file not found; point model.path at a {name} DiT file or a diffusers-format folder"
     return f"model.path={path}: folder not found; point model.path at a local diffusers-format {name} folder"
 
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt", ".gguf")
+COMPONENT_PATHS = ("transformer_path", "transformer_2_path", "vae_path", "text_encoder_path", "tokenizer_path")
+
+
 def check_model_path(cfg: DictConfig) -> None:
-    """A ``model.path`` that does not exist, said before the model's classes (and torch) are imported; a tiny model's
-    (``model.build``) is built there."""
-    if not cfg.model.build and not Path(cfg.model.path).is_dir():
-        raise ConfigError(missing_model_folder(cfg.model.path, cfg.model.name))
+    """A ``model.path`` (a folder or a single DiT file) or a component's path (``model.vae_path`` ...) that does not
+    exist, said before the model's classes (and torch) are imported; a tiny model's (``model.build``) is built at
+    ``model.path``."""
+    m = cfg.model
+    for key in COMPONENT_PATHS:
+        value = m.get(key)
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"model.{key}={value}: not found; point it at the component's weight file (or folder)")
+    if m.path is None:
+        if m.build:
+            raise ConfigError(f"model.path=null with model.build: model={m.name} builds its random model into "
+                              "model.path; set model.build=null to load the components from their own paths")
+        if m.get("transformer_path") is None and m.get("transformer_2_path") is None:
+            raise ConfigError("model.path=null: no weights; set model.path to a diffusers-format folder or a DiT "
+                              "file, or model.transformer_path (and the other components' paths)")
+        return
+    if not m.build and not Path(m.path).exists():
+        raise ConfigError(missing_model_folder(m.path, m.name))
 
 
 def check_paths(cfg: DictConfig) -> None:

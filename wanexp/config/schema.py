@@ -50,7 +50,9 @@ def knob(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=
 class ModelConfig:
     _target_: str = MISSING  # the spec class: a wanexp.models.family.ModelSpec subclass (e.g. a wan22 layout)
     name: str = MISSING
-    path: str = MISSING  # local diffusers-format folder
+    path: Optional[str] = knob(MISSING, doc="a local diffusers-format folder, or one .safetensors DiT file "
+                               "(ComfyUI's repackaged, or any in the original Wan names: the dense or high-noise "
+                               "transformer); null: every component from its own path below")
     dtype: str = knob(MISSING, choices=tuple(DTYPES), doc="base weights (LoRA parameters stay fp32)")
     vae_dtype: str = knob(MISSING, choices=tuple(DTYPES))
     text_encoder_dtype: str = knob(MISSING, choices=tuple(DTYPES))
@@ -82,6 +84,13 @@ class ModelConfig:
     # Any: a block count or "auto" (the config rules check which; OmegaConf has no int-or-string type)
     blocks_to_swap: Any = knob(None, ge=0, doc="frozen weights of N blocks kept in host memory, copied to the GPU "
                                "ahead of use (null/0: none; auto: the fewest that fit)")
+    # Components one by one, each a single weight file or the component's folder, over model.path's
+    # (docs/data.md, Weights): ComfyUI's repackaged files load directly, fp8 ones dequantized to the dtypes above.
+    transformer_path: Optional[str] = knob(None, doc="the DiT: the dense model, or the A14B high-noise expert")
+    transformer_2_path: Optional[str] = knob(None, doc="the A14B low-noise expert's DiT")
+    vae_path: Optional[str] = knob(None, doc="the VAE (wan2.2_vae.safetensors for TI2V-5B, wan_2.1_vae for A14B)")
+    text_encoder_path: Optional[str] = knob(None, doc="the UMT5-XXL encoder (umt5_xxl_fp16 / _fp8_e4m3fn_scaled)")
+    tokenizer_path: Optional[str] = knob(None, doc="the UMT5 tokenizer's folder (single UMT5 files carry none)")
 
 
 @dataclass

@@ -9,7 +9,9 @@ attributes defined here, so a family is added without editing any file outside i
 A family sets the class attributes (layout, channels, strides, the component classes) and implements
 :meth:`ModelSpec.model_inputs` (the DiT input of a training sample) and :meth:`ModelSpec.write_random_model` (its tiny
 random build, for tests). Components are loaded from a local diffusers-format folder: ``model_index.json`` and one
-subfolder per component (each expert's, ``ModelSpec.expert_folders``, and the encoders', ``encoder_folders``).
+subfolder per component (each expert's, ``ModelSpec.expert_folders``, and the encoders', ``encoder_folders``); a
+family with ``component_files`` also takes them one by one (``model.transformer_path`` ..., single weight files or
+component folders: ``read_transformer``, ``load_vae``, ``load_text_encoder``, ``load_tokenizer``, ``encoder_source``).
 The rest of the protocol is in one section a part, each with defaults that fit one dense expert: adapters (the
 adapter naming), conditioning (experts and routing, encoders, per-sample inputs, the transformer call, blocks,
 sequence parallel), shapes, memory and FLOPs (the memory and FLOP formulas, the family's own config checks; the
@@ -146,12 +148,15 @@ class ModelSpec:
     vae_class: str = ""
     text_encoder_class: str = ""
     tokenizer_class: str = "transformers.AutoTokenizer"
+    # whether the family loads components given one by one (model.transformer_path, model.vae_path, ...: single
+    # weight files or component folders) besides the model.path folder
+    component_files: bool = False
 
     def __init__(
         self,
         *,
         name: str,
-        path: str,
+        path: str | None,
         dtype: str,
         vae_dtype: str,
         text_encoder_dtype: str,
@@ -175,10 +180,24 @@ class ModelSpec:
         offload_activations: bool = False,
         frame_rule: list[int] | None = None,
         audio_dropout: float | None = None,
+        transformer_path: str | None = None,
+        transformer_2_path: str | None = None,
+        vae_path: str | None = None,
+        text_encoder_path: str | None = None,
+        tokenizer_path: str | None = None,
     ) -> None:
         """The arguments are the ``model`` group (conf/model/*.yaml, typed by config.schema.ModelConfig)."""
         self.name = name
-        self.path = Path(path)
+        self.path = Path(path) if path is not None else None
+        # components given one by one (model.<component>_path: a single weight file or the component's folder)
+        self.component_paths = {"transformer": transformer_path, "transformer_2": transformer_2_path,
+                                "vae": vae_path, "text_encoder": text_encoder_path, "tokenizer": tokenizer_path}
+        given = [f"model.{k}_path" for k, v in self.component_paths.items() if v is not None]
+        if self.path is None or self.path.is_file():
+            given.append(f"model.path={path}")
+        if given and not self.component_files:
+            raise ConfigError(f"{', '.join(given)}: model={name} loads its weights from a model.path folder only; "
+                              "point model.path at its folder (and leave the component paths unset)")
         self.dtype, self.vae_dtype, self.text_encoder_dtype = (
             getattr(torch, DTYPES[d]) for d in (dtype, vae_dtype, text_encoder_dtype))
         self.experts = list(experts)
@@ -298,14 +317,20 @@ class ModelSpec:
         return load_class(self.transformer_class)
 
     def load_transformer(self, expert: str):
-        model = self.transformer_type().from_pretrained(self.path, subfolder=self.expert_folders[expert],
-                                                      dtype=self.dtype)
+        """The frozen transformer of ``expert``, ready for the run (attention backend, checkpointing, the family's
+        own forward)."""
+        model = self.read_transformer(expert)
         model.requires_grad_(False)
         if self.attention_backend:
             model.set_attention_backend(self.attention_backend)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return self.prepare_transformer(model)
+
+    def read_transformer(self, expert: str):
+        """The transformer of ``expert`` as stored, its weights in ``model.dtype`` (``from_pretrained``)."""
+        return self.transformer_type().from_pretrained(self.path, subfolder=self.expert_folders[expert],
+                                                       dtype=self.dtype)
 
     def prepare_transformer(self, model):
         """A family's own changes to a loaded, frozen transformer (faster forwards, compilation); none here."""
@@ -329,11 +354,16 @@ class ModelSpec:
     def load_tokenizer(self):
         return load_class(self.tokenizer_class).from_pretrained(os.fspath(self.path / "tokenizer"))
 
+    def encoder_source(self, component: str) -> Path:
+        """Where an encoder component (``vae``, ``text_encoder``, ``tokenizer``) loads from: its model.path folder."""
+        return self.path / component
+
     def encoder_info(self) -> EncoderInfo:
         """What identifies this model's encoders for cache keys, and its latent grid (plain data)."""
-        return EncoderInfo(vae=str(self.path / "vae"), vae_dtype=str(self.vae_dtype), layout=self.layout,
-                           text_encoder=str(self.path / "text_encoder"), text_dtype=str(self.text_encoder_dtype),
-                           tokenizer=str(self.path / "tokenizer"), text_len=self.text_len,
+        return EncoderInfo(vae=str(self.encoder_source("vae")), vae_dtype=str(self.vae_dtype), layout=self.layout,
+                           text_encoder=str(self.encoder_source("text_encoder")),
+                           text_dtype=str(self.text_encoder_dtype),
+                           tokenizer=str(self.encoder_source("tokenizer")), text_len=self.text_len,
                            cond_id=self.needs_image_latent, vae_stride=tuple(self.vae_stride),
                            patch=tuple(self.patch), fps=self.fps, frame_rule=tuple(self.frame_rule),
                            sample_inputs=tuple(self.sample_inputs),

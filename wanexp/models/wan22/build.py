@@ -52,8 +52,10 @@ def build_components(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = 
 
 
 def _random_components(spec: ModelSpec, b: dict) -> dict:
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
+
+    from wanexp.models.wan22.pipeline import flow_scheduler
 
     te_cfg = dict(b["text_encoder"])
     text_encoder = UMT5EncoderModel(UMT5Config(**te_cfg, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
@@ -67,9 +69,7 @@ def _random_components(spec: ModelSpec, b: dict) -> dict:
         "text_encoder": text_encoder,
         "vae": vae,
         "transformer": WanTransformer3DModel(**tcfg),
-        "scheduler": UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=spec.shift, num_train_timesteps=1000
-        ),
+        "scheduler": flow_scheduler(spec.shift),
     }
     if "low" in spec.experts:
         comps["transformer_2"] = WanTransformer3DModel(**tcfg)

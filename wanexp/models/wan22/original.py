@@ -147,7 +147,8 @@ def convert_original(src, dst, layout: str, vae_config=None, max_shard_size: str
 
 def _convert_into(src: Path, out: Path, lay, latents, max_shard_size: str) -> list[str]:
     import diffusers
-    from diffusers import UniPCMultistepScheduler
+
+    from wanexp.models.wan22.pipeline import flow_scheduler
 
     lines = []
     comps = {}
@@ -177,8 +178,7 @@ def _convert_into(src: Path, out: Path, lay, latents, max_shard_size: str) -> li
     lines.append(f"vae/           <- {src / lay.vae_file}")
 
     shift, boundary = lay.shift, lay.boundary_ratio
-    comps["scheduler"] = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift, num_train_timesteps=1000)
+    comps["scheduler"] = flow_scheduler(shift)
     comps["scheduler"].save_pretrained(out / "scheduler")
     lines.append(f"scheduler/     UniPCMultistepScheduler(flow_shift={shift})")
 
@@ -587,8 +587,6 @@ def t5_key_map(sd: dict) -> dict[str, list[str]]:
 
 def t5_config(sd: dict):
     """transformers UMT5Config read off the original T5 encoder's tensor shapes."""
-    from transformers import UMT5Config
-
     try:
         vocab, d_model = sd["token_embedding.weight"].shape
         buckets, heads = sd["blocks.0.pos_embedding.embedding.weight"].shape
@@ -597,9 +595,16 @@ def t5_config(sd: dict):
     except KeyError as e:
         raise ConfigError(f"{T5_FILE}: no {e.args[0]!r}; not the original Wan UMT5-XXL encoder state dict") from None
     layers = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    return umt5_config(vocab, d_model, buckets, heads, d_attn, d_ff, layers)
+
+
+def umt5_config(vocab, d_model, buckets, heads, d_attn, d_ff, layers):
+    """transformers UMT5Config of Wan's UMT5-XXL encoder at these sizes (read off a state dict's shapes)."""
+    from transformers import UMT5Config
+
     return UMT5Config(
         vocab_size=int(vocab), d_model=int(d_model), d_kv=int(d_attn) // int(heads), d_ff=int(d_ff),
-        num_layers=layers, num_decoder_layers=layers, num_heads=int(heads),
+        num_layers=int(layers), num_decoder_layers=int(layers), num_heads=int(heads),
         relative_attention_num_buckets=int(buckets), relative_attention_max_distance=128,  # T5RelativeEmbedding
         layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu",  # T5LayerNorm eps; GELU(tanh) gate = gelu_new
         dropout_rate=0.1, tie_word_embeddings=True,  # one token_embedding feeds the encoder

@@ -148,6 +148,15 @@ def use_routing(pipe, routing, modules: dict):
         pipe.register_to_config(boundary_ratio=saved[2])
 
 
+def flow_scheduler(shift: float):
+    """The UniPC flow-matching scheduler the Wan2.2 diffusers folders ship, at ``flow_shift=shift`` (what a converted
+    folder and a tiny build write, and what a run loads when its weights come without a folder)."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                   num_train_timesteps=1000)
+
+
 def load_scheduler(model_path: str | Path):
     """The scheduler the model folder ships (model_index.json names its class)."""
     import diffusers

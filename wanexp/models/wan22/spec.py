@@ -38,6 +38,147 @@ class WanSpec(ModelSpec):
             cls.pipeline_class, cls.pipeline_extras = lay.pipeline_class, dict(lay.pipeline_extras)
             cls.vae_layout = dict(lay.vae_layout)
 
+    # ---- components given one by one: single files (ComfyUI's, Wan-AI's) or component folders (single_file.py) ----
+    component_files = True
+
+    @property
+    def single_files(self) -> bool:
+        """Whether any component comes from its own path (model.path a DiT file or null, or a model.*_path set);
+        otherwise everything loads from the model.path folder as ModelSpec loads it."""
+        return (self.path is None or self.path.is_file()
+                or any(v is not None for v in self.component_paths.values()))
+
+    def source(self, component: str):
+        """Where ``component`` (``transformer``, ``transformer_2``, ``vae``, ``text_encoder``, ``tokenizer``) loads
+        from: its own path, else model.path (the DiT file is the ``transformer``; a folder holds each component's
+        subfolder), else None."""
+        from pathlib import Path
+
+        given = self.component_paths.get(component)
+        if given is not None:
+            return Path(given)
+        if self.path is None:
+            return None
+        if self.path.is_file():
+            return self.path if component == "transformer" else None
+        return self.path / component
+
+    def check_folder(self, experts):
+        if not self.single_files:
+            return super().check_folder(experts)
+        from wanexp.models.wan22 import single_file
+
+        single_file.check(self, experts)
+
+    def load_bytes(self, experts, encoders):
+        """A component's folder counts its weight files' bytes; a single file the bytes its weights take once loaded
+        in the component's dtype (an fp8 file holds half of them)."""
+        if not self.single_files:
+            return super().load_bytes(experts, encoders)
+        from wanexp.models.family import weight_files
+        from wanexp.models.wan22 import single_file
+
+        dtypes = {"vae": self.vae_dtype, "text_encoder": self.text_encoder_dtype}
+        total = 0
+        for comp in dict.fromkeys([self.expert_folders[e] for e in experts]
+                                  + (["vae", "text_encoder"] if encoders else [])):
+            src = self.source(comp)
+            if src is not None and src.is_file():
+                total += single_file.plan(self, comp).file.numel * dtypes.get(comp, self.dtype).itemsize
+            elif src is not None and src.is_dir():
+                total += sum(f.stat().st_size for f in weight_files(src))
+        return total
+
+    def _source_or_refuse(self, component: str):
+        from wanexp.models.wan22 import single_file
+
+        src = self.source(component)
+        if src is None:
+            raise single_file.not_set(self, component)
+        return src
+
+    def transformer_config(self, expert):
+        if not self.single_files:
+            return super().transformer_config(expert)
+        import json
+
+        from wanexp.models.wan22 import single_file
+
+        component = self.expert_folders[expert]
+        src = self._source_or_refuse(component)
+        if src.is_file():
+            return dict(single_file.plan(self, component).config)
+        return json.loads((src / "config.json").read_text())
+
+    def read_transformer(self, expert):
+        if not self.single_files:
+            return super().read_transformer(expert)
+        from wanexp.models.wan22 import single_file
+
+        component = self.expert_folders[expert]
+        src = self._source_or_refuse(component)
+        if src.is_file():
+            return single_file.load_transformer(single_file.plan(self, component), self.dtype)
+        return self.transformer_type().from_pretrained(src, dtype=self.dtype)
+
+    def load_vae(self):
+        if not self.single_files:
+            return super().load_vae()
+        from wanexp.models.family import load_class
+        from wanexp.models.wan22 import single_file
+
+        src = self._source_or_refuse("vae")
+        if src.is_file():
+            vae = single_file.load_vae(single_file.plan(self, "vae"), self.vae_dtype)
+        else:
+            vae = load_class(self.vae_class).from_pretrained(src, dtype=self.vae_dtype)
+        return vae.requires_grad_(False).eval()
+
+    def load_text_encoder(self):
+        if not self.single_files:
+            return super().load_text_encoder()
+        import os
+
+        from wanexp.models.family import load_class
+        from wanexp.models.wan22 import single_file
+
+        src = self._source_or_refuse("text_encoder")
+        if src.is_file():
+            te = single_file.load_text_encoder(single_file.plan(self, "text_encoder"), self.text_encoder_dtype)
+        else:
+            te = load_class(self.text_encoder_class).from_pretrained(os.fspath(src), dtype=self.text_encoder_dtype)
+        return te.requires_grad_(False).eval()
+
+    def load_tokenizer(self):
+        if not self.single_files:
+            return super().load_tokenizer()
+        import os
+
+        from wanexp.models.family import load_class
+
+        return load_class(self.tokenizer_class).from_pretrained(os.fspath(self._source_or_refuse("tokenizer")))
+
+    def encoder_source(self, component):
+        return self.source(component) if self.single_files else super().encoder_source(component)
+
+    def encoder_info(self):
+        """With a component given as a file, its identity (path, size, mtime) joins the dtype in the cache keys (a
+        folder's contents are read by the cache's folder_identity)."""
+        info = super().encoder_info()
+        if not self.single_files:
+            return info
+        import dataclasses
+        import json
+
+        from wanexp.data.cache import file_identity
+
+        def keyed(dtype, component):
+            src = self.source(component)
+            return json.dumps([str(dtype), file_identity(src)]) if src is not None and src.is_file() else str(dtype)
+
+        return dataclasses.replace(info, vae_dtype=keyed(self.vae_dtype, "vae"),
+                                   text_dtype=keyed(self.text_encoder_dtype, "text_encoder"))
+
     def not_diffusers_hint(self, path):
         """The original Wan-AI release layout: the command that converts it."""
         from wanexp.models.wan22.original import convert_command, detect_layout, is_original_layout
@@ -129,6 +270,11 @@ class WanSpec(ModelSpec):
     def load_pipeline(self, device, dtype, image):
         from wanexp.models.wan22.pipeline import WanPipelineRunner, pipeline_class
 
+        if self.single_files:
+            from wanexp.errors import ConfigError
+
+            raise ConfigError(f"model.path={self.path}: wanexp-sample loads a diffusers-format folder; its weights "
+                              "given as single files are used by training and its validation samples only")
         name = self.image_pipeline_class if image else self.pipeline_class
         pipe = pipeline_class(name).from_pretrained(self.path, dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
@@ -140,9 +286,21 @@ class WanSpec(ModelSpec):
         return WanPipelineRunner(build_pipeline(self, transformers, vae, None, None, scheduler, image))
 
     def load_scheduler(self):
-        from wanexp.models.wan22.pipeline import load_scheduler
+        """The folder's scheduler; without a diffusers folder, the one a converted folder ships (UniPC flow matching
+        at model.shift)."""
+        from wanexp.models.wan22.pipeline import flow_scheduler, load_scheduler
 
+        if self.path is None or not (self.path / "model_index.json").is_file():
+            return flow_scheduler(self.shift)
         return load_scheduler(self.path)
+
+    def load_transformer_sharded(self, expert, device, mesh):
+        if self.single_files:
+            from wanexp.errors import ConfigError
+
+            raise ConfigError(f"model.path={self.path}: --shard reads diffusers-format folders; weights given as "
+                              "single files load whole")
+        return super().load_transformer_sharded(expert, device, mesh)
 
     def encode_prompts(self, prompts, device, encoders=None):
         from wanexp.models.wan22.encoders import encode_prompts
