@@ -43,11 +43,14 @@ def page(width: int = 1400, height: int = 1000):
             browser.close()
 
 
-def screenshot(url: str, out: str, wait_for: str = "section.card") -> None:
+def screenshot(url: str, out: str) -> None:
+    """A full-page screenshot of the live run page once its first update is drawn."""
     with page() as p:
         p.goto(url)
-        p.wait_for_selector(wait_for)
-        p.wait_for_timeout(1500)  # the first poll's cards and videos' first frames
+        p.wait_for_function("() => document.getElementById('conn').textContent.startsWith('live')")
+        p.wait_for_function("() => [...document.querySelectorAll('video')].every(v => v.readyState >= 4)",
+                            timeout=30_000)  # each video loaded
+        p.wait_for_timeout(3000)  # the players' loading animation fades
         p.screenshot(path=out, full_page=True)
 
 

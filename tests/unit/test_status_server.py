@@ -54,10 +54,11 @@ def outputs(tmp_path) -> Path:
                                 "samples_per_s": 3.0}) + "\n")
         f.write(json.dumps({"step": 40, "time": 0, "val": {"loss": 0.61}, "val_loss": 0.61}) + "\n")
         f.write('{"step": 50, "lo')  # a line being appended right now
-    _videos(live, {0: True, 40: False})
+    _videos(live, {0: True, 40: False, 90: False})  # step 90: left by an earlier run of the folder (overwrite=true)
     (live / "rejects.jsonl").write_text(
         json.dumps({"kind": "reject", "source": "clips/bad.mp4", "path": "clips/bad.mp4", "reason": "no video"}) +
-        "\n" + json.dumps({"kind": "warning", "source": "clips/long.mp4", "path": "x", "reason": "long caption"}) + "\n")
+        "\n" + json.dumps({"kind": "warning", "source": "clips/long.mp4", "path": "x", "reason": "long caption"}) +
+        "\n")
     (live / "rejects-online-r001.jsonl").write_text(json.dumps(
         {"kind": "reject", "source": "clips/torn.mp4", "path": "clips/torn.mp4", "reason": "decode error",
          "step": 33}) + "\n")
@@ -242,7 +243,8 @@ def test_refusals_are_one_line_exit_2(outputs, tmp_path, capsys, monkeypatch):
     assert all(line.startswith("wanexp: error: ") for line in err)
     assert "no such folder" in err[0] and "no such folder" in err[1]
     assert "--token" in err[2] and "--token" in err[3] and "empty" in err[4]
-    assert "in use" in err[5] and "another --port" in err[5] and "70000" in err[6] and "give one" in err[7] and "--serve" in err[8]
+    assert "in use" in err[5] and "another --port" in err[5]
+    assert "70000" in err[6] and "give one" in err[7] and "--serve" in err[8]
 
 
 def test_the_command_serves_until_ctrl_c_and_stops_cleanly(outputs):

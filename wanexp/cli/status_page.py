@@ -44,10 +44,12 @@ PAGE = r"""<!doctype html>
   .state.running { background: var(--acc); } .state.finished { background: var(--ok); }
   .state.failed, .state.dead, .state.refused { background: var(--bad); }
   .state.interrupted, .state.stale { background: var(--warn); }
-  .bar { position: relative; height: 18px; background: #e9ecf2; border-radius: 4px; overflow: hidden; min-width: 120px; }
+  .bar { position: relative; height: 18px; background: #e9ecf2; border-radius: 4px; overflow: hidden;
+         min-width: 120px; }
   .bar > div { position: absolute; inset: 0 auto 0 0; background: var(--acc); }
   .bar.done > div { background: var(--ok); }
   .bar > span { position: relative; padding: 0 .5em; font-size: 12px; line-height: 18px; }
+  td .bar { min-width: 190px; }
   .big.bar { height: 24px; } .big.bar > span { line-height: 24px; font-size: 13px; font-weight: 600; }
   .stats { display: grid; grid-template-columns: repeat(auto-fill, minmax(170px, 1fr)); gap: .4em 1em; margin: .7em 0; }
   .stats div { display: flex; flex-direction: column; }
@@ -250,13 +252,15 @@ function runHead(d) {
   const st = d.status || {};
   const ago = d.updated != null ? hms(Math.max(0, NOW - d.updated)) + " ago" : "-";
   return [
-    h("h2", {}, d.name, stateBadge(d.state), d.run_name && d.run_name !== d.name ? h("span", {class: "sub"}, d.run_name) : null,
+    h("h2", {}, d.name, stateBadge(d.state),
+      d.run_name && d.run_name !== d.name ? h("span", {class: "sub"}, d.run_name) : null,
       h("span", {class: "sub"}, d.folder)),
     h("div", {class: "mute"}, "step ", h("b", {"data-field": "step"}, d.step == null ? "-" : d.step), " of ",
       h("b", {"data-field": "total"}, d.total_steps == null ? "-" : d.total_steps)),
     progressBar(d.step, d.total_steps, d.state, true),
     st.error ? h("div", {class: "error"}, "error: " + st.error) : null,
-    st.signal ? h("div", {class: "error"}, "stopped on " + st.signal + (st.checkpoint ? "; resume from " + st.checkpoint : "")) : null,
+    st.signal ? h("div", {class: "error"}, "stopped on " + st.signal +
+                  (st.checkpoint ? "; resume from " + st.checkpoint : "")) : null,
     h("div", {class: "stats"},
       stat("ETA", "eta", hms(d.eta_s)),
       stat("elapsed (all sessions)", "elapsed", hms(d.elapsed_s)),
@@ -282,7 +286,8 @@ function gpus(d) {
     h("td", {}, r.rank), h("td", {}, fmt(r.step)), h("td", {}, fmt(r.loss)), h("td", {}, fmt(r.samples_per_s, 3)),
     h("td", {"data-col": "gpu_util"}, h("div", {class: "bar"}, h("div", {style: "width:" + (r.gpu_util || 0) + "%"}),
                                         h("span", {}, r.gpu_util == null ? "-" : fmt(r.gpu_util, 3) + " %"))),
-    h("td", {"data-col": "mem_gib"}, h("div", {class: "bar"}, h("div", {style: "width:" + 100 * (r.mem_gib || 0) / peak + "%"}),
+    h("td", {"data-col": "mem_gib"}, h("div", {class: "bar"},
+                                       h("div", {style: "width:" + 100 * (r.mem_gib || 0) / peak + "%"}),
                                        h("span", {}, fmt(r.mem_gib, 3) + " GiB"))),
     h("td", {}, fmt(r.peak_mem_gib, 3) + " GiB"), h("td", {}, fmt(r.rejected_online))));
   return [h("h3", {}, "per GPU (at the last logged step; rank 0 now: " + fmt(st.mem_gib, 3) + " GiB, " +
@@ -324,7 +329,8 @@ function rejects(r) {
     h("summary", {}, head + (r.total > r.listed.length ? " (the first " + r.listed.length + " listed)" : "")),
     h("table", {}, h("tr", {}, ["when", "file", "reason"].map(x => h("th", {}, x))),
       r.listed.map(e => h("tr", {}, h("td", {}, e.when + (e.step != null ? " (step " + e.step + ")" : "")),
-                          h("td", {}, e.source || e.path || "-"), h("td", {style: "white-space:normal"}, e.reason || "-")))));
+                          h("td", {}, e.source || e.path || "-"),
+                          h("td", {style: "white-space:normal"}, e.reason || "-")))));
 }
 function runCard(card, d) {
   section(card, "head", {d: {...d, history: null, videos: null}, now: Math.floor(NOW)}, () => runHead(d));
@@ -350,7 +356,8 @@ function sweepCard(d) {
     h("td", {}, hms(p.elapsed_s))));
   const reasons = d.points.filter(p => p.reason).map(p => h("div", {class: "error"}, "point " + p.point + " " +
                                                            p.state + ": " + p.reason));
-  const label = p => d.keys.map(k => k.split(".").pop() + "=" + (p.values[k] == null ? "-" : p.values[k])).join(" ") || p.point;
+  const label = p => d.keys.map(k => k.split(".").pop() + "=" + (p.values[k] == null ? "-" : p.values[k]))
+                           .join(" ") || p.point;
   return [
     h("h2", {}, "sweep " + d.name, h("span", {class: "sub"}, d.points.length + " points (" + counts + "); ranked by " +
       d.metric_name + ", lower is better, the best in bold")),
@@ -378,9 +385,19 @@ async function poll(again) {
         if (data.runs.length <= 6 || r.state === "running") expanded.add(r.name);
       }
     }
+    const shown = data.runs.filter(r => expanded.has(r.name));
+    for (const r of shown) {
+      const known = details[r.name];
+      if (!known || known.updated !== r.updated || r.state === "running" || known.state !== r.state) {
+        details[r.name] = await getJSON("/api/runs/" + encodeURIComponent(r.name));
+      }
+    }
+    // a run with a card: its row shows the card's (newer) numbers, so that the two agree
+    const rows = data.runs.map(r => !expanded.has(r.name) ? r :
+      Object.fromEntries(Object.entries(r).map(([k, v]) => [k, k in details[r.name] ? details[r.name][k] : v])));
     const box = document.getElementById("runs");
     if (box.className === "empty") { box.className = ""; box.textContent = ""; }
-    section(box, "table", {runs: data.runs, open: [...expanded]}, () => overview(data.runs));
+    section(box, "table", {runs: rows, open: [...expanded]}, () => overview(rows));
     const sweeps = document.getElementById("sweeps");
     for (const sw of data.sweeps) {
       const d = await getJSON("/api/runs/" + encodeURIComponent(sw.name));
@@ -389,13 +406,8 @@ async function poll(again) {
       section(card, "sweep", d, sweepCard);
     }
     const cards = document.getElementById("cards");
-    const shown = data.runs.filter(r => expanded.has(r.name));
     for (const el of [...cards.children]) if (!shown.some(r => r.name === el.dataset.run)) el.remove();
     for (const r of shown) {
-      const known = details[r.name];
-      if (!known || known.updated !== r.updated || r.state === "running" || known.state !== r.state) {
-        details[r.name] = await getJSON("/api/runs/" + encodeURIComponent(r.name));
-      }
       let card = cards.querySelector(":scope > [data-run='" + CSS.escape(r.name) + "']");
       if (!card) { card = h("section", {class: "card run", "data-run": r.name}); }
       cards.append(card);  // in the overview's order

@@ -26,7 +26,6 @@ import os
 import re
 import socket
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -164,7 +163,7 @@ class RunTree:
                     for label, p in (("validation strip (base, then LoRA)", folder / "validation" / "strip.png"),
                                      ("loss", folder / "loss.png")) if p.is_file()]
         return {**self._summary(folder, time.time(), s), "status": s, "history": history,
-                "ranks": s.get("ranks") or [], "videos": self._videos(folder), "pictures": pictures,
+                "ranks": s.get("ranks") or [], "videos": self._videos(folder, s.get("step")), "pictures": pictures,
                 "rejects": self._rejects(folder, s)}
 
     def _validation_prompts(self, folder: Path) -> list[str]:
@@ -187,13 +186,15 @@ class RunTree:
         self._prompts[path] = (mtime, prompts)
         return prompts
 
-    def _videos(self, folder: Path) -> list[dict]:
-        """The validation videos, newest step first: step, prompt (by its index in the run's validation prompts),
-        seed, shape, whether it is the base model's, URL."""
+    def _videos(self, folder: Path, step: int | None) -> list[dict]:
+        """The validation videos up to the run's ``step``, newest step first: step, prompt (by its index in the run's
+        validation prompts), seed, shape, whether it is the base model's, URL. (A video of a later step is an earlier
+        run's that this folder still holds: overwrite=true or a resume from an earlier checkpoint.)"""
         prompts = self._validation_prompts(folder)
         out = []
         for step_dir in (folder / "validation").glob("step_*"):
-            if not step_dir.name[5:].isdigit() or step_dir.is_symlink():
+            if not step_dir.name[5:].isdigit() or step_dir.is_symlink() or \
+                    isinstance(step, int) and int(step_dir.name[5:]) > step:
                 continue
             for video in step_dir.iterdir():
                 m = VIDEO.fullmatch(video.name)
