@@ -3,6 +3,10 @@
     python -m wanexp.cli.status outputs/demo                  # one run (per-rank rows included)
     python -m wanexp.cli.status outputs/sweeps/rank_lr        # a sweep: one row per point
     python -m wanexp.cli.status outputs/demo --follow         # redraw every 2 s until the run(s) end (Ctrl-C stops)
+    python -m wanexp.cli.status outputs --serve               # the live page of every run: http://127.0.0.1:8765/
+
+``--serve`` (wanexp.cli.status_server) serves a page and a JSON API over a run, sweep or outputs folder, read-only,
+on 127.0.0.1 unless ``--host`` (with ``--token``) says otherwise.
 
 Installed as ``wanexp-status``. Reads only the files a run writes (status.json is replaced atomically by rank 0 every
 few seconds), so it works on a live run, a finished one, or a copy of the folder. A run whose status says
@@ -169,13 +173,31 @@ def render(folder: Path) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wanexp-status", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[2:5]))
+                                 epilog="\n".join(__doc__.splitlines()[2:6]))
     ap.add_argument("folder", help="a run folder (holds status.json) or a sweep folder (one run folder per point)")
     ap.add_argument("--follow", "-f", action="store_true", help="redraw until every run shown has ended")
-    ap.add_argument("--every", type=float, default=2.0, help="seconds between redraws with --follow (default 2)")
+    ap.add_argument("--every", type=float, default=2.0,
+                    help="seconds between redraws with --follow, between the page's updates with --serve (default 2)")
+    ap.add_argument("--serve", action="store_true",
+                    help="serve a live page of the run(s) and their JSON API (FOLDER may also be an outputs folder)")
+    ap.add_argument("--host", default=None, help="with --serve: the address to listen on (default 127.0.0.1; any "
+                                                 "other needs --token)")
+    ap.add_argument("--port", type=int, default=None, help="with --serve: the port (default 8765; 0: any free one)")
+    ap.add_argument("--token", default=os.environ.get("WANEXP_STATUS_TOKEN"),
+                    help="with --serve: a secret every request must carry (?token= or the header X-Wanexp-Token); "
+                         "default: $WANEXP_STATUS_TOKEN")
     args = ap.parse_args(argv)
     folder = Path(args.folder)
     try:
+        if args.serve:
+            if args.follow:
+                raise UserError("--follow redraws the table in the terminal, --serve serves the page: give one")
+            from wanexp.cli.status_server import serve
+
+            return serve(folder, args.host or "127.0.0.1", 8765 if args.port is None else args.port, args.token,
+                         max(0.2, args.every))
+        if args.host is not None or args.port is not None:
+            raise UserError("--host and --port go with --serve (the live page)")
         if not folder.is_dir():
             raise UserError(f"{folder}: no such folder; give a run folder (outputs/<run_name>) or a sweep folder "
                             "(outputs/sweeps/<name>)")
