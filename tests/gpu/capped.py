@@ -1,6 +1,6 @@
-"""Run a module or a script (``python tests/gpu/capped.py GIB module|script.py args...``) with this process's CUDA memory capped at GIB GiB:
-a run that needs more fails with an out-of-memory error instead of using the larger card. Under torchrun each
-process caps its own GPU (LOCAL_RANK)."""
+"""Run a module or a script (``python tests/gpu/capped.py GIB module|script.py args...``) with this process's CUDA
+memory capped at GIB GiB: a run that needs more fails with an out-of-memory error instead of using the larger card.
+Under torchrun each process caps its own GPU (LOCAL_RANK)."""
 import os
 import runpy
 import sys

@@ -1399,7 +1399,8 @@ def s2v_dir(ctx: Ctx) -> Path:
 def s2v_data(ctx: Ctx) -> list[str]:
     return ["model=s2v14b", f"model.path={s2v_dir(ctx)}", "data=synthetic", "data.generate=null",
             f"data.metadata={ctx.work / 's2v_data' / 'metadata.csv'}", "data.height=480", "data.width=832",
-            "data.num_frames=81", "data.batch_size=1", "data.num_workers=2", f"paths.cache_dir={ctx.work / 'cache_s2v'}",
+            "data.num_frames=81", "data.batch_size=1", "data.num_workers=2",
+            f"paths.cache_dir={ctx.work / 'cache_s2v'}",
             "trainer.precision=bf16-mixed"]
 
 

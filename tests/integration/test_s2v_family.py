@@ -216,8 +216,8 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
 
 def test_s2v_trains_with_block_swap_fp8_storage_ddp_and_fsdp(clips, monkeypatch, capsys):
     """The memory options and the strategies apply to the S2V DiT as to Wan's: block swap (2 of its 5 blocks) and
-    offloaded activations give the plain run's LoRA exactly, FP8 storage trains with finite losses, and DDP and FSDP2 on 2 CPU processes train
-    on the same samples with the same losses (up to the rounding of their gradient sums)."""
+    offloaded activations give the plain run's LoRA exactly, FP8 storage trains with finite losses, and DDP and FSDP2
+    on 2 CPU processes train on the same samples with the same losses (up to the rounding of their gradient sums)."""
     from wanexp.cli import cache
     from wanexp.train import main as train
 

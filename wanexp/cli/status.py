@@ -15,17 +15,13 @@ few seconds), so it works on a live run, a finished one, or a copy of the folder
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
+from wanexp.cli.run_status import live_state, read_status, run_seconds
 from wanexp.errors import UserError, say_error
-
-STALE_S = 600
-
 
 def _hms(seconds) -> str:
     if seconds is None:
@@ -37,11 +33,6 @@ def _hms(seconds) -> str:
 
 def _num(v, spec: str = ".4g") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, (int, float)) else str(v)
-
-
-def run_seconds(s: dict) -> float | None:
-    """The run's training time over all its sessions (a status.json without it: its session's)."""
-    return s.get("elapsed_total_s", s.get("elapsed_s"))
 
 
 def elapsed(s: dict) -> str:
@@ -56,31 +47,6 @@ def learning_rate(s: dict) -> str:
     lr, base = s.get("lr"), (s.get("optimizer") or {}).get("base_lr")
     shown = f"lr {_num(lr, '.3g')} (last step"
     return shown + (f"; base {_num(base, '.3g')})" if base is not None and base != lr else ")")
-
-
-def read_status(run: Path) -> dict:
-    try:
-        return json.loads((run / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def live_state(s: dict, now: float | None = None) -> str:
-    """The state as recorded, or ``dead``/``stale`` for a ``running`` run that no longer updates."""
-    state = s.get("state") or "not started"
-    if state != "running":
-        return state
-    pid, host = s.get("pid"), s.get("host")
-    if pid and host == socket.gethostname():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return "dead"
-        except PermissionError:
-            pass
-    if (now or time.time()) - float(s.get("updated") or 0) > STALE_S:
-        return "stale"
-    return state
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from wanexp.cli.status import live_state, read_status, run_seconds
+from wanexp.cli.run_status import live_state, read_status, run_seconds
 from wanexp.errors import ConfigError
 
 MEDIA_TYPES = {".mp4": "video/mp4", ".webm": "video/webm", ".png": "image/png", ".jpg": "image/jpeg",

@@ -89,8 +89,8 @@ class ModelConfig:
     transformer_path: Optional[str] = knob(None, doc="the DiT: the dense model, or the A14B high-noise expert")
     transformer_2_path: Optional[str] = knob(None, doc="the A14B low-noise expert's DiT")
     vae_path: Optional[str] = knob(None, doc="the VAE (wan2.2_vae.safetensors for TI2V-5B, wan_2.1_vae for A14B)")
-    text_encoder_path: Optional[str] = knob(None, doc="the UMT5-XXL encoder (umt5_xxl_fp16 / _fp8_e4m3fn_scaled)")
-    tokenizer_path: Optional[str] = knob(None, doc="the UMT5 tokenizer's folder (single UMT5 files carry none)")
+    text_encoder_path: Optional[str] = knob(None, doc="the text encoder (e.g. umt5_xxl_fp16, umt5_xxl_fp8_e4m3fn_scaled)")
+    tokenizer_path: Optional[str] = knob(None, doc="the text encoder's tokenizer folder (a single encoder file carries none)")
 
 
 @dataclass

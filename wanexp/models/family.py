@@ -190,9 +190,11 @@ class ModelSpec:
         self.name = name
         self.path = Path(path) if path is not None else None
         # components given one by one (model.<component>_path: a single weight file or the component's folder)
-        self.component_paths = {"transformer": transformer_path, "transformer_2": transformer_2_path,
-                                "vae": vae_path, "text_encoder": text_encoder_path, "tokenizer": tokenizer_path}
-        given = [f"model.{k}_path" for k, v in self.component_paths.items() if v is not None]
+        # keyed by the model group's key
+        self.component_paths = {"transformer_path": transformer_path, "transformer_2_path": transformer_2_path,
+                                "vae_path": vae_path, "text_encoder_path": text_encoder_path,
+                                "tokenizer_path": tokenizer_path}
+        given = [f"model.{k}" for k, v in self.component_paths.items() if v is not None]
         if self.path is None or self.path.is_file():
             given.append(f"model.path={path}")
         if given and not self.component_files:

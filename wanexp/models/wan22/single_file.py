@@ -428,7 +428,7 @@ def load_text_encoder(plan: Plan, dtype: torch.dtype):
 # ---- the run's sources ---------------------------------------------------------------------------------------------
 def source_key(spec, component: str) -> str:
     """The config key that names ``component``'s source (messages)."""
-    if spec.component_paths.get(component) is None and spec.path is not None:
+    if spec.component_paths.get(f"{component}_path") is None and spec.path is not None:
         return "model.path"
     return KEYS[component]
 
@@ -477,8 +477,8 @@ def check(spec, experts: list[str]) -> None:
     """Every component the run loads (``experts``' transformers and the encoders), found and checked from the files'
     headers and the folders' configs (nothing loads): one line naming the first problem and its key."""
     p = spec.path
-    if p is not None and p.is_file() and spec.component_paths["transformer"] is not None:
-        raise ConfigError(f"model.path={p} and model.transformer_path={spec.component_paths['transformer']} both name "
+    if p is not None and p.is_file() and spec.component_paths["transformer_path"] is not None:
+        raise ConfigError(f"model.path={p} and model.transformer_path={spec.component_paths['transformer_path']} both name "
                           "the transformer's file: keep one (model.path may then be a diffusers folder for the rest)")
     components = list(dict.fromkeys(spec.expert_folders[e] for e in experts)) + ["vae", "text_encoder", "tokenizer"]
     _check_expert_names(spec, components)

@@ -54,7 +54,7 @@ class WanSpec(ModelSpec):
         subfolder), else None."""
         from pathlib import Path
 
-        given = self.component_paths.get(component)
+        given = self.component_paths.get(f"{component}_path")
         if given is not None:
             return Path(given)
         if self.path is None:
