@@ -7,10 +7,10 @@ any latent to noise.
 How: every residual branch of the encoder and decoder is switched off (its last convolution zero), so the signal
 takes the layout's parameter-free shortcuts (``AvgDown3D``: 2 x 2 block means, time steps moved into channels;
 ``DupUp3D``: the inverse duplication). The few layers that are left set the channel routing: the input convolutions
-(the colours), one temporal convolution of the decoder (the frame order, which the shortcut alone would repeat), and
-the output convolutions. The output heads' RMS norm and SiLU are made linear: a large constant channel, added by a
-residual branch's bias, fixes the norm's denominator, and each value travels with its negative, since
-``silu(v) - silu(-v) = v`` exactly.
+(the colours), the convolutions of the decoder's two temporal up-samplings (the frame order, which their shortcuts
+alone would repeat), and the output convolutions. The output heads' RMS norm and SiLU are made linear: a large
+constant channel, added by a residual branch's bias, fixes the norm's denominator, and each value travels with its
+negative, since ``silu(v) - silu(-v) = v`` exactly.
 
 The latent (48 channels): channel ``12 j + 4 c + f`` (replica j = 0..3, colour c = R, G, B, frame f = 0..3 of the
 latent frame's four) holds the mean of colour c in [-1, 1]; the first latent frame, which holds the clip's frame 0
