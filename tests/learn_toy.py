@@ -148,20 +148,13 @@ def lora_adapter(rank: int) -> LoraAdapter:
 
 # ---- training ----------------------------------------------------------------------------------------------------
 def train_flow_matching(transformer, params, colour: str, toy: Toy, steps: int, lr: float, seed: int) -> list[float]:
-    """``steps`` AdamW steps of wanexp's flow-matching objective on fresh toy batches of ``colour``."""
-    den, objective, text = denoiser(transformer), flow_matching(), prompt(toy)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    transformer.train()
-    for _ in range(steps):
-        batch = EncodedBatch(toy_latents(toy.batch, colour, toy, g), text.expand(toy.batch, -1, -1), {})
-        out = objective(batch, den, g)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
-        losses.append(float(out.loss.detach()))
-    return losses
+    """``steps`` AdamW steps of wanexp's flow-matching objective on fresh toy batches of ``colour`` (the loop the
+    demo's base is trained with, wanexp.models.wan22.pretrain.fit_flow_matching)."""
+    from wanexp.models.wan22.pretrain import fit_flow_matching
+
+    text = prompt(toy).expand(toy.batch, -1, -1)
+    return fit_flow_matching(denoiser(transformer), flow_matching(), params,
+                             lambda g: EncodedBatch(toy_latents(toy.batch, colour, toy, g), text, {}), steps, lr, seed)
 
 
 def train_base(toy: Toy, seed: int = 0):

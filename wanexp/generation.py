@@ -69,60 +69,127 @@ def write_mp4(path: Path, video: torch.Tensor, fps: int, audio=None) -> None:
     write_video(path, to_uint8(video), fps=fps, audio=audio)
 
 
-def strip_frames(video: torch.Tensor):
-    """The first, middle and last frames of a (F, H, W, 3) video in [0, 1], side by side, as uint8 (quantised as
-    :func:`write_mp4` writes them): one half of a row of :func:`write_strip`. Small enough to keep between calls."""
+STRIP_COLUMNS = 6  # frames a strip row shows at most: evenly spaced, the first and the last among them
+STRIP_TILE = 128  # frames lower than this are enlarged (nearest neighbour, a whole factor) to at least this height
+
+
+def strip_frames(video: torch.Tensor, columns: int = STRIP_COLUMNS):
+    """Up to ``columns`` frames of a (F, H, W, 3) video in [0, 1], evenly spaced from the first to the last, as uint8
+    (quantised as :func:`write_mp4` writes them), and their frame numbers: ``(frames (K, H, W, 3), numbers)``, one
+    row of :func:`write_strip`. Small enough to keep between calls."""
     import numpy as np
 
-    frames = to_uint8(video[[0, video.shape[0] // 2, video.shape[0] - 1]].float().cpu())
-    return np.concatenate(list(frames), axis=1)
+    n = video.shape[0]
+    numbers = sorted({int(round(x)) for x in np.linspace(0, n - 1, min(columns, n))})
+    return to_uint8(video[numbers].float().cpu()), numbers
 
 
-def write_strip(path: Path, rows: list[tuple], labels: list[str] | None = None) -> None:
-    """A PNG of before/after pairs: one row per (base, LoRA) pair of :func:`strip_frames`, the base's three frames
-    then the LoRA's; rows of narrower shapes are padded with black. ``labels``: one per row (its video and prompt),
-    written in a band above the row with what each half's frames are (:func:`label_band`). Written to a temporary
-    name, then renamed: a viewer never sees half a file."""
-    import numpy as np
+@dataclass(frozen=True)
+class StripGroup:
+    """One video of a strip: a title (its name and prompt), the frame number of each column, and its rows, each a
+    label ("base", "LoRA step 500") and that model's frames (K, H, W, 3) uint8 (:func:`strip_frames`)."""
+
+    title: str
+    numbers: list
+    rows: list
+
+
+def write_strip(path: Path, groups: list[StripGroup]) -> None:
+    """The PNG of :func:`render_strip`, written to a temporary name and renamed: a viewer never sees half a file."""
     from PIL import Image
 
-    lines = [np.concatenate(pair, axis=1) for pair in rows]  # a pair: the same prompt, seed and shape
-    if labels is not None:
-        lines = [np.concatenate([label_band(line.shape, label), line]) for line, label in zip(lines, labels)]
-    width = max(x.shape[1] for x in lines)
-    grid = np.concatenate([np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0))) for x in lines], axis=0)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        Image.fromarray(grid).save(tmp, format="PNG")
+        Image.fromarray(render_strip(groups)[0]).save(tmp, format="PNG")
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)  # a failed save (a full disk) leaves no temporary file
 
 
-def label_band(shape: tuple, label: str):
-    """A black band of white text to put above a strip row of ``shape`` (H, W, 3): ``label`` on its first line, then
-    over each of the row's six frames which it is ("base first" ... "LoRA last"). The text is sized to the row's
-    height (10 to 36 px: legible on a 64-pixel demo frame and on a 704-pixel one) and cut to fit its space."""
+STRIP_BACKGROUND = (28, 28, 28)  # between tiles and behind the text (white)
+
+
+def render_strip(groups: list[StripGroup]):
+    """The strip image (H, W, 3) uint8 and where each frame is in it: for each group, its title over a header naming
+    each column's frame, then one row per model, its label on the left and its frames to the right, each frame
+    enlarged to :data:`STRIP_TILE` pixels high when lower; the groups stacked (narrower ones padded). Text is sized to
+    the frames (12 to 36 px), a title wraps over up to three lines. Returns ``(image, boxes)``, ``boxes[(group, row,
+    column)] = (top, left, height, width)`` of each frame and ``boxes[(group, "title" | "header" | row)]`` of each
+    text."""
+    import math
+
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
-    height, width = shape[0], shape[1]
-    size = max(10, min(36, height // 16))
-    font, pad = ImageFont.load_default(size), size // 3 + 2
-    band = Image.new("RGB", (width, 2 * (size + pad) + pad))
-    draw = ImageDraw.Draw(band)
+    gap = 4
+    canvases, boxes = [], {}
+    for g, group in enumerate(groups):
+        h, w = group.rows[0][1].shape[1:3]
+        scale = max(1, math.ceil(STRIP_TILE / h))
+        th, tw = h * scale, w * scale
+        size = max(12, min(36, th // 8))
+        font, pad = ImageFont.load_default(size), size // 2
+        probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+        label_w = 2 * pad + max(math.ceil(probe.textlength(label, font=font)) for label, _ in group.rows)
+        ncol = len(group.numbers)
+        width = label_w + ncol * (tw + gap)
+        title = _wrap(probe, group.title, font, width - 2 * pad, lines=3)
+        title_h = len(title) * (size + pad) + pad
+        head_h = size + pad
+        height = title_h + head_h + len(group.rows) * (th + gap)
+        img = Image.new("RGB", (width, height), STRIP_BACKGROUND)
+        draw = ImageDraw.Draw(img)
+        for i, line in enumerate(title):
+            draw.text((pad, pad + i * (size + pad)), line, fill="white", font=font)
+        boxes[(g, "title")] = (0, 0, title_h, width)
+        boxes[(g, "header")] = (title_h, label_w, head_h, width - label_w)
+        for c, number in enumerate(group.numbers):
+            draw.text((label_w + c * (tw + gap), title_h), _fit(probe, f"frame {number}", font, tw), fill="white",
+                      font=font)
+        for r, (label, frames) in enumerate(group.rows):
+            top = title_h + head_h + r * (th + gap)
+            draw.text((pad, top + (th - size) // 2), label, fill="white", font=font)
+            boxes[(g, r)] = (top, 0, th, label_w)
+            for c in range(ncol):
+                left = label_w + c * (tw + gap)
+                tile = np.repeat(np.repeat(frames[c], scale, axis=0), scale, axis=1)
+                img.paste(Image.fromarray(tile), (left, top))
+                boxes[(g, r, c)] = (top, left, th, tw)
+        canvases.append(np.asarray(img))
+    width = max(x.shape[1] for x in canvases)
+    out, offset = [], 0
+    for g, x in enumerate(canvases):
+        for key in [k for k in boxes if k[0] == g]:
+            top, left, bh, bw = boxes[key]
+            boxes[key] = (top + offset, left, bh, bw)
+        padded = np.empty((x.shape[0] + 2 * gap, width, 3), dtype=np.uint8)
+        padded[:] = STRIP_BACKGROUND
+        padded[:x.shape[0], :x.shape[1]] = x
+        out.append(padded)
+        offset += padded.shape[0]
+    return np.concatenate(out), boxes
 
-    def fit(text: str, room: float) -> str:
-        while len(text) > 1 and draw.textlength(text, font=font) > room:
-            text = text[:-2] + "…"  # one character fewer, then the ellipsis
-        return text
 
-    draw.text((pad, pad), fit(label, width - 2 * pad), fill="white", font=font)
-    frame = width / 6
-    columns = [f"{who} {which}" for who in ("base", "LoRA") for which in ("first", "middle", "last")]
-    for k, text in enumerate(columns):
-        draw.text((round(k * frame) + pad, size + 2 * pad), fit(text, frame - pad), fill="white", font=font)
-    return np.asarray(band)
+def _fit(draw, text: str, font, room: float) -> str:
+    """``text`` cut (with an ellipsis) to ``room`` pixels."""
+    while len(text) > 1 and draw.textlength(text, font=font) > room:
+        text = text[:-2] + "…"  # one character fewer, then the ellipsis
+    return text
+
+
+def _wrap(draw, text: str, font, room: float, lines: int) -> list[str]:
+    """``text`` over at most ``lines`` lines of ``room`` pixels, broken at spaces; the last one cut to fit."""
+    out: list[str] = []
+    words = text.split(" ")
+    while words and len(out) < lines - 1:
+        k = len(words)
+        while k > 1 and draw.textlength(" ".join(words[:k]), font=font) > room:
+            k -= 1
+        out.append(_fit(draw, " ".join(words[:k]), font, room))
+        words = words[k:]
+    if words:
+        out.append(_fit(draw, " ".join(words), font, room))
+    return out
 
 
 # ---- which expert serves each sampling step -----------------------------------------------------------------------

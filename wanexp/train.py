@@ -264,18 +264,21 @@ def cli(cfg: DictConfig) -> None:
 
 
 def end_lines(cfg: DictConfig, result: dict) -> list[str]:
-    """What a finished run prints (rank 0): the run folder, the first and last logged loss, the LoRA files, and the
-    validation's before/after strip when it wrote one."""
+    """What a finished run prints (rank 0): the run folder, the first and last logged loss and its plot, the LoRA
+    files, and the validation's before/after strip when it wrote one."""
     lines = [f"wanexp: finished {cfg.run_name} at step {result['global_step']}; run folder {result['output_dir']}"]
     trend = loss_trend(Path(result["output_dir"]) / "status.jsonl")
     if trend:
         lines.append("wanexp: training loss {:.4g} at step {} -> {:.4g} at step {}".format(*trend))
+    plot = Path(result["output_dir"]) / "loss.png"
+    if plot.is_file():
+        lines.append(f"wanexp: loss curve {plot}")
     label = "LoRA file" if result["module"].objective.export_checkpoint is None else "exported"
     lines += [f"wanexp: {label} {f}" for f in result["lora_files"]]
     strip = next((c.strip for c in result["trainer"].callbacks if getattr(c, "strip", None)), None)
     if strip is not None:
-        lines.append(f"wanexp: before/after strip {strip} (the base model's first, middle and last frames, then the "
-                     "LoRA's; a row per validation video)")
+        lines.append(f"wanexp: before/after strip {strip} (per validation video: a row of the base model's frames, "
+                     "then a row of the LoRA's)")
     return lines
 
 

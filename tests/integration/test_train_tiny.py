@@ -30,6 +30,7 @@ def test_run_writes_everything_under_output_dir(trained, name):
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["last.ckpt", "step_000002.ckpt", "step_000004.ckpt"]
     assert (out / "config.yaml").is_file()
+    assert (out / "loss.png").stat().st_size > 0  # the loss curve (wanexp.callbacks.loss_plot)
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "finished" and status["step"] == 4 and status["loss"] > 0
     rows = list(csv.DictReader(open(out / "logs" / "version_0" / "metrics.csv")))

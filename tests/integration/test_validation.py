@@ -52,13 +52,23 @@ def test_videos_at_step_0_every_n_steps_and_the_end_and_a_deterministic_heldout_
         "step_000000/p0_s0_base.mp4", "step_000002/p0_s0.mp4", "step_000004/p0_s0.mp4", "step_000005/p0_s0.mp4"]
     assert all(_frames(p) == cfg.data.num_frames for p in v.rglob("*.mp4"))
     assert {_rate(p) for p in v.rglob("*.mp4")} == {cfg.model.fps} == {24}  # the model's native rate
-    # the strip: the base's and the last LoRA's frames, under a band naming the video, its prompt and each frame
+    # the strip: under the video's name and prompt, a row of the base's frames (from step 0) and one of the last
+    # LoRA's, each frame enlarged to the strip's tile size (generation.render_strip places them)
     from PIL import Image
 
+    from wanexp.generation import StripGroup, render_strip
+
     strip = np.asarray(Image.open(v / "strip.png"))
-    band = strip.shape[0] - cfg.data.height
-    assert band > 0 and strip[:band].any()
-    assert (strip[band:, :3 * cfg.data.width] == _callback(r)._before["p0_s0"]).all()
+    frames, numbers = _callback(r)._before["p0_s0"]
+    expected, boxes = render_strip([StripGroup("p0_s0: a red ball rolls", numbers,
+                                               [("base", frames), ("LoRA step 5", frames)])])
+    assert strip.shape == expected.shape and numbers == [0, 2, 3, 5, 6, 8]
+    scale = boxes[(0, 0, 0)][2] // cfg.data.height
+    for c, frame in enumerate(frames):
+        top, left, h, w = boxes[(0, 0, c)]
+        assert (strip[top:top + h, left:left + w] == frame.repeat(scale, 0).repeat(scale, 1)).all()
+    title = boxes[(0, "title")]
+    assert (strip[:title[2]] == expected[:title[2]]).all()  # the title as rendered from its label
     # val/loss logged at each validation, in status.jsonl, and read by the sweep summary
     logged = _logged(out, "val/loss")
     assert sorted(logged) == [0, 2, 4, 5] and all(x > 0 for x in logged.values())

@@ -1,12 +1,13 @@
-"""The validation's before/after strip: the first, middle and last frames of the base's and the LoRA's videos, a row per
-video, quantised as the mp4s are written; rows of narrower shapes padded with black."""
+"""The validation's before/after strip: per video its name and prompt over a row of the base model's frames and a row of
+the LoRA's, a column per frame (up to six, evenly spaced, quantised as the mp4s are written), small frames enlarged
+to a readable size; narrower videos padded."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from PIL import Image
 
-from wanexp.generation import strip_frames, write_strip
+from wanexp.generation import STRIP_BACKGROUND, STRIP_TILE, StripGroup, render_strip, strip_frames, write_strip
 
 
 def _video(frames: int, h: int, w: int, offset: float) -> torch.Tensor:
@@ -15,40 +16,65 @@ def _video(frames: int, h: int, w: int, offset: float) -> torch.Tensor:
     return values.view(frames, 1, 1, 1).expand(frames, h, w, 3).clone()
 
 
-def test_the_strip_holds_first_middle_last_frames_of_base_then_lora_a_row_per_video(tmp_path):
-    rows = [(strip_frames(_video(9, 4, 6, 0)), strip_frames(_video(9, 4, 6, 100))),
-            (strip_frames(_video(5, 2, 3, 50)), strip_frames(_video(5, 2, 3, 150)))]
+def _group(title: str, base: torch.Tensor, lora: torch.Tensor, step: int = 7) -> StripGroup:
+    (b, numbers), (a, _) = strip_frames(base), strip_frames(lora)
+    return StripGroup(title, numbers, [("base", b), (f"LoRA step {step}", a)])
+
+
+def test_strip_frames_are_evenly_spaced_from_the_first_to_the_last():
+    frames, numbers = strip_frames(_video(9, 2, 3, 10))
+    assert numbers == [0, 2, 3, 5, 6, 8] and frames.shape == (6, 2, 3, 3) and frames.dtype == np.uint8
+    assert [int(f[0, 0, 0]) for f in frames] == [10, 12, 13, 15, 16, 18]
+    assert strip_frames(_video(5, 2, 3, 0))[1] == [0, 1, 2, 3, 4]  # fewer frames than columns: every one
+
+
+def test_the_strip_holds_base_and_lora_rows_a_column_per_frame_enlarged_to_a_readable_size(tmp_path):
+    groups = [_group("p0_s0: a", _video(9, 16, 24, 0), _video(9, 16, 24, 100)),
+              _group("p1_s0: b", _video(5, 8, 12, 50), _video(5, 8, 12, 150))]
+    grid, boxes = render_strip(groups)
     path = tmp_path / "strip.png"
-    write_strip(path, rows)
-    grid = np.asarray(Image.open(path))
-    assert grid.shape == (4 + 2, 6 * 6, 3) and not list(tmp_path.glob("*.tmp"))
-    # row 1: frames 0, 4, 8 of the base (values 0, 4, 8), then of the LoRA (100, 104, 108), each 6 pixels wide
-    assert [int(grid[0, 6 * k, 0]) for k in range(6)] == [0, 4, 8, 100, 104, 108]
-    # row 2 (2 x 3 frames): frames 0, 2, 4; the rest of the row is black padding
-    assert [int(grid[4, 3 * k, 0]) for k in range(6)] == [50, 52, 54, 150, 152, 154]
-    assert not grid[4:, 18:].any()
+    write_strip(path, groups)
+    assert (np.asarray(Image.open(path)) == grid).all() and not list(tmp_path.glob("*.tmp"))
+    # video 1 (16 x 24 frames): x8 -> 128 x 192 tiles; frames 0, 2, 3, 5, 6, 8 of the base then of the LoRA
+    for row, offset in ((0, 0), (1, 100)):
+        for c, k in enumerate([0, 2, 3, 5, 6, 8]):
+            top, left, h, w = boxes[(0, row, c)]
+            assert (h, w) == (STRIP_TILE, 192)
+            assert (grid[top:top + h, left:left + w] == k + offset).all()
+    # video 2 (8 x 12): x16 -> 128 x 192, five columns; the rest of its rows is background padding
+    top, left, h, w = boxes[(1, 1, 4)]
+    assert (h, w) == (STRIP_TILE, 192) and (grid[top:top + h, left:left + w] == 154).all()
+    assert (grid[top:top + h, left + w:] == STRIP_BACKGROUND).all() and grid.shape[1] > left + w
+    # tiles do not overlap and lie below the title and the column header, right of the row labels
+    assert boxes[(0, 0, 1)][1] > boxes[(0, 0, 0)][1] + 192 - 1 and boxes[(0, 1, 0)][0] >= boxes[(0, 0, 0)][0] + 128
+    assert boxes[(0, 0, 0)][0] >= sum(boxes[(0, "header")][::2]) and boxes[(0, 0, 0)][1] >= boxes[(0, 0)][3]
+    # frames at least as high as a tile stay as they are
+    grid, boxes = render_strip([_group("big", _video(3, 200, 100, 0), _video(3, 200, 100, 9))])
+    assert boxes[(0, 1, 2)][2:] == (200, 100)
 
 
-def test_each_row_is_labelled_with_its_video_and_prompt_and_each_frame_with_what_it_is(tmp_path):
-    """With labels, a band of text sits above each row: the row's label (video and prompt) on its first line, then
-    over each of the six frames which it is (base/LoRA first/middle/last); the frames below are unchanged."""
-    from wanexp.generation import label_band
+def test_each_row_is_labelled_with_its_video_and_prompt_and_each_frame_with_what_it_is():
+    """Text sits in the title (the video's name and prompt), over each column (its frame number) and left of each row
+    ("base", "LoRA step N"): white on the background, different where the words differ, the same where they do
+    not; a long prompt wraps instead of being cut."""
+    prompt = ("p0_s0: a red square moving quickly from left to right on black, filmed from above in the soft light "
+              "of an early summer morning by a drone")
+    groups = [_group(prompt, _video(5, 16, 16, 0), _video(5, 16, 16, 100), step=200),
+              _group("p1_s0: waves roll onto a beach", _video(5, 16, 16, 0), _video(5, 16, 16, 100), step=200)]
+    grid, boxes = render_strip(groups)
 
-    rows = [(strip_frames(_video(9, 64, 64, 0)), strip_frames(_video(9, 64, 64, 100))),
-            (strip_frames(_video(9, 64, 64, 50)), strip_frames(_video(9, 64, 64, 150)))]
-    labels = ["p0_s0: a red fox runs through fresh snow", "p1_s0: waves roll onto a sandy beach"]
-    path = tmp_path / "strip.png"
-    write_strip(path, rows, labels)
-    grid = np.asarray(Image.open(path))
-    bands = [label_band((64, 6 * 64, 3), label) for label in labels]
-    h = bands[0].shape[0]
-    assert grid.shape == (2 * (h + 64), 6 * 64, 3)
-    for k, (pair, band) in enumerate(zip(rows, bands)):
-        top = k * (h + 64)
-        assert (grid[top:top + h] == band).all() and (grid[top + h:top + h + 64] == np.concatenate(pair, 1)).all()
-    # the label is drawn: legible white text on black, different labels give different first lines
-    first, second = slice(0, int(0.55 * h)), slice(int(0.6 * h), h)
-    assert bands[0].max() > 200 and (bands[0][first] != bands[1][first]).any()
-    # the second line names each of the six frames, the same in every row
-    assert all(bands[0][second, 64 * c:64 * (c + 1)].max() > 200 for c in range(6))
-    assert (bands[0][second] == bands[1][second]).all()
+    def region(key):
+        top, left, h, w = boxes[key]
+        return grid[top:top + h, left:left + w]
+
+    for key in [(0, "title"), (0, "header"), (0, 0), (0, 1), (1, "title")]:
+        assert region(key).max() > 200, key  # white text drawn there
+    assert region((0, 0)).shape == region((0, 1)).shape and (region((0, 0)) != region((0, 1))).any()  # base / LoRA
+    assert (region((0, 0)) == region((1, 0))).all() and (region((0, 1)) == region((1, 1))).all()  # same labels
+    assert (region((0, "header")) == region((1, "header"))).all()  # frames 0..4 in both
+    assert region((0, "title")).shape[0] > region((1, "title")).shape[0]  # the long prompt wraps onto more lines
+    # the column header names each column apart: frame 0 and frame 1 differ, both drawn
+    top, left, h, _ = boxes[(0, "header")]
+    w = boxes[(0, 0, 1)][1] - boxes[(0, 0, 0)][1]
+    cells = [grid[top:top + h, left + c * w:left + (c + 1) * w] for c in range(2)]
+    assert all(c.max() > 200 for c in cells) and (cells[0] != cells[1]).any()

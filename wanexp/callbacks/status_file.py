@@ -1,5 +1,6 @@
 """Run status and throughput: DIR/status.json (rank 0, every few seconds), DIR/status.jsonl (one line per logged
-step) and the perf/* metrics.
+step), DIR/loss.png (the loss curve: at checkpoints and validations, at most every ``PLOT_EVERY_S``, and at the run's
+end; wanexp.callbacks.loss_plot) and the perf/* metrics.
 
 status.json is rewritten atomically by rank 0 at most every ``every_s`` seconds (a clock throttle: rank 0 alone,
 no collective) and at every state change. The per-rank fields (``ranks``: step, loss, samples/s, GPU memory and
@@ -23,6 +24,8 @@ from wanexp.callbacks import quiet  # noqa: F401  (imported before the Trainer e
 from wanexp.callbacks.progress import optimizer_steps_per_epoch, total_optimizer_steps
 from wanexp.context import RunContext, TakesRunContext
 from wanexp.disk import DiskFullError, saving, stop_line, write_atomic
+
+PLOT_EVERY_S = 60.0  # DIR/loss.png is redrawn at a checkpoint or a validation at most this often (and at the end)
 
 
 def replicas_in_sync(trainer, pl_module) -> bool | None:
@@ -151,6 +154,7 @@ class RunStatus(TakesRunContext, Callback):
         self._skipped_read = 0
         self._lr: float | None = None  # the learning rate the last optimizer step used (warm-up included)
         self.state: dict = {}
+        self._plotted = 0.0  # when DIR/loss.png was last written (monotonic); None: plotting is off for this run
 
     # ---- writing ---------------------------------------------------------------------------------------------
     def _write(self, trainer, **extra) -> None:
@@ -197,6 +201,28 @@ class RunStatus(TakesRunContext, Callback):
         """This session's seconds since training started, and the run's over all its sessions."""
         session = time.time() - self.state.get("started", time.time())
         return {"elapsed_s": session, "elapsed_total_s": self.state.get("elapsed_before_s", 0.0) + session}
+
+    def _plot_loss(self, trainer, final: bool = False) -> None:
+        """DIR/loss.png (wanexp.callbacks.loss_plot), rank 0: at the end of the run (``final``), else at most every
+        ``PLOT_EVERY_S``. Never stops the run: without matplotlib, or on any failure, one line and no more plots."""
+        if trainer.global_rank != 0 or self._plotted is None:
+            return
+        if not final and self._plotted and time.monotonic() - self._plotted < PLOT_EVERY_S:
+            return
+        from wanexp.callbacks.loss_plot import pyplot, write_loss_plot
+
+        try:
+            if pyplot() is None:
+                print("wanexp: no loss plot (DIR/loss.png): matplotlib is not installed (pip install matplotlib)",
+                      flush=True)
+                self._plotted = None
+                return
+            write_loss_plot(self.path.parent, title=f"{self.run_name}: loss")
+            self._plotted = time.monotonic()
+        except Exception as e:  # a plot is never worth a run
+            print(f"wanexp: the loss plot {self.path.parent / 'loss.png'} was not written ({type(e).__name__}: {e}); "
+                  "training goes on", flush=True)
+            self._plotted = None
 
     # ---- hooks -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -366,6 +392,10 @@ class RunStatus(TakesRunContext, Callback):
         self._append(self.history, [line])
         extra = {"val_loss": vals["loss"]} if "loss" in vals else {}
         self._write(trainer, **extra, validation={"step": trainer.global_step, **vals})
+        self._plot_loss(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._plot_loss(trainer)
 
     def _trim_history(self, step: int) -> None:
         """A fresh run starts an empty history; a resumed one drops the lines after its checkpoint's step."""
@@ -403,6 +433,7 @@ class RunStatus(TakesRunContext, Callback):
             return
         self._write(trainer, state="finished", **{**self._progress(trainer), "eta_s": 0},
                     skipped_steps=getattr(pl_module, "skipped_steps", 0), replicas_in_sync=in_sync)
+        self._plot_loss(trainer, final=True)
 
     def lora_flagged(self, trainer, entry: dict) -> None:
         """Called by LoraExport for an export whose weights look diverged."""
@@ -411,6 +442,7 @@ class RunStatus(TakesRunContext, Callback):
     def interrupted(self, trainer, signal_name: str, checkpoint: str | None) -> None:
         """Called by the Preemption callback after it saved: the run stops on a signal and can be resumed."""
         self._write(trainer, state="interrupted", signal=signal_name, checkpoint=checkpoint, last_checkpoint=checkpoint)
+        self._plot_loss(trainer, final=True)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.state.get("state") == "interrupted":
@@ -420,3 +452,4 @@ class RunStatus(TakesRunContext, Callback):
             self._write(trainer, state="failed", error=why)
         except DiskFullError:  # the disk is still full: status.json keeps its last state (the run's line says why)
             pass
+        self._plot_loss(trainer, final=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from wanexp.callbacks.loss_plot import loss_figure, pyplot, run_history
 from wanexp.errors import say_error
 
 RECORDS = "points.jsonl"  # in the sweep folder: each point's outcome (state, reason), one line per point run
@@ -53,24 +54,6 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _history(run: Path) -> list[dict]:
-    """status.jsonl, one entry per logged step (the training and validation lines of a step merged; the last value
-    wins for a key logged twice, e.g. by a resumed run)."""
-    by_step: dict[int, dict] = {}
-    try:
-        lines = (run / "status.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-            # a step's training line and its validation line are merged; a key logged twice: the last one wins
-            by_step.setdefault(int(entry["step"]), {}).update(entry)
-        except (ValueError, KeyError, TypeError):
-            continue
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def _overrides(run: Path) -> list[str]:
@@ -126,7 +109,7 @@ def _finite(values) -> list[float]:
 
 def point_row(run: Path) -> dict:
     """One sweep point's summary, from its run folder."""
-    status, history = _read_json(run / "status.json"), _history(run)
+    status, history = _read_json(run / "status.json"), run_history(run)
     losses = _finite(h.get("loss") for h in history)
     vals = _finite(h.get("val_loss") for h in history) or _finite([status.get("val_loss")])
     speeds = _finite(h.get("samples_per_s") for h in history)
@@ -282,27 +265,14 @@ def write_summary(sweep_dir: Path, grid: list[list[str]] | None = None) -> dict[
 
 
 def _plots(sweep_dir: Path, rows: list[dict], keys: list[str]) -> dict[str, Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("wanexp: sweep: matplotlib is not installed; no plots (pip install matplotlib)", flush=True)
         return {}
     out = {}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row in rows:
-        pts = [(h["step"], h["loss"]) for h in row["history"] if h.get("loss") is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, markersize=3, label=_label(row, keys))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("train loss (per logged step)")
-    ax.set_title(f"sweep {sweep_dir.name}: train loss per point")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8, ncol=2 if len(rows) > 8 else 1)
-    fig.tight_layout()
+    curves = [(_label(row, keys), [(h["step"], h["loss"]) for h in row["history"] if h.get("loss") is not None])
+              for row in rows]
+    fig = loss_figure(plt, curves, f"sweep {sweep_dir.name}: train loss per point", "train loss (per logged step)")
     out["loss"] = sweep_dir / "loss.png"
     fig.savefig(out["loss"], dpi=110)
     plt.close(fig)

@@ -8,11 +8,12 @@ Every ``every_n_steps`` optimizer steps and at the last step (``every_n_steps: 0
   loads the other expert from ``model.path`` for the call (sharded over the ranks under FSDP2). Written to
   ``DIR/validation/step_NNNNNN/p<i>_s<seed>.mp4`` and logged to W&B (``val/video/p<i>_s<seed>``). At step 0 of a
   fresh run the base model (adapters off) is sampled once (``..._base.mp4``, ``val/base/...``);
-  ``DIR/validation/strip.png`` then shows it against the latest LoRA (first, middle and last frames, a row per video
-  under a band naming its prompt and each frame), rewritten at each validation. Videos are written at ``fps`` (the
-  model's native rate, ``model.fps``). With ``images`` (one per prompt), TI2V and I2V sample image-to-video from
-  those images, resized and centre-cropped to each shape as training crops its clips; without, TI2V with
-  ``first_frame`` and I2V take the first frames of the held-out clips (else the training clips), prompt i with clip i.
+  ``DIR/validation/strip.png`` then shows it against the latest LoRA (per video: its prompt, a row "base" and a row
+  "LoRA step N", a column per frame, up to six evenly spaced; small frames enlarged), rewritten at each validation.
+  Videos are written at ``fps`` (the model's native rate, ``model.fps``). With ``images`` (one per prompt), TI2V and
+  I2V sample image-to-video from those images, resized and centre-cropped to each shape as training crops its clips;
+  without, TI2V with ``first_frame`` and I2V take the first frames of the held-out clips (else the training clips),
+  prompt i with clip i.
 - **Distilled LoRA** (an objective with ``student_timesteps``, i.e. ``objective=dmd``): sampled on exactly its
   student steps with no CFG, as ``python -m wanexp.cli.sample`` does; the teacher is the base model with ``steps`` and
   the CFG it was distilled toward (the objective's ``guidance_scale`` and ``negative_prompt``), sampled once per
@@ -76,7 +77,7 @@ class Validation(Callback):
         self._embeds: dict[str, torch.Tensor] = {}  # prompt -> text embedding (text_len, D) on the CPU, made once
         self._vae = None  # a run from the cache: the VAE from model.path, loaded at the first call, kept on the CPU
         self.results: list[dict] = []  # what each validation produced (also DIR/validation/step_N/metrics.json)
-        self._before: dict[str, object] = {}  # video name -> the base model's strip frames (generation.strip_frames)
+        self._before: dict[str, tuple] = {}  # video name -> the base's (frames, numbers) (generation.strip_frames)
         self.strip: Path | None = None  # DIR/validation/strip.png once written: the base vs the latest LoRA
 
     def sizes(self, dm) -> list[dict]:
@@ -386,7 +387,7 @@ class Validation(Callback):
                     after[name] = (strip_frames(video), f"{tagged}: {prompt}")
                     if gap is not None:
                         gaps.append(gap)
-                self._write_strip(after)
+                self._write_strip(after, step)
         finally:
             del pipe, extra
             if encoders is None:
@@ -398,18 +399,18 @@ class Validation(Callback):
                                    f"{head}teacher_psnr": sum(min(g[1], 100.0) for g in gaps) / n,
                                    f"{head}teacher_ssim": sum(g[2] for g in gaps) / n})
 
-    def _write_strip(self, after: dict) -> None:
-        """DIR/validation/strip.png: a row per video, the base model's (sampled at step 0 of this session) first,
-        middle and last frames, then the latest LoRA's, under a band naming the video, its prompt and each frame.
+    def _write_strip(self, after: dict, step: int) -> None:
+        """DIR/validation/strip.png: per video, its name and prompt over a row of the base model's frames (sampled at
+        step 0 of this session) and a row of the LoRA's at ``step``, a column per frame (generation.render_strip).
         Rewritten at each validation: always base vs latest. ``after``: video name -> (LoRA's frames, label)."""
-        from wanexp.generation import write_strip
+        from wanexp.generation import StripGroup, write_strip
 
-        rows = [((self._before[name], frames), label) for name, (frames, label) in after.items()
-                if name in self._before]
-        if rows:
+        groups = [StripGroup(label, numbers, [("base", self._before[name][0]), (f"LoRA step {step}", frames)])
+                  for name, ((frames, numbers), label) in after.items() if name in self._before]
+        if groups:
             self.strip = self.dir / "strip.png"
             with saving(f"the validation strip {self.strip}", self.strip):
-                write_strip(self.strip, [r for r, _ in rows], [label for _, label in rows])
+                write_strip(self.strip, groups)
 
     def _first_frames(self, dm, sizes: list[dict]) -> dict | None:
         """(prompt index, shape tag) -> the first frame (PIL) of an image-to-video sample: ``images`` resized and

@@ -13,9 +13,10 @@ import numpy as np
 from PIL import Image
 
 from wanexp.data.media import write_video
-from wanexp.errors import MetadataError
+from wanexp.errors import ConfigError, MetadataError
 
-__all__ = ["COLORS", "DIRECTIONS", "SHAPES", "ShapeSpec", "demo_specs", "make_demo_dataset", "render_frames"]
+__all__ = ["COLORS", "DIRECTIONS", "SHAPES", "ShapeSpec", "clip_specs", "demo_specs", "make_demo_dataset",
+           "render_frames"]
 
 METADATA_NAME = "metadata.csv"
 
@@ -49,7 +50,7 @@ class ShapeSpec:
     color: str
     background: str
     size: float  # shape radius as a fraction of min(height, width)
-    offset: float  # perpendicular offset of the path from the centre, fraction of the frame
+    offset: float = 0.0  # perpendicular offset of the path from the centre, fraction of the frame
     direction: str | None = None
     speed: str | None = None
 
@@ -110,6 +111,37 @@ def demo_specs(num_videos: int, num_images: int, seed: int = 0) -> tuple[list[Sh
     return videos, images
 
 
+def clip_specs(clips) -> list[ShapeSpec]:
+    """``data.generate.clips``: a list of mappings of :class:`ShapeSpec` fields (``shape``, ``color``,
+    ``background``, ``size``; optional ``offset``, ``direction``, ``speed``), each a video (a still image without
+    ``direction``). A name that is not known, or a missing field, is a ConfigError naming the entry."""
+    allowed = {"shape": SHAPES, "color": tuple(COLORS), "background": tuple(COLORS), "direction": tuple(DIRECTIONS),
+               "speed": tuple(SPEEDS)}
+    specs = []
+    for i, clip in enumerate(clips):
+        where = f"data.generate.clips[{i}]"
+        if not hasattr(clip, "keys"):
+            raise ConfigError(f"{where}={clip!r}: expected a mapping of shape, color, background, size (offset, "
+                              "direction, speed optional)")
+        clip = dict(clip)
+        unknown = sorted(set(clip) - set(ShapeSpec.__dataclass_fields__))
+        missing = [k for k in ("shape", "color", "background", "size") if k not in clip]
+        if unknown or missing:
+            what = f"unknown key {unknown[0]!r}" if unknown else f"{missing[0]!r} missing"
+            raise ConfigError(f"{where}: {what}; its keys are shape, color, background, size (offset, direction, "
+                              "speed optional)")
+        for key, names in allowed.items():
+            if clip.get(key) is not None and clip[key] not in names:
+                raise ConfigError(f"{where}.{key}={clip[key]!r}: not one of {', '.join(names)}")
+        if (clip.get("direction") is None) != (clip.get("speed") is None):
+            raise ConfigError(f"{where}: a video needs both direction and speed, a still image neither")
+        if not 0.0 < float(clip["size"]) < 0.5:
+            raise ConfigError(f"{where}.size={clip['size']}: the shape's radius as a fraction of the frame, in "
+                              "(0, 0.5)")
+        specs.append(ShapeSpec(**{**clip, "size": float(clip["size"]), "offset": float(clip.get("offset", 0.0))}))
+    return specs
+
+
 def _shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, radius: float) -> np.ndarray:
     """Boolean mask of ``shape`` given pixel offsets from its centre."""
     if shape == "circle":
@@ -149,9 +181,8 @@ def render_frames(spec: ShapeSpec, num_frames: int, height: int, width: int) -> 
     return frames
 
 
-def _build(folder: Path, num_videos: int, num_images: int, num_frames: int, height: int, width: int,
-           fps: int, seed: int) -> None:
-    videos, images = demo_specs(num_videos, num_images, seed)
+def _build(folder: Path, videos: list[ShapeSpec], images: list[ShapeSpec], num_frames: int, height: int, width: int,
+           fps: int) -> None:
     rows: list[tuple[str, str]] = []
     for i, spec in enumerate(videos):
         rel = f"videos/clip_{i:03d}.mp4"
@@ -178,16 +209,27 @@ def make_demo_dataset(
     width: int = 128,
     fps: int = 24,
     seed: int = 0,
+    clips=None,
 ) -> Path:
     """Build the demo dataset in ``out_dir`` (if needed) and return its ``metadata.csv`` path. The clips are written
     at ``fps`` (default: the tiny model's native rate, model.fps, so the demo trains them without resampling).
+    ``clips`` (:func:`clip_specs`): exactly these items (the videos in their order, then the stills) instead of
+    ``num_videos`` + ``num_images`` drawn from ``seed``.
 
     Idempotent: an existing ``out_dir/metadata.csv`` is returned untouched, whatever the
     arguments. Crash- and race-safe: files are built in a temporary sibling folder that is
     renamed into place; a process that loses a race discards its copy and uses the winner's.
     """
-    if num_videos < 0 or num_images < 0 or num_videos + num_images == 0:
+    if clips is not None:
+        specs = clip_specs(clips)
+        if not specs:
+            raise ConfigError("data.generate.clips=[]: list at least one clip, or set it to null")
+        videos = [s for s in specs if s.direction is not None]
+        images = [s for s in specs if s.direction is None]
+    elif num_videos < 0 or num_images < 0 or num_videos + num_images == 0:
         raise ValueError(f"need at least one item, got num_videos={num_videos}, num_images={num_images}")
+    else:
+        videos, images = demo_specs(num_videos, num_images, seed)
     if num_frames < 1 or height < 2 or width < 2:
         raise ValueError(f"num_frames must be >= 1 and height/width >= 2, got {num_frames}, {height}, {width}")
     out = Path(os.path.abspath(os.path.expanduser(os.fspath(out_dir))))
@@ -199,7 +241,7 @@ def make_demo_dataset(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        _build(tmp, num_videos, num_images, num_frames, height, width, fps, seed)
+        _build(tmp, videos, images, num_frames, height, width, fps)
         try:
             os.rename(tmp, out)  # atomic; also replaces an empty out_dir on POSIX
         except OSError:

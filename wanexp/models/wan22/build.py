@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from wanexp.errors import ConfigError
 from wanexp.models.family import ModelSpec
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
@@ -45,6 +46,10 @@ def build_components(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = 
     torch.manual_seed(int(b.get("seed", 0)))
     with torch.device(device):
         comps = _random_components(spec, b)
+    if b.get("pretrain"):  # a base that draws something, for a LoRA to change (wanexp.models.wan22.pretrain)
+        from wanexp.models.wan22.pretrain import pretrain_on_squares
+
+        pretrain_on_squares(spec, comps, b["pretrain"])
     for name, comp in comps.items():
         if isinstance(comp, torch.nn.Module):
             comps[name] = comp.to(dtype)
@@ -63,8 +68,15 @@ def _random_components(spec: ModelSpec, b: dict) -> dict:
     tcfg.update(in_channels=spec.in_channels, out_channels=spec.latent_channels, patch_size=list(spec.patch))
     tcfg.setdefault("text_dim", te_cfg["d_model"])
     vcfg = dict(spec.vae_layout, **b["vae"])
-    mean, std = _latent_stats(vcfg["z_dim"])
-    vae = AutoencoderKLWan(**vcfg, latents_mean=mean, latents_std=std)
+    if b.get("vae_weights") not in (None, "random", "block_average"):
+        raise ConfigError(f"model.build.vae_weights={b['vae_weights']!r}: one of random (the default), block_average")
+    if b.get("vae_weights") == "block_average":  # a readable codec (block_codec.py) instead of random weights
+        from wanexp.models.wan22.block_codec import block_average_vae
+
+        vae = block_average_vae(**vcfg)
+    else:
+        mean, std = _latent_stats(vcfg["z_dim"])
+        vae = AutoencoderKLWan(**vcfg, latents_mean=mean, latents_std=std)
     comps = {
         "text_encoder": text_encoder,
         "vae": vae,
