@@ -30,9 +30,10 @@ ALLOWED = {
     "adapters": {"errors"},
     "disk": {"errors", "adapters"},
     "optim": {"config"},
-    "models": {"errors", "config", "perf", "text", "adapters", "gpu_check", "data"},  # adapters: a family's adapter
-    # naming; gpu_check: a kernel's compute capability (the FP8 GEMM, compiled blocks); data: a family reading its
-    # sample inputs' media (S2V's audio: wanexp.data.audio)
+    "models": {"errors", "config", "perf", "text", "adapters", "gpu_check", "data", "objectives"},  # adapters: a
+    # family's adapter naming; gpu_check: a kernel's compute capability (the FP8 GEMM, compiled blocks); data: a family
+    # reading its sample inputs' media (S2V's audio: wanexp.data.audio); objectives: the demo build's base trained by
+    # flow matching (wanexp.models.wan22.pretrain; objectives import no model code)
     "objectives": {"config", "errors", "adapters"},
     "data": {"errors", "config", "text", "context", "disk"},  # disk: a full disk while caching is one line
     "parallel": {"config", "errors", "models"},  # models: the sequence groups generation on several ranks uses

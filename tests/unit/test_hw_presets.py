@@ -55,7 +55,7 @@ def test_an_option_without_its_file_is_one_line_before_anything_composes(tmp_pat
     assert done.returncode == 2 and done.stderr == (
         "wanexp: error: hw=v200: no such hw option (conf/hw/v200.yaml); the options: a100_40g, a100_80g, h100_80g, "
         "rtx4090_24g, v100_32g\n")
-    with pytest.raises(ConfigError, match=r"^experiment=nonexist: no such experiment option .* the options: demo$"):
+    with pytest.raises(ConfigError, match=r"^experiment=nonexist: no such experiment option .* the options: demo, demo_squares$"):
         compose_cfg(["experiment=nonexist"])
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n")

@@ -34,10 +34,10 @@ def test_the_clips_are_squares_of_one_colour_under_captions_of_many():
 def test_bad_settings_are_one_line(change, says):
     spec = SimpleNamespace(build={"vae_weights": "block_average"})
     with pytest.raises(ConfigError) as e:
-        pretrain_on_squares(spec, {}, {**SETTINGS, **change})
+        pretrain_on_squares(spec, {}, {**SETTINGS, **change}, None)
     assert str(e.value).startswith(says)
 
 
 def test_pretraining_needs_the_block_codec():
     with pytest.raises(ConfigError, match="needs model.build.vae_weights=block_average"):
-        pretrain_on_squares(SimpleNamespace(build={}), {}, SETTINGS)
+        pretrain_on_squares(SimpleNamespace(build={}), {}, SETTINGS, None)

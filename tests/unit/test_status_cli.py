@@ -216,7 +216,7 @@ def test_console_commands_and_packaged_configs():
     project = tomllib.loads((root / "pyproject.toml").read_text())
     scripts = project["project"]["scripts"]
     assert set(scripts) == {"wanexp-train", "wanexp-cache", "wanexp-status", "wanexp-bench", "wanexp-sample",
-                            "wanexp-merge", "wanexp-plan"}
+                            "wanexp-merge", "wanexp-plan", "wanexp-dataset"}
     assert scripts["wanexp-merge"] == "wanexp.cli.merge:entry"
     assert scripts["wanexp-train"] == "wanexp.train:main" and scripts["wanexp-status"] == "wanexp.cli.status:main"
     # the configs are found through the package (wanexp/conf), as an installed copy finds them

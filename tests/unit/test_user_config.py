@@ -89,7 +89,7 @@ def test_an_unknown_option_names_the_folders_looked_in(in_user_folder):
     with pytest.raises(ConfigError) as e:  # an optional group's option
         compose_cfg(["experiment=minee"])
     assert str(e.value) == (f"experiment=minee: no such experiment option (conf/experiment/minee.yaml, nor in "
-                            f"{conf}/experiment); the options: demo, mine")
+                            f"{conf}/experiment); the options: demo, demo_squares, mine")
     check_optional_groups(with_user_config_dir(["experiment=mine"]))
 
 

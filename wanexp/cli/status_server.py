@@ -154,11 +154,11 @@ class RunTree:
         return _finite({"name": name, "kind": kind, "folder": str(folder), **data})
 
     def _run(self, folder: Path) -> dict:
-        from wanexp.callbacks.sweep import _history
+        from wanexp.callbacks.loss_plot import run_history
 
         s = read_status(folder)
         keys = ("step", "loss", "lr", "val_loss", "samples_per_s")
-        history = [{k: h.get(k) for k in keys} for h in _history(folder)]
+        history = [{k: h.get(k) for k in keys} for h in run_history(folder)]
         pictures = [{"label": label, "url": self.url(p), "mtime": p.stat().st_mtime}
                     for label, p in (("validation strip (base, then LoRA)", folder / "validation" / "strip.png"),
                                      ("loss", folder / "loss.png")) if p.is_file()]

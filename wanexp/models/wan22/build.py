@@ -47,9 +47,13 @@ def build_components(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = 
     with torch.device(device):
         comps = _random_components(spec, b)
     if b.get("pretrain"):  # a base that draws something, for a LoRA to change (wanexp.models.wan22.pretrain)
+        import tempfile
+
         from wanexp.models.wan22.pretrain import pretrain_on_squares
 
-        pretrain_on_squares(spec, comps, b["pretrain"])
+        with tempfile.TemporaryDirectory() as tmp:  # the captions' tokenizer, as the build writes it
+            tokenizer = build_tokenizer(Path(tmp), spec.text_len)
+        pretrain_on_squares(spec, comps, b["pretrain"], tokenizer)
     for name, comp in comps.items():
         if isinstance(comp, torch.nn.Module):
             comps[name] = comp.to(dtype)

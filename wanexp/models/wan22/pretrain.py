@@ -12,11 +12,9 @@ learns that colour words change nothing.
 """
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,15 +77,14 @@ def square_clips(p: dict) -> tuple[list, list[str]]:
     return specs, captions
 
 
-def pretrain_on_squares(spec, components: dict, pretrain) -> list[float]:
+def pretrain_on_squares(spec, components: dict, pretrain, tokenizer) -> list[float]:
     """Train ``components["transformer"]`` (in place, then frozen in eval mode) as the module docstring says, with
-    ``components["text_encoder"]`` for the captions. ``pretrain``: model.build.pretrain (:data:`PRETRAIN_KEYS`).
-    Returns the losses."""
+    ``components["text_encoder"]`` and ``tokenizer`` for the captions. ``pretrain``: model.build.pretrain
+    (:data:`PRETRAIN_KEYS`). Returns the losses."""
     from wanexp.data.synthetic import render_frames
     from wanexp.models.denoiser import Denoiser
     from wanexp.models.encoders import EncodedBatch
     from wanexp.models.wan22.block_codec import block_average_latents
-    from wanexp.models.wan22.build import build_tokenizer
     from wanexp.models.wan22.encoders import encode_text
     from wanexp.objectives.flow_matching import FlowMatching
 
@@ -100,8 +97,6 @@ def pretrain_on_squares(spec, components: dict, pretrain) -> list[float]:
     mean, std = (torch.tensor(v).view(-1, 1, 1, 1) for v in (vae.latents_mean, vae.latents_std))
     latents = torch.stack([(block_average_latents(render_frames(s, int(p["num_frames"]), int(p["height"]),
                                                                 int(p["width"]))) - mean) / std for s in specs])
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_tokenizer(Path(tmp), spec.text_len)
     text = encode_text(tokenizer, components["text_encoder"].eval(), captions, spec.text_len).float()
     transformer = components["transformer"]
     denoiser = Denoiser(spec, {"dense": transformer}, (0.0, 1.0))
