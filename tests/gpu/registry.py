@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from tests.gpu.write_single_files import DIT_FILES, TOKENIZER, UMT5_FILE, VAE_FILE
+
 REPO = Path(__file__).resolve().parents[2]
 # tests/gpu files that no case's command names: the runner and the registry, what the builds read, the machine setup
 PARTS = {
@@ -1530,4 +1532,82 @@ CASES[OPTIM] = Case(
                   "the raw and the EMA LoRA files, ComfyUI and diffusers each")),
     collect=optim_metrics,
     record=tuple(f"{k}.{m}" for k in OPTIM_RUNS for m in ("median_step_s", "step_vs_adamw", "peak_mem_gib")),
+)
+
+
+# ---- ComfyUI's single files as the weights: the real-size TI2V-5B written as Comfy-Org's files, loaded, trained ----
+SINGLE = "single_files_5b"
+SINGLE_STEPS = 6
+SINGLE_PARTS = (*(f"dit_{f}" for f in DIT_FILES), "vae", "umt5_fp8_scaled")  # compare_single_files.py's components
+MEMORY_CAP = ("+callbacks.memory_cap._target_=wanexp.callbacks.memory.MemoryCap",
+              f"+callbacks.memory_cap.gib={CAP_GIB}")
+
+
+def single_dir(ctx: Ctx) -> Path:
+    return ctx.work / "single_files"  # write_single_files.py's files, written from model_dir(ctx)
+
+
+def single_data(ctx: Ctx) -> list[str]:
+    """Only single files (the fp16 DiT as model.path, the VAE, the fp8_scaled UMT5, a tokenizer folder beside them)
+    on 4 generated 480x832x17 clips, batch 1."""
+    files = single_dir(ctx)
+    return ["model=ti2v5b", f"model.path={files / DIT_FILES['fp16']}", f"model.vae_path={files / VAE_FILE}",
+            f"model.text_encoder_path={files / UMT5_FILE}", f"model.tokenizer_path={files / TOKENIZER}",
+            "data=synthetic", f"paths.data_dir={ctx.work / 'data_single'}", "data.height=480", "data.width=832",
+            "data.num_frames=17", "data.batch_size=1", "data.num_workers=2", "data.generate.height=480",
+            "data.generate.width=832", "data.generate.num_frames=17", "data.generate.num_videos=4",
+            "data.generate.num_images=0", f"paths.cache_dir={ctx.work / 'cache_single'}"]
+
+
+def single_metrics(ctx: Ctx, phases: dict) -> dict:
+    """What the writer and the comparison reported (their JSONs), and the run from the files (run_metrics, the first
+    three steps left out of the median: compilation, first loads)."""
+    return {"written": _json(ctx.results(SINGLE) / "written.json"),
+            "compare": _json(ctx.results(SINGLE) / "compare.json"),
+            "train": run_metrics(ctx.run_dir(SINGLE), skip=3)}
+
+
+CASES[SINGLE] = Case(
+    name=SINGLE, gpus=1, model="ti2v5b",
+    about="ComfyUI's single files as the weights: the real-size TI2V-5B (random weights, real-size UMT5-XXL and VAE) "
+          f"written as Comfy-Org's files ({', '.join(DIT_FILES.values())}, {VAE_FILE}, {UMT5_FILE}; tensor by tensor, "
+          "quantized on the GPU), each loaded through model.path / model.*_path and compared with the same weights "
+          "loaded from the diffusers folder (equal to them as the file stores them, cast as the run casts; the fp8 "
+          f"error measured); then the cache and {SINGLE_STEPS} steps of python train.py from the single files alone "
+          f"(480x832x17, validation off) under the {CAP_GIB} GiB cap. Needs ~52 GB of disk for the folder and the "
+          "files (the write phase removes the other cases' model builds first)",
+    phases=(BUILD,
+            Phase("write", lambda ctx: [ctx.python, "tests/gpu/write_single_files.py", str(model_dir(ctx)),
+                                        str(single_dir(ctx)), "--json", str(ctx.results(SINGLE) / "written.json")],
+                  minutes=3, env={"CUDA_VISIBLE_DEVICES": "0"},
+                  fresh=lambda ctx: [single_dir(ctx), dit_dir(ctx), light_dir(ctx), a14b_dir(ctx), _a14b_dir(ctx),
+                                     a14b_gen_dir(ctx), s2v_dir(ctx)]),
+            Phase("compare", lambda ctx: [ctx.python, "tests/gpu/compare_single_files.py", str(model_dir(ctx)),
+                                          str(single_dir(ctx)), "--json", str(ctx.results(SINGLE) / "compare.json")],
+                  minutes=4, env={"CUDA_VISIBLE_DEVICES": "0"},
+                  fresh=lambda ctx: [ctx.results(SINGLE) / "compare.json"]),
+            Phase("cache", lambda ctx: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB), "wanexp.cli.cache",
+                                        *single_data(ctx), f"paths.output_dir={ctx.run_dir('cache_single')}"],
+                  minutes=1.5, env={"CUDA_VISIBLE_DEVICES": "0"}, fresh=lambda ctx: [ctx.work / "cache_single"]),
+            train(SINGLE, 1, SINGLE_STEPS, single_data, *MEMORY_CAP, "trainer.log_every_n_steps=1",
+                  "callbacks.checkpoint.every_n_train_steps=1000", phase="train", minutes=3)),
+    checks=(Check("phases.write.rc", "==", 0, "write", "the files are written"),
+            *(Check(f"metrics.compare.{p}.exact", "==", True, "compare", f"{p}: the file's load is the folder's "
+                    "weights as the file stores them (fp16, float8 over its scale), cast as the run casts")
+              for p in SINGLE_PARTS),
+            *(Check(f"metrics.compare.{p}.dtypes_match", "==", True, "compare", f"{p}: the folder load's dtypes "
+                    "(its fp32 modules in fp32)") for p in SINGLE_PARTS),
+            *(Check(f"metrics.compare.dit_{f}.config_match", "==", True, "compare", f"dit_{f}: the config read off "
+                    "the file's shapes is the folder's") for f in DIT_FILES),
+            Check("metrics.compare.dit_fp8_scaled.rel_err", "<=", 0.04, "compare",
+                  "scaled fp8's error (e4m3's 3-bit mantissa: 2.6 % on uniform random weights)"),
+            Check("metrics.compare.dit_fp8_e4m3fn.rel_err", "present", None, "compare",
+                  "unscaled fp8's error, recorded (small weights fall into e4m3's subnormals)"),
+            Check("phases.cache.rc", "==", 0, "cache", f"the cache from the VAE and UMT5 files under {CAP_GIB} GiB"),
+            *finished("train", SINGLE_STEPS),
+            Check("metrics.train.peak_mem_gib", "<=", CAP_GIB, "train", f"within the {CAP_GIB} GiB cap")),
+    collect=single_metrics,
+    record=(*(f"compare.{p}.{k}" for p in SINGLE_PARTS for k in ("max_abs_diff", "rel_err", "load_s")),
+            *(f"written.{p}.{k}" for p in ("dit_fp16", "umt5_fp8_scaled") for k in ("gib", "seconds")),
+            "train.median_step_s", "train.peak_mem_gib"),
 )

@@ -348,3 +348,38 @@ def test_a_later_device_call_reads_what_an_earlier_phase_wrote(runner, monkeypat
     assert runner("two", "--phase", "b") == 0
     assert "PASS two" in capsys.readouterr().out
     assert json.loads((tmp_path / "o" / "two" / "a.json").read_text()) == {"v": 7}
+
+
+def single_files_results(ctx: Ctx, exact: bool = True, scaled_err: float = 0.026) -> None:
+    """The write and compare JSONs as tests/gpu/write_single_files.py and compare_single_files.py leave them."""
+    folder = ctx.results(registry.SINGLE)
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = {"dit_fp16": 3e-8, "dit_fp8_e4m3fn": 0.09, "dit_fp8_scaled": scaled_err, "vae": 3e-8,
+              "umt5_fp8_scaled": 0.02}
+    compare = {p: {"exact": exact or p != "dit_fp8_scaled", "dtypes_match": True, "keys_match": True,
+                   "max_abs_vs_stored": 0.0, "max_abs_diff": e, "rel_err": e, "load_s": 12.0,
+                   **({"config_match": True} if p.startswith("dit_") else {})} for p, e in errors.items()}
+    (folder / "compare.json").write_text(json.dumps({"device": "cuda", **compare}))
+    (folder / "written.json").write_text(json.dumps({p: {"gib": 9.3, "seconds": 60.0} for p in errors}))
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({}, None),
+    ({"exact": False}, "metrics.compare.dit_fp8_scaled.exact"),
+    ({"scaled_err": 0.2}, "metrics.compare.dit_fp8_scaled.rel_err"),
+    ({"peak": CAP_GIB + 1.0}, "metrics.train.peak_mem_gib"),
+])
+def test_the_single_files_case_reads_the_comparison_and_the_run(tmp_path, bad, key):
+    """single_files_5b from the compare JSON and the run from the files: every load exact, scaled fp8's error within
+    its bound, the run finished under the cap."""
+    case = CASES[registry.SINGLE]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    single_files_results(ctx, **{k: v for k, v in bad.items() if k != "peak"})
+    fake_run(ctx.run_dir(registry.SINGLE), losses=(0.5,) * 6, step=registry.SINGLE_STEPS, peak=bad.get("peak", 21.0))
+    result = judge_case(case, tmp_path, [p.name for p in case.phases])
+    failed = [c["key"] for c in result["checks"] if c["status"] == "fail"]
+    assert result["verdict"] == ("PASS" if key is None else "FAIL") and failed == ([key] if key else []), failed
+    assert result["metrics"]["compare"]["dit_fp8_e4m3fn"]["rel_err"] == 0.09
+    if key is None:
+        row = run.record_row(case, result, tmp_path / "bench").read_text()
+        assert "compare.dit_fp8_scaled.rel_err 0.026" in row and "written.dit_fp16.gib 9.3" in row

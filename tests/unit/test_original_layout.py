@@ -1,11 +1,11 @@
 """Converting the ORIGINAL Wan-AI release layout into a diffusers-format folder (models/wan22/original.py, cli/convert).
 
 Tiny random diffusers models are written in the original layout by the helpers below, converted, and loaded back
-through ``WanSpec.load_*``. The helpers' diffusers -> original names are written here independently of the code under
-test (from wan/modules/{model,t5,vae2_1,vae2_2}.py of the Wan2.2 repo), so a round trip checks the converter against
-them; where diffusers ships the original -> diffusers converter (DiT, Wan2.1 VAE), these helpers are checked against
-diffusers' own code, and the text-encoder mapping is checked numerically against a re-implementation of the original
-T5 encoder forward.
+through ``WanSpec.load_*``. The helpers' diffusers -> original names (the DiT's and the VAE's in tests/single_files.py)
+are written independently of the code under test (from wan/modules/{model,t5,vae2_1,vae2_2}.py of the Wan2.2 repo),
+so a round trip checks the converter against them; where diffusers ships the original -> diffusers converter (DiT,
+Wan2.1 VAE), these helpers are checked against diffusers' own code, and the text-encoder mapping is checked
+numerically against a re-implementation of the original T5 encoder forward.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import ROOT, compose_cfg
+from tests.single_files import dit_to_original, vae_to_original
 from wanexp.errors import ConfigError
 from wanexp.models.wan22 import original
 from wanexp.models.wan22.build import build_components, build_tokenizer
@@ -34,89 +35,6 @@ T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 
 
 # ---- diffusers -> original names (the inverse mapping, written from the original Wan2.2 modules) ---------------------
-def dit_to_original(sd: dict) -> dict:
-    """diffusers WanTransformer3DModel -> original WanModel (wan/modules/model.py) names."""
-    top = {"scale_shift_table": "head.modulation", "proj_out.weight": "head.head.weight",
-           "proj_out.bias": "head.head.bias"}
-    emb = {"condition_embedder.time_embedder.linear_1.": "time_embedding.0.",
-           "condition_embedder.time_embedder.linear_2.": "time_embedding.2.",
-           "condition_embedder.text_embedder.linear_1.": "text_embedding.0.",
-           "condition_embedder.text_embedder.linear_2.": "text_embedding.2.",
-           "condition_embedder.time_proj.": "time_projection.1."}
-    block = {"attn1.to_q.": "self_attn.q.", "attn1.to_k.": "self_attn.k.", "attn1.to_v.": "self_attn.v.",
-             "attn1.to_out.0.": "self_attn.o.", "attn1.norm_q.": "self_attn.norm_q.",
-             "attn1.norm_k.": "self_attn.norm_k.",
-             "attn2.to_q.": "cross_attn.q.", "attn2.to_k.": "cross_attn.k.", "attn2.to_v.": "cross_attn.v.",
-             "attn2.to_out.0.": "cross_attn.o.", "attn2.norm_q.": "cross_attn.norm_q.",
-             "attn2.norm_k.": "cross_attn.norm_k.",
-             "norm2.": "norm3.",  # the affine cross-attention norm: norm3 in the original
-             "ffn.net.0.proj.": "ffn.0.", "ffn.net.2.": "ffn.2.", "scale_shift_table": "modulation"}
-    out = {}
-    for k, v in sd.items():
-        if k in top:
-            out[top[k]] = v
-            continue
-        if k.startswith("patch_embedding."):
-            out[k] = v
-            continue
-        pre = next((p for p in emb if k.startswith(p)), None)
-        if pre is not None:
-            out[emb[pre] + k[len(pre):]] = v
-            continue
-        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", k)
-        rest = m.group(2)
-        pre = next(p for p in block if rest.startswith(p))
-        out[f"blocks.{m.group(1)}.{block[pre]}{rest[len(pre):]}"] = v
-    return out
-
-
-_RES_INV = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight", "conv1.bias": "residual.2.bias",
-            "norm2.gamma": "residual.3.gamma", "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
-            "conv_shortcut.weight": "shortcut.weight", "conv_shortcut.bias": "shortcut.bias"}
-
-
-def vae_to_original(sd: dict, residual: bool, num_res_blocks: int) -> dict:
-    """diffusers AutoencoderKLWan -> original WanVAE_ names (vae2_2.py when ``residual``, else vae2_1.py)."""
-    R = num_res_blocks
-    out = {}
-    for k, v in sd.items():
-        if k.startswith("quant_conv."):
-            out["conv1." + k.split(".", 1)[1]] = v
-            continue
-        if k.startswith("post_quant_conv."):
-            out["conv2." + k.split(".", 1)[1]] = v
-            continue
-        part, rest = k.split(".", 1)
-        stack = {"encoder": "downsamples", "decoder": "upsamples"}[part]
-        if rest.startswith("conv_in."):
-            o = "conv1." + rest[len("conv_in."):]
-        elif rest == "norm_out.gamma":
-            o = "head.0.gamma"
-        elif rest.startswith("conv_out."):
-            o = "head.2." + rest[len("conv_out."):]
-        elif m := re.fullmatch(r"mid_block\.resnets\.(\d)\.(.+)", rest):
-            o = f"middle.{2 * int(m.group(1))}.{_RES_INV[m.group(2)]}"
-        elif m := re.fullmatch(r"mid_block\.attentions\.0\.(.+)", rest):
-            o = f"middle.1.{m.group(1)}"
-        elif residual and (m := re.fullmatch(r"(?:down|up)_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", rest)):
-            o = f"{stack}.{m.group(1)}.{stack}.{m.group(2)}.{_RES_INV[m.group(3)]}"
-        elif residual and (m := re.fullmatch(r"(?:down|up)_blocks\.(\d+)\.(?:downsampler|upsampler)\.(.+)", rest)):
-            # Down_ResidualBlock: R ResidualBlocks then the Resample; Up_ResidualBlock: R + 1 then the Resample
-            o = f"{stack}.{m.group(1)}.{stack}.{R if part == 'encoder' else R + 1}.{m.group(2)}"
-        elif not residual and part == "encoder" and (m := re.fullmatch(r"down_blocks\.(\d+)\.(.+)", rest)):
-            leaf = m.group(2)  # Wan2.1 encoder: the same flat list on both sides
-            o = f"downsamples.{m.group(1)}.{_RES_INV.get(leaf, leaf)}"
-        elif not residual and (m := re.fullmatch(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", rest)):
-            # Wan2.1 Decoder3d: one flat list, per stage R + 1 ResidualBlocks then one Resample
-            o = f"upsamples.{int(m.group(1)) * (R + 2) + int(m.group(2))}.{_RES_INV[m.group(3)]}"
-        elif not residual and (m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.+)", rest)):
-            o = f"upsamples.{int(m.group(1)) * (R + 2) + R + 1}.{m.group(2)}"
-        else:
-            raise AssertionError(f"test helper has no original name for {k}")
-        out[f"{part}.{o}"] = v
-    return out
-
-
 def t5_to_original(sd: dict) -> dict:
     """transformers UMT5EncoderModel -> original Wan T5Encoder (wan/modules/t5.py) names."""
     leaf = {"layer.0.layer_norm.weight": "norm1.weight",

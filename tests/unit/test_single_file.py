@@ -4,8 +4,8 @@ ComfyUI-style single files (fp16, bf16, fp8 e4m3fn, fp8_scaled with its per-tens
 through ``model.path`` / ``model.<component>_path`` and compared with the same weights loaded from a diffusers folder:
 equal tensors, dtypes and configs (fp8: the dequantized values). Bad files are one line naming the key.
 
-The diffusers -> original names are the independent helpers of tests/unit/test_original_layout.py (written from the
-original Wan modules); ComfyUI's UMT5 files use transformers' own names.
+The diffusers -> original names and the float8 storage are tests/single_files.py's (the names written from the original
+Wan modules); ComfyUI's UMT5 files use transformers' own names.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from tests.conftest import compose_cfg
-from tests.unit.test_original_layout import dit_to_original, t5_to_original, vae_to_original
+from tests.single_files import dequantize, dit_to_original, vae_to_original
+from tests.single_files import quantize as to_float8
+from tests.unit.test_original_layout import t5_to_original
 from wanexp.composition import build
 from wanexp.errors import ConfigError
 from wanexp.models.wan22 import original, single_file
@@ -61,15 +63,10 @@ def comfy_file(sd: dict, to_original, path: Path, dtype, fp8: str | None = None,
             out[name] = held[key] = v.to(dtype)
             continue
         layer = name[:-len(".weight")]
+        out[name], scale = to_float8(v, fp8)
+        held[key] = dequantize(out[name], scale)
         if fp8 == "plain":
-            out[name] = v.to(torch.float8_e4m3fn)
-            held[key] = out[name].float()
             continue
-        amax = v.abs().amax(dim=1) if fp8 == "weight_scale" else v.abs().amax()
-        scale = (amax.float() / 448).clamp(min=1e-12)
-        q = (v.float() / (scale[:, None] if scale.dim() else scale)).to(torch.float8_e4m3fn)
-        out[name] = q
-        held[key] = q.float() * (scale[:, None] if scale.dim() else scale)
         if fp8 == "scaled":
             out[f"{layer}.scale_weight"], out[f"{layer}.scale_input"] = scale, torch.ones(())
         else:
