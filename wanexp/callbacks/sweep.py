@@ -277,28 +277,47 @@ def _plots(sweep_dir: Path, rows: list[dict], keys: list[str]) -> dict[str, Path
     fig.savefig(out["loss"], dpi=110)
     plt.close(fig)
 
+    use_val = ranking_key(rows) == "val_loss"
+    grid = rank_lr_grid(rows, keys, "val_loss" if use_val else "final_train_loss")
+    if grid is not None:
+        import numpy as np
+
+        z = np.array([[np.nan if v is None else v for v in row] for row in grid["values"]])
+        fig = heatmap_figure(z, grid["ranks"], grid["lrs"], grid["rank_key"], grid["lr_key"], sweep_dir.name,
+                             VAL_LOSS if use_val else TRAIN_LOSS)
+        out["heatmap"] = sweep_dir / "heatmap.png"
+        fig.savefig(out["heatmap"], dpi=110)
+        plt.close(fig)
+    return out
+
+
+def rank_lr_grid(rows: list[dict], keys: list[str], metric: str) -> dict | None:
+    """A sweep's rank x lr grid of ``metric`` (each point's val_loss or final_train_loss): the swept keys ending in
+    ``.rank`` and ``.lr``, their values in numeric order, and ``values[i][j]`` for rank i and lr j (None where no
+    point has one). None when the sweep does not sweep both. The summary's heatmap.png and the live page's heatmap
+    (wanexp.cli.status_server) draw it."""
     rank_key = next((k for k in keys if k.endswith(".rank")), None)
     lr_key = next((k for k in keys if k.endswith(".lr")), None)
-    if rank_key and lr_key:
-        grid: dict[tuple[str, str], float] = {}
-        use_val = ranking_key(rows) == "val_loss"
-        for row in rows:
-            pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
-            value = row["val_loss"] if use_val else row["final_train_loss"]
-            if rank_key in pairs and lr_key in pairs and value is not None:
-                grid[(pairs[rank_key], pairs[lr_key])] = value
-        ranks = sorted({r for r, _ in grid}, key=float)
-        lrs = sorted({lr for _, lr in grid}, key=float)
-        if grid:
-            import numpy as np
+    if not (rank_key and lr_key):
+        return None
+    grid = {}
+    for row in rows:
+        pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+        if rank_key in pairs and lr_key in pairs and row.get(metric) is not None:
+            grid[(pairs[rank_key], pairs[lr_key])] = row[metric]
+    if not grid:
+        return None
 
-            z = np.array([[grid.get((r, lr), np.nan) for lr in lrs] for r in ranks])
-            fig = heatmap_figure(z, ranks, lrs, rank_key, lr_key, sweep_dir.name,
-                                 VAL_LOSS if use_val else TRAIN_LOSS)
-            out["heatmap"] = sweep_dir / "heatmap.png"
-            fig.savefig(out["heatmap"], dpi=110)
-            plt.close(fig)
-    return out
+    def number(v: str) -> float:
+        try:
+            return float(v)
+        except ValueError:
+            return math.inf
+
+    ranks = sorted({r for r, _ in grid}, key=number)
+    lrs = sorted({lr for _, lr in grid}, key=number)
+    return {"rank_key": rank_key, "lr_key": lr_key, "ranks": ranks, "lrs": lrs,
+            "values": [[grid.get((r, lr)) for lr in lrs] for r in ranks]}
 
 
 HEATMAP_CMAP = "RdYlGn_r"  # low loss green, high loss red: the best cell reads as good without a legend

@@ -217,7 +217,8 @@ class RunTree:
                 "during": s.get("rejected_online", len(during)), "listed": items[:MAX_REJECTS], "total": len(items)}
 
     def _sweep(self, folder: Path, entries: dict) -> dict:
-        from wanexp.callbacks.sweep import METRIC_NAMES, _swept, ranking_key, sweep_folder_keys, sweep_rows
+        from wanexp.callbacks.sweep import (METRIC_NAMES, _swept, rank_lr_grid, ranking_key, sweep_folder_keys,
+                                            sweep_rows)
 
         rows = sweep_rows(folder)
         keys = _swept(rows, sweep_folder_keys(folder)) if rows else []
@@ -253,34 +254,6 @@ class RunTree:
         if real.suffix.lower() not in MEDIA_TYPES or not real.is_file():
             return 404, None
         return 200, real
-
-
-def rank_lr_grid(rows: list[dict], keys: list[str], metric: str) -> dict | None:
-    """A sweep's rank x lr grid of ``metric`` (each point's val_loss or final_train_loss): the swept keys ending in
-    ``.rank`` and ``.lr``, their values in numeric order, and ``values[i][j]`` for rank i and lr j (None where no
-    point has one). None when the sweep does not sweep both."""
-    rank_key = next((k for k in keys if k.endswith(".rank")), None)
-    lr_key = next((k for k in keys if k.endswith(".lr")), None)
-    if not (rank_key and lr_key):
-        return None
-    grid = {}
-    for row in rows:
-        pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
-        if rank_key in pairs and lr_key in pairs and row.get(metric) is not None:
-            grid[(pairs[rank_key], pairs[lr_key])] = row[metric]
-    if not grid:
-        return None
-
-    def number(v: str) -> float:
-        try:
-            return float(v)
-        except ValueError:
-            return math.inf
-
-    ranks = sorted({r for r, _ in grid}, key=number)
-    lrs = sorted({lr for _, lr in grid}, key=number)
-    return {"rank_key": rank_key, "lr_key": lr_key, "ranks": ranks, "lrs": lrs,
-            "values": [[grid.get((r, lr)) for lr in lrs] for r in ranks]}
 
 
 # ---- HTTP ------------------------------------------------------------------------------------------------------

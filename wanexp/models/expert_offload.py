@@ -16,12 +16,16 @@ import torch
 from torch import nn
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's tensor on this process: a sharded (DTensor) one's local shard, else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _storages(module: nn.Module) -> list[torch.UntypedStorage]:
     """The distinct storages of a module's parameters (a sharded one's local shards), on whatever device."""
     seen: dict[int, torch.UntypedStorage] = {}
     for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        storage = local.untyped_storage()
+        storage = _local(p).untyped_storage()
         if storage.nbytes():
             seen.setdefault(storage.data_ptr(), storage)
     return list(seen.values())
@@ -30,8 +34,7 @@ def _storages(module: nn.Module) -> list[torch.UntypedStorage]:
 def _own_storage(module: nn.Module) -> None:
     """Parameters whose memory cannot be resized (a file's pages: weights loaded on the CPU) copied into their own."""
     for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if not local.untyped_storage().resizable():
+        if not _local(p).untyped_storage().resizable():
             p.data = p.data.clone()
 
 
@@ -40,12 +43,11 @@ class ExpertOffload:
     the others leave at :meth:`attach`. ``moves`` counts each transformer's arrivals (for the tests and metrics)."""
 
     def __init__(self, modules: dict[str, nn.Module], device):
-        self.modules = {n: m for n, m in modules.items()}
+        self.modules = dict(modules)
         self.device = torch.device(device)
         self.host: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
         self.resident: str | None = None
         self.moves = {n: 0 for n in self.modules}
-        self.handles: list = []
 
     def attach(self, first: str) -> "ExpertOffload":
         """Hook every transformer; ``first`` stays on the device, the others go to host memory now. Every
@@ -55,21 +57,12 @@ class ExpertOffload:
             _own_storage(module)
             self._copy_out(name)
         for name, module in self.modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._hook(name), prepend=True))
+            module.register_forward_pre_hook(self._hook(name), prepend=True)
         self.resident = first
         for name in self.modules:
             if name != first:
                 self._leave(name)
         return self
-
-    def detach(self) -> None:
-        """Every transformer back on the device, the hooks removed."""
-        for name in self.modules:
-            self._arrive(name)
-        self.resident = None
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
 
     def _hook(self, name: str):
         def bring(module, args):
@@ -113,4 +106,4 @@ class ExpertOffload:
 
     def held_bytes(self) -> int:
         """Bytes of the transformers' parameter storage on the device now."""
-        return sum(s.nbytes() for m in {id(m): m for m in self.modules.values()}.values() for s in _storages(m))
+        return sum(s.nbytes() for m in self.modules.values() for s in _storages(m))

@@ -151,8 +151,6 @@ class S2VSpec(ModelSpec):
         (the padding is left out of the attention): any token count splits; the heads must divide."""
         from wanexp.models.wan22 import sequence
 
-        transformer._wanexp_sp = sp
-        transformer._wanexp_sp_gradient_free = gradient_free
         sequence.enable(transformer, sp, gradient_free, heads=transformer.config.num_heads)
 
     def set_sequence_parallel(self, transformer, active):
