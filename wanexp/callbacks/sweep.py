@@ -188,8 +188,13 @@ def _swept(rows: list[dict], known: list[str] | None = None) -> list[str]:
     return [k for k, vs in values.items() if len(vs) > 1 or len(rows) == 1]
 
 
+def point_values(row: dict) -> dict[str, str]:
+    """A point's swept values: its ``key=value`` overrides as key -> value."""
+    return dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+
+
 def _label(row: dict, keys: list[str]) -> str:
-    pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+    pairs = point_values(row)
     return " ".join(f"{k.rpartition('.')[2]}={pairs[k]}" for k in keys if k in pairs) or row["point"]
 
 
@@ -233,7 +238,7 @@ def write_summary(sweep_dir: Path, grid: list[list[str]] | None = None) -> dict[
         w = csv.writer(f)
         w.writerow([*keys, *COLUMNS])
         for row in rows:
-            pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+            pairs = point_values(row)
             w.writerow([*(pairs.get(k, "") for k in keys),
                         *(" ".join(row[c]) if c == "overrides" else _fmt(row[c]) for c in COLUMNS)])
     rank_by = ranking_key(rows)
@@ -250,7 +255,7 @@ def write_summary(sweep_dir: Path, grid: list[list[str]] | None = None) -> dict[
              "has no validation data (data.val_fraction).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(shown)]
     for row in rows:
-        pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+        pairs = point_values(row)
         cells = [row["point"], *(pairs.get(k, "") for k in keys), *(_fmt(row[c]) for c in shown[1 + len(keys):])]
         if row is best:
             cells = [f"**{c}**" if c else c for c in cells]
@@ -302,7 +307,7 @@ def rank_lr_grid(rows: list[dict], keys: list[str], metric: str) -> dict | None:
         return None
     grid = {}
     for row in rows:
-        pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+        pairs = point_values(row)
         if rank_key in pairs and lr_key in pairs and row.get(metric) is not None:
             grid[(pairs[rank_key], pairs[lr_key])] = row[metric]
     if not grid:

@@ -217,15 +217,15 @@ class RunTree:
                 "during": s.get("rejected_online", len(during)), "listed": items[:MAX_REJECTS], "total": len(items)}
 
     def _sweep(self, folder: Path, entries: dict) -> dict:
-        from wanexp.callbacks.sweep import (METRIC_NAMES, _swept, rank_lr_grid, ranking_key, sweep_folder_keys,
-                                            sweep_rows)
+        from wanexp.callbacks.sweep import (METRIC_NAMES, _swept, point_values, rank_lr_grid, ranking_key,
+                                            sweep_folder_keys, sweep_rows)
 
         rows = sweep_rows(folder)
         keys = _swept(rows, sweep_folder_keys(folder)) if rows else []
         runs = {path: name for name, (kind, path) in entries.items() if kind == "run"}
         table = []
         for row in rows:
-            pairs = dict(o.split("=", 1) for o in row["overrides"] if "=" in o)
+            pairs = point_values(row)
             table.append({"point": row["point"], "values": {k: pairs.get(k) for k in keys}, "state": row["state"],
                           "reason": row["reason"], "step": row["step"], "total_steps": row["total_steps"],
                           "final_train_loss": row["final_train_loss"], "val_loss": row["val_loss"],
