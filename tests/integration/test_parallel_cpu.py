@@ -116,7 +116,6 @@ def test_fsdp_runs_the_same_expert_on_every_rank_each_step(shared_dir, tmp_path)
 
 
 SP_REFUSED = [
-    (2, ["data.height=96", "data.width=96"], "do not split into 2 equal parts"),  # a 3x3-token frame
     (3, [], "2 attention heads do not divide by 3"),
 ]
 

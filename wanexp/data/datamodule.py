@@ -838,7 +838,7 @@ class MediaDataModule(L.LightningDataModule):
                 self.val_dataset = ClipDataset(vs, vsh, vstr, vst, vav, self.seed, fps=vfps,
                                                load_input=self.load_input)
         sp = self.run_context.sp_size
-        if sp > 1 and self.encoders:
+        if sp > 1 and self.encoders and not getattr(self.encoders, "pads_sequence", False):
             check_sequence_split(self.dataset.shapes, self.encoders.vae_stride, self.encoders.patch, sp)
 
     def val_batches(self, limit: int | None = None):

@@ -61,6 +61,7 @@ class EncoderInfo:
     input_fallbacks: tuple = ()
     # ModelSpec.check_sample_input(name, path) -> a reject reason or None, run by the data probe (None: no check)
     check_sample_input: Callable | None = None
+    pads_sequence: bool = False  # ModelSpec.pads_sequence: any token count splits over parallel.sp_size ranks
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
@@ -373,6 +374,7 @@ class ModelSpec:
                            media_encoders=tuple(str(self.path / f) for f in self.encoder_folders
                                                 if f not in ("vae", "text_encoder", "tokenizer")),
                            input_fallbacks=tuple(self.sample_input_fallbacks.items()),
+                           pads_sequence=self.pads_sequence,
                            check_sample_input=self.check_sample_input if self.sample_inputs else None)
 
     # ---- the tiny random build (model.build) ------------------------------------------------------------------

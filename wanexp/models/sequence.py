@@ -16,7 +16,9 @@ share; the data-parallel average over all ``world`` ranks (DDP all-reduce or FSD
 the mean over the ``world / N`` samples of their full gradients: the same as data parallel over ``world / N`` ranks.
 The frozen base is sharded (FSDP) over the whole world, not per group.
 
-Limits (checked with a one-line error): the heads and each sample's token count must divide by N.
+Limits (checked with a one-line error): the heads must divide by N. A sample whose token count does not divide by N
+is padded with zero tokens to the next multiple (``pad_to_ranks``); the self-attention leaves them out (its keys and
+values are the real tokens only) and they are dropped after the final gather, so the result is the unpadded one's.
 
 Here: the family-neutral pieces (the groups, shard/gather, the all-to-alls that swap tokens and heads, the checks);
 a family's attention processor that uses them lives in its package (Wan2.2's: models/wan22/sequence.py).
@@ -67,13 +69,6 @@ def check_heads(heads: int, sp: int) -> None:
                           f"use an sp_size that divides the head count (e.g. {', '.join(map(str, divisors))})")
 
 
-def check_divisible(tokens: int, heads: int, sp: int) -> None:
-    check_heads(heads, sp)
-    if tokens % sp:
-        raise ConfigError(f"parallel.sp_size={sp}: a sample of {tokens} DiT tokens does not split into {sp} equal "
-                          "parts; pick data.height/width/num_frames whose token count divides by sp_size")
-
-
 def shard(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
     """This rank's contiguous 1/N of ``x`` along ``dim`` (slicing: its backward fills the other parts with zeros)."""
     n = x.shape[dim] // sp.size
@@ -110,14 +105,27 @@ def heads_to_tokens(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(b, s // sp.size, sp.size * h, d)
 
 
-def shard_modulation(temb: torch.Tensor, tokens: int, sp: SequenceGroup) -> torch.Tensor:
+def pad_to_ranks(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to a multiple of the ranks (``x`` itself when it divides)."""
+    pad = -x.shape[dim] % sp.size
+    if not pad:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1:])], dim=dim)
+
+
+def shard_modulation(temb: torch.Tensor, tokens: int, sp: SequenceGroup, padded: int | None = None) -> torch.Tensor:
     """Per-group modulation (B, G, ...) for ``tokens`` tokens in G equal consecutive groups -> the rows of this rank's
     tokens: (B, G', ...) for its tokens / G' equal groups. A rank's share may start or end inside a group (a latent
-    frame), so groups are refined to units of gcd(tokens/G, tokens/N) tokens, each inside one group and one share."""
+    frame), so groups are refined to units of gcd(tokens/G, tokens/N) tokens, each inside one group and one share.
+    ``padded``: the sequence's length with the padding that makes it split (``pad_to_ranks``); the padding takes the
+    last group's rows (its outputs are dropped)."""
     g = temb.shape[1]
     if g == 1:
         return temb
-    per_group, per_rank = tokens // g, tokens // sp.size
-    unit = gcd(per_group, per_rank)
+    padded = padded or tokens
+    per_group, per_rank = tokens // g, padded // sp.size
+    unit = gcd(per_group, per_rank)  # divides tokens and padded, so the padding is whole units too
     units = temb.repeat_interleave(per_group // unit, dim=1)  # (B, tokens/unit, ...): a handful of rows
+    if padded > tokens:
+        units = torch.cat([units, units[:, -1:].expand(-1, (padded - tokens) // unit, *units.shape[2:])], dim=1)
     return units.narrow(1, sp.rank * (per_rank // unit), per_rank // unit)

@@ -114,11 +114,14 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
         from wanexp.models.wan22 import sequence as wan_sequence
 
         wan_sequence.set_active(self, sp is not None)
-    tokens = hidden_states.shape[1]
-    if sp is not None:
-        sequence.check_divisible(tokens, self.config.num_attention_heads, sp.size)
+    tokens = padded = hidden_states.shape[1]
+    if sp is not None:  # this rank's share, the sequence padded to a multiple of the ranks (the attention skips it)
+        sequence.check_heads(self.config.num_attention_heads, sp.size)
+        hidden_states = sequence.pad_to_ranks(hidden_states, sp)
+        padded = hidden_states.shape[1]
+        wan_sequence.set_tokens(self, tokens if padded > tokens else None)
         hidden_states = sequence.shard(hidden_states, sp)
-        rotary_emb = tuple(sequence.shard(r, sp) for r in rotary_emb)
+        rotary_emb = tuple(sequence.shard(sequence.pad_to_ranks(r, sp), sp) for r in rotary_emb)
 
     if timestep.ndim == 2:  # per token (TI2V): one embedding per (sample, latent frame)
         t = frame_timesteps(timestep, frames).flatten()
@@ -131,7 +134,7 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
         temb, timestep_proj = temb.unsqueeze(1), timestep_proj.unsqueeze(1)
     timestep_proj = timestep_proj.unflatten(2, (6, -1))  # (B, G, 6, D)
     if sp is not None:  # the modulation rows of this rank's tokens
-        temb, timestep_proj = (sequence.shard_modulation(x, tokens, sp) for x in (temb, timestep_proj))
+        temb, timestep_proj = (sequence.shard_modulation(x, tokens, sp, padded) for x in (temb, timestep_proj))
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
 
@@ -158,7 +161,7 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     hidden_states = (norm * (1 + scale) + shift).view(*bl, d).to(compute)
     hidden_states = self.proj_out(hidden_states)
     if sp is not None:
-        hidden_states = sequence.gather(hidden_states, sp)
+        hidden_states = sequence.gather(hidden_states, sp)[:, :tokens]
     hidden_states = hidden_states.reshape(b, frames, ph_, pw_, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
     output = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
     if not return_dict:

@@ -64,6 +64,15 @@ def enable(transformer, sp: SequenceGroup, gradient_free: bool = False, heads: i
         block.attn1.set_processor(UlyssesAttnProcessor(block.attn1.processor, sp))
 
 
+def set_tokens(transformer, tokens: int | None) -> None:
+    """The real tokens of a padded, sequence-split sequence (None: no padding): the self-attention leaves the rest
+    out."""
+    for block in transformer.blocks:
+        proc = block.attn1.processor
+        if isinstance(proc, UlyssesAttnProcessor):
+            proc.tokens = tokens
+
+
 def set_active(transformer, active: bool) -> None:
     for block in transformer.blocks:
         proc = block.attn1.processor

@@ -19,6 +19,7 @@ class WanSpec(ModelSpec):
     """Wan2.2's common behaviour; each subclass names its layout in LAYOUTS and sets its conditioning."""
 
     transformer_class = "diffusers.WanTransformer3DModel"
+    pads_sequence = True  # wanexp's forward (models/wan22/fast.py) pads the tokens under sequence parallel
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
     # the diffusers pipeline of the folder, its extra arguments (from LAYOUTS), and the pipeline of an image-to-video
