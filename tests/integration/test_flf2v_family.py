@@ -60,7 +60,8 @@ def _overrides(root, shared_dir, *extra) -> list[str]:
             "data.generate=null", f"data.num_frames={FRAMES}", f"data.height={SIZE}", f"data.width={SIZE}",
             "data.max_reject_fraction=0.5", "data.batch_size=2", "adapter.rank=4", "adapter.alpha=2",
             "optim.lr=1e-2", "optim.warmup_steps=0", "optim.scheduler=constant", "trainer.max_steps=4",
-            "callbacks.checkpoint.every_n_train_steps=2", "trainer.log_every_n_steps=1", "callbacks.progress=null", "callbacks.validation=null",
+            "callbacks.checkpoint.every_n_train_steps=2", "trainer.log_every_n_steps=1", "callbacks.progress=null",
+            "callbacks.validation=null",
             *extra]
 
 
