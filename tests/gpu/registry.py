@@ -1618,3 +1618,38 @@ CASES[SINGLE] = Case(
             *(f"written.{p}.{k}" for p in ("dit_fp16", "umt5_fp8_scaled") for k in ("gib", "seconds")),
             "train.median_step_s", "train.peak_mem_gib"),
 )
+
+
+# ---- first-last-frame to video on the real-size I2V-A14B experts under a 28 GiB cap (docs/flf2v.md) -------------------
+FLF = "flf2v_a14b"
+FLF_STEPS = 4
+FLF_SWAPPED = r"model\.blocks_to_swap=auto: (\d+) of \d+ blocks swapped"
+
+
+def flf2v_data(ctx: Ctx) -> list[str]:
+    """a14b_data's clips as model=flf2v14b: the high-noise expert at 480x832x81 from the cache, each clip's first and
+    own last frame as its condition (cache entries of their own: the condition differs from I2V's)."""
+    return [("model=flf2v14b" if a == "model=i2v14b" else a) for a in a14b_data(ctx)]
+
+
+CASES[FLF] = Case(
+    name=FLF, gpus=1, model="a14b",
+    about="first-last-frame to video (model=flf2v14b) on the real-size I2V-A14B experts (random weights, light "
+          f"encoders: real_sizes.yaml i2v14b_light): LoRA r32 on the high-noise expert at 480x832x81 under MemoryCap "
+          f"{CAP_GIB} GiB, the memory settings the planner picks (model.memory_budget_gib={CAP_GIB}, "
+          f"model.blocks_to_swap=auto, the checkpointed blocks' inputs in host memory), {FLF_STEPS} steps from the "
+          "cache",
+    phases=(BUILD_A14B,
+            Phase("cache_flf2v", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *flf2v_data(ctx),
+                                              f"paths.output_dir={ctx.run_dir('cache_flf2v')}"], minutes=4),
+            train(FLF, 1, FLF_STEPS, flf2v_data, *MEMORY_CAP, "adapter.rank=32", "model.gradient_checkpointing=true",
+                  "model.offload_activations=true", f"model.memory_budget_gib={CAP_GIB}", "model.blocks_to_swap=auto",
+                  "callbacks.checkpoint.every_n_train_steps=1000", phase="train", minutes=7)),
+    checks=(Check("phases.cache_flf2v.rc", "==", 0, "cache_flf2v", "the first-last-frame latents cached"),
+            *finished("train", FLF_STEPS),
+            Check("metrics.train.peak_mem_gib", "<=", CAP_GIB, "train", f"within the {CAP_GIB} GiB cap"),
+            Check("metrics.blocks_swapped", "present", None, "train", "the planner's block swap, recorded")),
+    collect=lambda ctx, phases: {"train": run_metrics(ctx.run_dir(FLF)),
+                                 "blocks_swapped": log_value(ctx, FLF, "train", FLF_SWAPPED)},
+    record=("train.median_step_s", "train.peak_mem_gib", "blocks_swapped"),
+)

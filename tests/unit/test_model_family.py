@@ -280,7 +280,7 @@ class ToySpec(ModelSpec):
     encoder_folders = ("vae", "text_encoder", "tokenizer", "signal_encoder")
     sample_inputs = {"signal": "a .npy file of the clip's signal, 100 values per second"}
 
-    def load_sample_input(self, name, path, num_frames, fps):
+    def load_sample_input(self, name, path, num_frames, fps, size=None):
         """The signal's value at each frame's time."""
         values = np.load(path)
         at = np.round(np.arange(num_frames) / (fps or self.fps) * SIGNAL_RATE).astype(int)

@@ -14,7 +14,7 @@ from wanexp.data.metadata import read_metadata_with_rejects
 from wanexp.models.encoders import Encoders, cached_batch
 
 
-def load_signal(name: str, path: str, num_frames: int, fps: int | None) -> torch.Tensor:
+def load_signal(name: str, path: str, num_frames: int, fps: int | None, size=None) -> torch.Tensor:
     """The fake family's load_sample_input: one value per frame."""
     return torch.from_numpy(np.load(path))[:num_frames].float()
 

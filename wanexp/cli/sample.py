@@ -2,13 +2,16 @@
 
     python -m wanexp.cli.sample --run outputs/demo --prompt "a red ball rolls" --seed 0 --teacher
     python -m wanexp.cli.sample --run outputs/demo --prompt "a red ball rolls" --image ball.png   # image-to-video
+    python -m wanexp.cli.sample --run outputs/flf --prompt "a ball rolls" --first a.png --last b.png  # first-last frame
     python -m wanexp.cli.sample --model-path /models/Wan2.2-TI2V-5B-Diffusers --lora my_lora_diffusers.safetensors \
         --prompt "..." --height 704 --width 1280 --frames 121 --steps 50 --guidance 5
 
 ``--run DIR`` takes the model folder, the size, the frame rate (``model.fps``) and the LoRA files (``DIR/lora/final``)
 of a wanexp run; without it the model group is the one whose layout the folder has. ``--image`` (one per ``--prompt``)
 samples image-to-video from that image, resized and centre-cropped to the sample's size as training crops its clips:
-TI2V-5B takes one optionally, I2V-A14B always needs one, T2V-A14B refuses it. A LoRA made by
+TI2V-5B takes one optionally, I2V-A14B always needs one, T2V-A14B refuses it. ``--first`` is ``--image``; ``--last``
+(one per ``--prompt``, cropped the same way) is the sample's last frame for a first-last-frame model (``flf2v14b``,
+which needs both; a model without first-last-frame conditioning refuses it). A LoRA made by
 ``objective=dmd`` carries its student steps in its file header: it is sampled with exactly those steps (the shifted
 sigmas of training, each step predicting x0 and re-noising it to the next sigma) and no CFG. Otherwise the pipeline's
 own scheduler runs ``--steps`` steps with CFG ``--guidance``. The experts serve the steps as in training
@@ -49,9 +52,12 @@ def _parse(argv):
     ap.add_argument("--ema", action="store_true",
                     help="with --run: the run's EMA LoRA files (callbacks.ema) instead of its raw ones")
     ap.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
-    ap.add_argument("--image", action="append", default=[],
+    ap.add_argument("--image", "--first", dest="image", action="append", default=[],
                     help="image-to-video: the first frame of the prompt's sample, one per --prompt in their order "
                          "(resized and centre-cropped to the sample's size)")
+    ap.add_argument("--last", action="append", default=[],
+                    help="first-last-frame to video (model flf2v14b): the last frame of the prompt's sample, one per "
+                         "--prompt in their order (resized and centre-cropped like --first)")
     ap.add_argument("--audio", action="append", default=[],
                     help="speech-to-video (S2V): the audio the prompt's sample is driven by, one per --prompt in their "
                          "order (a .wav/.mp3/.flac or a video with an audio track); muxed into its mp4. Audio longer "
@@ -139,7 +145,7 @@ def _settings(args) -> dict:
         raise ConfigError("no --prompt given; pass one or more --prompt \"...\"")
     s["height"], s["width"], s["frames"] = s["height"] or 480, s["width"] or 832, s["frames"] or 81
     s["out"] = Path(s["out"] or "outputs/samples")
-    model = s["model"] or _folder_model(Path(s["model_path"]))
+    model = s["model"] or _folder_model(Path(s["model_path"]), last=bool(args.last))
     s["fps"] = args.fps or int(model.get("fps") or _folder_model(Path(s["model_path"])).fps)  # a run before model.fps
     s["teacher_guidance"] = 5.0 if s["teacher_guidance"] is None else float(s["teacher_guidance"])
     s["negative_prompt"] = s["negative_prompt"] or ""
@@ -148,6 +154,7 @@ def _settings(args) -> dict:
     spec = load_class(str(model._target_))
     s["images"] = _images(args, spec, model.name, s["height"], s["width"])
     s["inputs"] = _inputs(args, spec, model.name)
+    _last_images(args, spec, model.name, s)
     s["model_group"] = model
     s["layout"] = _layout(args, spec, s)
     return s
@@ -219,15 +226,39 @@ def _inputs(args, spec, model: str) -> list[dict]:
     return [{"audio": p} for p in args.audio]
 
 
+def _last_images(args, spec, model: str, s: dict) -> None:
+    """Each prompt's ``--last`` added to its family inputs (``last_image``, an image path the pipeline crops to the
+    sample's size). A model without first-last-frame conditioning, a count that does not match the prompts' or a
+    missing or unreadable file is one line."""
+    takes = "last_image" in spec.sample_inputs
+    if args.last and not takes:
+        raise ConfigError(f"--last: model={model} has no first-last-frame conditioning; leave out --last, or sample a "
+                          "first-last-frame model (flf2v14b: the I2V-A14B weights)")
+    if takes and len(args.last) != len(args.prompt):
+        raise ConfigError(f"--last given {len(args.last)} time(s) for {len(args.prompt)} --prompt(s) (model={model} "
+                          "is first-last-frame to video): pass one --last per --prompt, in the same order")
+    from wanexp.generation import condition_image
+
+    for p in args.last:
+        try:
+            condition_image(p, s["height"], s["width"])
+        except MediaError as e:
+            raise ConfigError(f"--last {e}") from None
+    if args.last:
+        s["inputs"] = [dict(given, last_image=p) for given, p in zip(s["inputs"] or [{}] * len(args.last), args.last)]
+
+
 def spec_experts(s) -> list[str]:
     """The experts of the sampled model group (``model.experts``)."""
     return list(s["model_group"].experts)
 
 
-def _folder_model(path: Path):
+def _folder_model(path: Path, last: bool = False):
     """The model group (conf/model) of a model folder sampled without ``--run``: of the groups of released models
     (those without a tiny ``build``), the one whose spec's DiT has the folder's transformer's input and output
-    channels. Its spec says how the model takes an image; its ``fps``, the rate the videos are written at."""
+    channels; of two with the same weights (I2V-A14B and its first-last-frame variant), the one that takes a last
+    frame when ``last`` (``--last`` given), else the other. Its spec says how the model takes an image; its ``fps``,
+    the rate the videos are written at."""
     from wanexp.config import model_group, model_group_files
     from wanexp.models.family import ModelSpec, load_class
 
@@ -235,11 +266,14 @@ def _folder_model(path: Path):
     t = json.loads(config.read_text()) if config.is_file() else {}
     channels = (t.get("in_channels"), t.get("out_channels"))
     released = {name: own for name, own in model_group_files().items() if own.get("build") is None}
+    found = []
     for name, own in released.items():  # a group that names no spec class takes its defaults' (composed)
         spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
         diffusers_format = spec.is_release_folder.__func__ is ModelSpec.is_release_folder.__func__
         if spec.is_release_folder(path) or (diffusers_format and (spec.in_channels, spec.latent_channels) == channels):
-            return model_group(name, "--model-path")
+            found.append((("last_image" in spec.sample_inputs) != last, name))
+    if found:
+        return model_group(min(found)[1], "--model-path")
     raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
                       f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
                       "--run with the run folder")

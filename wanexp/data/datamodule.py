@@ -267,10 +267,10 @@ def caption_dropped(seed: int, epoch: int, index: int, p: float) -> bool:
 def load_media(sample: Sample, frames: int, height: int, width: int, stride: int = 1, start: int = 0,
                fps: int | None = None, load_input: Callable | None = None) -> dict:
     """A sample's clip ``{"pixels": (3, F, H, W) in [-1, 1]}`` and each of its sample inputs under its column's name,
-    read by the family's ``load_input`` (ModelSpec.load_sample_input) for this clip's frames and rate."""
+    read by the family's ``load_input`` (ModelSpec.load_sample_input) for this clip's frames, rate and size."""
     item = {"pixels": load_clip(sample, frames, height, width, stride, start=start, fps=fps)}
     for name, path in sample.inputs:
-        item[name] = load_input(name, path, frames, fps)
+        item[name] = load_input(name, path, frames, fps, size=(height, width))
     return item
 
 

@@ -52,7 +52,7 @@ class EncoderInfo:
     fps: int | None = None  # the native frame rate: training clips are resampled to it unless data.fps says otherwise
     frame_rule: tuple[int, int] = (1, 0)  # a sample's frame count n keeps n % m == r (ModelSpec.frame_rule)
     sample_inputs: tuple[str, ...] = ()  # the family's extra metadata columns (ModelSpec.sample_inputs)
-    # ModelSpec.load_sample_input(name, path, num_frames, fps) -> Tensor: reads one sample input (None: none)
+    # ModelSpec.load_sample_input(name, path, num_frames, fps, size) -> Tensor: reads one sample input (None: none)
     load_sample_input: Callable | None = None
     # the folders of the family's other media encoders (encoder_folders besides the VAE, the text encoder and the
     # tokenizer: e.g. an audio encoder), whose weights the latent cache keys cover too
@@ -424,8 +424,10 @@ class ModelSpec:
         """The family's frozen encoders as one module (a wanexp.models.encoders.Encoders)."""
         raise ConfigError(f"model={self.name}: its family provides no encoders (ModelSpec.load_encoders)")
 
-    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None) -> torch.Tensor:
-        """One of ``sample_inputs`` of a sample, read from its file for a clip of ``num_frames`` at ``fps``."""
+    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None,
+                          size: tuple[int, int] | None = None) -> torch.Tensor:
+        """One of ``sample_inputs`` of a sample, read from its file for a clip of ``num_frames`` at ``fps`` whose frames
+        are ``size`` (height, width) pixels (an input with frames of its own is cropped as the clip is)."""
         raise ConfigError(f"model={self.name}: its family declares the sample input {name!r} but provides no "
                           "load_sample_input to read it")
 

@@ -216,7 +216,7 @@ class S2VSpec(ModelSpec):
         return S2VEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(),
                            self.load_audio_encoder(), self.text_len)
 
-    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None) -> torch.Tensor:
+    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None, size=None) -> torch.Tensor:
         """The 16 kHz samples under the clip (``round(num_frames * 16000 / fps)``, zeros past the audio's end): of
         an audio file, or for a video of a same-name audio file beside it, else of its own audio stream."""
         from wanexp.data.audio import audio_for_clip, find_audio, read_audio

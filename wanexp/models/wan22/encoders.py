@@ -35,10 +35,15 @@ def decode_latents(vae, x0: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_image_condition(vae, first_frame: torch.Tensor, num_frames: int) -> torch.Tensor:
-    """I2V-A14B condition: latents of [image, zeros x (F-1)] in pixel space. first_frame is (B, 3, H, W)."""
+def encode_image_condition(vae, first_frame: torch.Tensor, num_frames: int,
+                           last_frame: torch.Tensor | None = None) -> torch.Tensor:
+    """I2V-A14B condition: latents of [image, zeros x (F-1)] in pixel space. first_frame is (B, 3, H, W).
+    ``last_frame`` (B, 3, H, W): first-last-frame conditioning, the latents of [image, zeros x (F-2), last frame]
+    (Wan2.1's FLF2V, diffusers' ``last_image``); a one-frame sample keeps its image."""
     b, c, h, w = first_frame.shape
     video = torch.zeros(b, c, num_frames, h, w, device=first_frame.device, dtype=first_frame.dtype)
+    if last_frame is not None and num_frames > 1:
+        video[:, :, -1] = last_frame.to(first_frame.dtype)
     video[:, :, 0] = first_frame
     return encode_video(vae, video)
 

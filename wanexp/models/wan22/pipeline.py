@@ -83,10 +83,12 @@ def recorded_timesteps(pipe):
             h.remove()
 
 
-def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None, embeds=None):
+def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None, embeds=None,
+             last_image=None):
     """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
 
-    ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline.
+    ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline;
+    ``last_image``: its last frame (PIL, first-last-frame: diffusers' ``last_image``).
     ``embeds``: the (prompt, negative prompt) UMT5 embeddings, each (text_len, D), for a pipeline built without its
     text encoder (validation and wanexp-sample encode them first). The decode is tiled (:func:`tiled`)."""
     from wanexp.models.wan22.encoders import decode_latents
@@ -96,6 +98,8 @@ def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, i
     if hasattr(pipe.scheduler, "noise_generator"):  # a student scheduler re-noises from this sample's stream too
         pipe.scheduler.noise_generator = g
     extra = {} if image is None else {"image": image}
+    if last_image is not None:
+        extra["last_image"] = last_image
     if embeds is None:
         extra.update(prompt=prompt, negative_prompt=negative)
     else:
