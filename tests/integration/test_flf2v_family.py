@@ -193,3 +193,32 @@ def test_last_frame_errors_are_one_line_before_any_weights_load(data, shared_dir
     # a folder of I2V-A14B weights sampled without --run: the first-last-frame group when --last is given
     i2v = Path(shared_dir) / "models" / "tiny_i2v14b"
     assert sample._folder_model(i2v).name == "i2v14b" and sample._folder_model(i2v, last=True).name == "flf2v14b"
+
+
+def test_validation_videos_end_on_each_held_out_clips_last_frame(data, shared_dir, monkeypatch):
+    """Validation samples prompt i with held-out sample i's first frame and its last: the row's ``last_image``, else
+    its trained window's last frame (as the cache conditions training), handed to diffusers as ``last_image``."""
+    from wanexp.data.media import load_clip
+    from wanexp.models.wan22 import pipeline
+    from wanexp.train import run
+
+    root, d = data, data / "data"
+    given: list = []
+    generate = pipeline.generate
+
+    def spy(pipe, *args, **kwargs):
+        given.append(kwargs.get("last_image"))
+        return generate(pipe, *args, **kwargs)
+
+    monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
+    base = [o for o in _overrides(root, shared_dir) if o != "callbacks.validation=null"]
+    out = run(compose_cfg(base + [
+        "trainer.max_steps=1", "callbacks.validation.every_n_steps=1", "callbacks.validation.at_start=false",
+        "callbacks.validation.prompts=[a,b,c]", "callbacks.validation.seeds=[0]", "callbacks.validation.steps=1",
+        "callbacks.validation.loss_samples=0", "data.val_fraction=0"]))
+    assert out["global_step"] == 1 and len(given) == 3 and all(g is not None for g in given)
+    own = {f"c{i}.mp4": load_clip(d / f"c{i}.mp4", FRAMES, SIZE, SIZE)[:, -1] for i in (1, 2)}
+    expected = [load_clip(d / "end.png", 1, SIZE, SIZE)[:, 0], *own.values()]
+    got = [(g[0] * 2 - 1) for g in given]  # the pipeline's [0, 1] back to the clips' [-1, 1]
+    assert all(any(torch.allclose(x, e, atol=1e-6) for e in expected) for x in got)
+    assert len({tuple(x.flatten()[:8].tolist()) for x in got}) == 3  # each prompt its own sample's last frame

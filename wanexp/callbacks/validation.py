@@ -313,6 +313,9 @@ class Validation(Callback):
                 print("wanexp: validation videos skipped: image-to-video needs a first frame and the data has "
                       "none (callbacks.validation.images gives one per prompt)", flush=True)
                 return
+        # the family's own inputs (an S2V clip's audio, an FLF2V clip's last frame): prompt i with held-out sample i's
+        held = trainer.datamodule.held_out_inputs(len(self.prompts)) if spec.sample_inputs else []
+        inputs = {i: held[i % len(held)] for i in range(len(self.prompts))} if held else {}
         vae = self._vae_on(pl_module, encoders)
         pipe = spec.make_pipeline({**experts, **extra}, vae, spec.load_scheduler(), image)
         folder = self.dir / f"step_{step:06d}"
@@ -334,7 +337,8 @@ class Validation(Callback):
                     with adapter(modules, None):
                         for (key, name, prompt, s, img), real in mine:
                             lat, video, _ = pipe.generate(prompt, key[1], s, self.steps, guidance, negative, dev,
-                                                          record, img, embeds=(embeds[prompt], embeds[negative]))
+                                                          record, img, embeds=(embeds[prompt], embeds[negative]),
+                                                          inputs=inputs.get(key[0]))
                             if not real:  # a rank's padding call (sharded weights: every rank runs as many)
                                 continue
                             teacher[key] = (lat, video)
@@ -354,7 +358,8 @@ class Validation(Callback):
                         for (key, name, prompt, s, img), real in mine:
                             lat, video, used = pipe.generate(prompt, key[1], s, steps, guidance, self.negative_prompt,
                                                              dev, record, img,
-                                                             embeds=(embeds[prompt], embeds[self.negative_prompt]))
+                                                             embeds=(embeds[prompt], embeds[self.negative_prompt]),
+                                                             inputs=inputs.get(key[0]))
                             if not real:
                                 continue
                             gap = None

@@ -857,6 +857,12 @@ class MediaDataModule(L.LightningDataModule):
             frames.append(load_clip(s, 1, height, width)[:, 0])
         return frames
 
+    def held_out_inputs(self, n: int) -> list[dict]:
+        """The family's sample inputs ({column: path}, ModelSpec.sample_inputs) of the samples ``first_frames`` takes
+        (the first ``n`` held-out samples, else training samples), for validation videos conditioned as training is."""
+        ds = self.val_dataset if self.val_dataset is not None else self.dataset
+        return [dict(s.inputs) for s in ds.samples[:n]]
+
     def cache_keys(self, samples: list[Sample], shapes: list[Shape], starts: list[int],
                    strides: list[int] | None = None, rates: list[int | None] | None = None) -> list[tuple[str, str]]:
         """(latent key, text key) of each sample (see wanexp.data.cache for what a key covers); ``strides``, ``rates``:

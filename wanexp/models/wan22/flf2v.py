@@ -56,17 +56,20 @@ class FirstLastEncoders(WanEncoders):
 class FirstLastRunner(WanPipelineRunner):
     """diffusers' WanImageToVideoPipeline given the sample's last frame as ``last_image``: ``inputs["last_image"]``,
     an image path (``wanexp-sample --last``: resized and centre-cropped to the sample's size as training crops its
-    clips, handed over as a (1, 3, H, W) tensor in [0, 1], which the pipeline maps to [-1, 1]) or a PIL image."""
+    clips, handed over as a (1, 3, H, W) tensor in [0, 1], which the pipeline maps to [-1, 1]), a clip's path (its
+    frame ``frames - 1``: validation's held-out clip, conditioned as training conditions it) or a PIL image."""
 
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
                  inputs=None):
         from wanexp.models.wan22 import pipeline
 
         last = (inputs or {}).get(LAST_IMAGE)
-        if isinstance(last, (str, os.PathLike)):
+        if isinstance(last, (str, os.PathLike)):  # an image, or a clip (validation's held-out one): its last frame
             from wanexp.data.media import load_clip
+            from wanexp.data.metadata import media_kind
 
-            last = (load_clip(last, 1, shape["height"], shape["width"])[:, 0][None] + 1) / 2
+            frames = shape["frames"] if media_kind(str(last)) == "video" else 1
+            last = (load_clip(last, frames, shape["height"], shape["width"])[:, -1][None] + 1) / 2
         return pipeline.generate(self.pipe, prompt, seed, shape, steps, guidance, negative, device, record, image,
                                  embeds, last_image=last)
 
