@@ -80,10 +80,9 @@ class Preemption(Callback):
         if ckpt is not None:
             save_checkpoint_now(ckpt, trainer)
             checkpoint = ckpt.last_model_path or ckpt.best_model_path or None
-        else:  # callbacks.checkpoint=null: the one checkpoint a session ends with, where resume=last finds it
-            from wanexp.runfolder import CHECKPOINTS
-
-            checkpoint = str(Path(trainer.default_root_dir) / CHECKPOINTS / "last.ckpt")
+        else:  # callbacks.checkpoint=null: the one checkpoint a run ends with (as train.py saves it at the end), in
+            # the run folder's checkpoints/ where resume=last finds it
+            checkpoint = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
             trainer.save_checkpoint(checkpoint)  # collective: every rank stops at this step
         for cb in trainer.callbacks:
             if hasattr(cb, "interrupted"):
