@@ -41,8 +41,7 @@ def loads(log: Path) -> list[tuple[int, int, int]]:
 def test_workers_load_the_next_epochs_first_batch_before_its_pass_begins(tmp_path):
     log = tmp_path / "loads.txt"
     sampler = BucketBatchSampler([(1, 8, 8)] * 8, batch_size=2, seed=3)  # 4 batches an epoch
-    loader = EpochLoader(LoggedLoads(8, log), EpochTagged(sampler), collate_fn=listed, num_workers=2,
-                         persistent_workers=True, prefetch_factor=1)
+    loader = EpochLoader(LoggedLoads(8, log), EpochTagged(sampler), collate_fn=listed, num_workers=2, prefetch_factor=1)
     assert list(loader) == sampler._global_batches(0)
     first = sampler._global_batches(1)[0]
     deadline = time.monotonic() + 30  # (a wait for the workers, not a timing: they need milliseconds)

@@ -561,12 +561,14 @@ class EpochLoader(DataLoader):
     A pass begins where the data position says (BucketBatchSampler.position: from the optimizer steps done, or the
     epoch Lightning set): the one iteration goes on when it stands there (its previous pass went to the epoch's end,
     or nothing of the current pass was taken), and starts again from the position otherwise (a resumed run, a pass
-    left part-way, workers shut down by Lightning's teardown). Each pass ends at its epoch's last batch. ``batch_sampler``
-    stays the one-epoch sampler (``list(loader.batch_sampler)`` is an epoch); the loader draws through torch's
-    ``_index_sampler``, which this class overrides.
+    left part-way, workers shut down by Lightning's teardown). Each pass ends at its epoch's last batch.
+    ``batch_sampler`` stays the one-epoch sampler (``list(loader.batch_sampler)`` is an epoch); the loader draws
+    through torch's ``_index_sampler``, which this class overrides. Its workers are persistent (a restart keeps the
+    processes; Lightning's teardown finds and stops them).
     """
 
     def __init__(self, dataset, batch_sampler: "BucketBatchSampler | EpochTagged", **kwargs):
+        kwargs["persistent_workers"] = kwargs.get("num_workers", 0) > 0
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self._onward = _Onward(batch_sampler)
         self._live = None  # the iteration over every epoch (torch's loader iterator)
@@ -1051,5 +1053,4 @@ class MediaDataModule(L.LightningDataModule):
         # Its own generator: the loader's worker base seed is drawn from it, not from the global RNG, whose state a
         # checkpoint restores (so a resumed run draws the same noise and timesteps as an uninterrupted one).
         return EpochLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
-                           pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0,
-                           generator=torch.Generator().manual_seed(self.seed))
+                           pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(self.seed))
