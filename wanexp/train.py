@@ -28,7 +28,7 @@ def instantiate_named(nodes: DictConfig | None) -> list:
 def build_trainer(cfg: DictConfig, out: Path, context=None):
     """The Trainer of a run; ``context`` (a wanexp.context.RunContext) is handed to the callbacks that read it."""
     import lightning as L
-    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from wanexp.context import hand_over
 
@@ -47,9 +47,12 @@ def build_trainer(cfg: DictConfig, out: Path, context=None):
         from wanexp.callbacks.checkpoint import AtomicCheckpointIO
 
         kwargs["plugins"] = [AtomicCheckpointIO()]
+    # callbacks.checkpoint=null: no checkpoint callback at all (Lightning's default one would save a checkpoint, its
+    # LoRA export and the loss plot at every epoch's end, under logs/); the run saves one at its end (_fit)
     trainer = L.Trainer(**kwargs, strategy=strategy, logger=loggers or False,
                         callbacks=callbacks, default_root_dir=str(out),
                         enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
+                        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                         use_distributed_sampler=False, enable_model_summary=False)
     return trainer
 

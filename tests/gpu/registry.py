@@ -1653,3 +1653,86 @@ CASES[FLF] = Case(
                                  "blocks_swapped": log_value(ctx, FLF, "train", FLF_SWAPPED)},
     record=("train.median_step_s", "train.peak_mem_gib", "blocks_swapped"),
 )
+
+
+# ---- two GPUs against one over whole runs of a small dataset, epoch boundaries included (docs/performance.md) -------
+SCALING = "scaling_5b_2gpu"
+SCALING_CLIPS, SCALING_EPOCHS = 24, 5  # an epoch: 24 steps on one GPU, 12 on two (batch 1)
+SCALING_SKIP = 3  # the steps before the timed stretch: compilation, the first loads
+SCALING_RUNS = {"gpu1": (1, {}), "gpu2": (2, {}), "gpu2_nop2p": (2, {"NCCL_P2P_DISABLE": "1"})}
+
+
+def scaling_data(ctx: Ctx) -> list[str]:
+    """The real-size 5B (light encoders) from the cache of 24 generated 704x1280x17 clips, batch 1, 4 loader workers."""
+    return ["model=ti2v5b", f"model.path={light_dir(ctx)}", "data=synthetic", f"paths.data_dir={ctx.work / 'data24'}",
+            "data.height=704", "data.width=1280", "data.num_frames=17", "data.batch_size=1", "data.num_workers=4",
+            "data.generate.height=704", "data.generate.width=1280", "data.generate.num_frames=17",
+            f"data.generate.num_videos={SCALING_CLIPS}", "data.generate.num_images=0",
+            f"paths.cache_dir={ctx.work / 'cache24'}", "trainer.precision=bf16-mixed"]
+
+
+def whole_run_metrics(run: Path, batch: int = 1, skip: int = SCALING_SKIP) -> dict:
+    """A run logged at every step (``trainer.log_every_n_steps=1``: status.jsonl holds each step's end on rank 0, taken
+    after the step's loss was read from the GPU, so once the GPU finished the step): ``samples_per_s`` from the end of
+    step ``skip`` to the end of the last step, epoch boundaries included; the ``median_step_s``; and each epoch
+    boundary's cost, ``boundary_s``: the time of the step that opens an epoch (the end of one epoch, Lightning's
+    epoch hooks and the next epoch's first batch all land in it) minus the median step."""
+    status = _json(run / "status.json")
+    history = run / "status.jsonl"
+    lines = [json.loads(x) for x in history.read_text().splitlines() if x.strip()] if history.is_file() else []
+    times = {int(x["step"]): float(x["time"]) for x in lines if "val" not in x}
+    per_epoch, world = status.get("steps_per_epoch"), status.get("world_size")
+    steps = [s for s in sorted(times) if s > skip + 1 and s - 1 in times]
+    if not steps or not per_epoch or not world or skip not in times:
+        return {"samples_per_s": None, "median_step_s": None, "boundary_s": [], "boundary_max_s": None}
+    step_s = {s: times[s] - times[s - 1] for s in steps}
+    median = statistics.median(step_s.values())
+    boundary = [step_s[s] - median for s in steps if (s - 1) % per_epoch == 0]
+    last = steps[-1]
+    return {"samples_per_s": (last - skip) * batch * world / (times[last] - times[skip]), "median_step_s": median,
+            "timed_steps": last - skip, "steps_per_epoch": per_epoch, "boundary_s": boundary,
+            "boundary_max_s": max(boundary) if boundary else None,
+            "boundary_mean_s": statistics.mean(boundary) if boundary else None}
+
+
+def scaling_metrics(ctx: Ctx, phases: dict) -> dict:
+    """Per run: run_metrics (state, losses, replicas in sync, LoRA files) with the whole-run numbers over it; and the
+    two-GPU runs' whole-run samples/s over the one-GPU run's (``<run>_scaling``)."""
+    m = {key: {**run_metrics(ctx.run_dir(f"scale_{key}"), skip=SCALING_SKIP),
+               **whole_run_metrics(ctx.run_dir(f"scale_{key}"))} for key in SCALING_RUNS}
+    one = m["gpu1"].get("samples_per_s")
+    for key in ("gpu2", "gpu2_nop2p"):
+        two = m[key].get("samples_per_s")
+        m[f"{key}_scaling"] = two / one if one and two else None
+    return m
+
+
+CASES[SCALING] = Case(
+    name=SCALING, gpus=2, model="ti2v5b",
+    about=f"whole runs of a small dataset, epoch boundaries included: the real-size TI2V-5B (light encoders) from the "
+          f"cache of {SCALING_CLIPS} clips at 704x1280x17, batch 1, 4 loader workers, validation off, logging every "
+          f"step, {SCALING_EPOCHS} epochs on one GPU, on two (DDP) and on two without peer-to-peer "
+          "(NCCL_P2P_DISABLE=1: traffic through the host, as on PCIe cards); samples/s from the end of step "
+          f"{SCALING_SKIP} to the last step, the median step and each epoch boundary's cost (the step opening an "
+          "epoch minus the median)",
+    phases=(BUILD_LIGHT,
+            Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
+                                          f"paths.output_dir={ctx.run_dir('cache24')}"],
+                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            *(train(f"scale_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
+                    "trainer.log_every_n_steps=1", phase=key, minutes=3.5, env=env)
+              for key, (gpus, env) in SCALING_RUNS.items())),
+    checks=(*(c for key, (gpus, _) in SCALING_RUNS.items()
+              for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus)),
+            in_sync("gpu2"), in_sync("gpu2_nop2p"),
+            Check("metrics.gpu2_scaling", ">=", 1.95, "gpu2",
+                  "whole-run samples/s on 2 GPUs over 1, epoch boundaries included"),
+            Check("metrics.gpu2_nop2p_scaling", ">=", 1.95, "gpu2_nop2p",
+                  "the same without peer-to-peer (NCCL_P2P_DISABLE=1)"),
+            *(Check(f"metrics.{key}.boundary_max_s", "<=", 0.2, key,
+                    f"{key}: the costliest of its {SCALING_EPOCHS - 1} epoch boundaries, over the median step")
+              for key in SCALING_RUNS)),
+    collect=scaling_metrics,
+    record=(*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
+            "gpu2_scaling", "gpu2_nop2p_scaling"),
+)

@@ -10,6 +10,7 @@ this callback runs; its handler's job is done here.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -75,11 +76,14 @@ class Preemption(Callback):
             signum = self._agreed(signum)
         if not signum:
             return
-        checkpoint = None
         ckpt = trainer.checkpoint_callback
         if ckpt is not None:
             save_checkpoint_now(ckpt, trainer)
             checkpoint = ckpt.last_model_path or ckpt.best_model_path or None
+        else:  # callbacks.checkpoint=null: the one checkpoint a run ends with (as train.py saves it at the end), in
+            # the run folder's checkpoints/ where resume=last finds it
+            checkpoint = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
+            trainer.save_checkpoint(checkpoint)  # collective: every rank stops at this step
         for cb in trainer.callbacks:
             if hasattr(cb, "interrupted"):
                 cb.interrupted(trainer, signal.Signals(signum).name, checkpoint)

@@ -15,6 +15,10 @@ the loader begins: a resumed run skips the batches those steps consumed in their
 unseen samples, on every rank, whatever Lightning's epoch counter says and however many loader workers prefetch.
 (A loader-level state such as torchdata's StatefulDataLoader counts the batch Lightning prefetches, so it resumes one
 batch late.)
+
+No stall between epochs: the train loader (``EpochLoader``) draws every epoch's batches in one iteration, each pass
+(one per epoch, as Lightning asks for them) a stretch of it, so its workers prefetch the next epoch's first batches
+while the last ones of this epoch train, and keep their processes and open cache files from epoch to epoch.
 """
 from __future__ import annotations
 
@@ -378,9 +382,13 @@ class EpochTagged(Sampler[list[tuple[int, int]]]):
         self.batches = batches
         self.sampler = batches.sampler  # where Lightning sets the epoch
 
+    @staticmethod
+    def tag(epoch: int, batch: list[int]) -> list[tuple[int, int]]:
+        return [(i, epoch) for i in batch]
+
     def __iter__(self):
         for epoch, batch in self.batches.epoch_batches():
-            yield [(i, epoch) for i in batch]
+            yield self.tag(epoch, batch)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -497,8 +505,17 @@ class BucketBatchSampler(Sampler[list[int]]):
         return {o: (n + fill[o], fill[o]) for o, n in sorted(samples.items())}
 
     def epoch_batches(self):
-        """This rank's batches from the current position on, each with its epoch: ``(epoch, batch)``."""
+        """This rank's batches from the current position to its epoch's end, each with its epoch: ``(epoch, batch)``."""
         epoch, done = self.position()
+        yield from self._rank_batches(epoch, done)
+
+    def batches_from(self, epoch: int, done: int):
+        """This rank's batches of every epoch from batch ``done`` of ``epoch`` on, endlessly: ``(epoch, batch)``."""
+        while True:
+            yield from self._rank_batches(epoch, done)
+            epoch, done = epoch + 1, 0
+
+    def _rank_batches(self, epoch: int, done: int):
         for step in self._global_batches(epoch)[done:]:
             b = len(step) // self.world
             yield epoch, step[self.rank * b:(self.rank + 1) * b]
@@ -509,6 +526,72 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return sum(batches for _, _, batches in self.bucket_counts().values())
+
+
+class _Onward:
+    """What an EpochLoader's one iteration draws: this rank's batches of every epoch, from the data position read when
+    the iteration starts (``start``) on; tagged ``(index, epoch)`` where the batch sampler is an EpochTagged."""
+
+    def __init__(self, batch_sampler: "BucketBatchSampler | EpochTagged"):
+        self.tagged = isinstance(batch_sampler, EpochTagged)
+        self.batches: BucketBatchSampler = batch_sampler.batches if self.tagged else batch_sampler
+        self.start: tuple[int, int] | None = None
+
+    def __iter__(self):
+        self.start = self.batches.position()
+        return self._draw(*self.start)
+
+    def _draw(self, epoch: int, done: int):
+        for e, batch in self.batches.batches_from(epoch, done):
+            yield EpochTagged.tag(e, batch) if self.tagged else batch
+
+    def __len__(self) -> int:  # the loader's length: one epoch's batches on this rank
+        return len(self.batches)
+
+
+class EpochLoader(DataLoader):
+    """The train loader: a DataLoader whose passes (one per epoch, as Lightning asks for them) are consecutive stretches
+    of one iteration over every epoch's batches.
+
+    A DataLoader hands its workers the indexes of an epoch only when that epoch's pass begins: with persistent workers
+    they sit idle from the last batch of an epoch until the next pass is asked for, then every step of the next epoch's
+    first ones waits for its batch. Here the workers go on drawing the next epoch's first batches (``prefetch_factor``
+    per worker) while the last ones of this epoch train, in the same processes, with their cache files open.
+
+    A pass begins where the data position says (BucketBatchSampler.position: from the optimizer steps done, or the
+    epoch Lightning set): the one iteration goes on when it stands there (its previous pass went to the epoch's end,
+    or nothing of the current pass was taken), and starts again from the position otherwise (a resumed run, a pass
+    left part-way, workers shut down by Lightning's teardown). Each pass ends at its epoch's last batch.
+    ``batch_sampler`` stays the one-epoch sampler (``list(loader.batch_sampler)`` is an epoch); the loader draws
+    through torch's ``_index_sampler``, which this class overrides. Its workers are persistent (a restart keeps the
+    processes; Lightning's teardown finds and stops them).
+    """
+
+    def __init__(self, dataset, batch_sampler: "BucketBatchSampler | EpochTagged", **kwargs):
+        kwargs["persistent_workers"] = kwargs.get("num_workers", 0) > 0
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self._onward = _Onward(batch_sampler)
+        self._live = None  # the iteration over every epoch (torch's loader iterator)
+        self._at: tuple[int, int] | None = None  # (epoch, batches of it) the live iteration gives next
+
+    @property
+    def _index_sampler(self):
+        return self._onward
+
+    def __iter__(self):
+        stale = self._live is None or (self.num_workers > 0 and self._iterator is not self._live)
+        if stale or self._at != self._onward.batches.position():
+            self._live = super().__iter__()  # persistent workers: the same processes, restarted at the position
+            self._at = self._onward.start
+        return self._pass()
+
+    def _pass(self):
+        epoch, per_epoch = self._at[0], len(self)
+        while self._at[0] == epoch:
+            batch = next(self._live)
+            done = self._at[1] + 1
+            self._at = (epoch, done) if done < per_epoch else (epoch + 1, 0)
+            yield batch
 
 
 def heldout_rows(paths: list[str], fraction: float) -> list[bool]:
@@ -975,6 +1058,5 @@ class MediaDataModule(L.LightningDataModule):
             sampler = EpochTagged(sampler)
         # Its own generator: the loader's worker base seed is drawn from it, not from the global RNG, whose state a
         # checkpoint restores (so a resumed run draws the same noise and timesteps as an uninterrupted one).
-        return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
-                          pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return EpochLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
+                           pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(self.seed))
