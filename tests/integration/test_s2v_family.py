@@ -212,6 +212,13 @@ def test_s2v_caches_trains_resumes_exports_and_samples_with_audio(clips, monkeyp
                                entry["latents"], rtol=1e-4, atol=1e-5)
     sp = json.loads((root / "sp" / "metrics.json").read_text())["processes"]
     assert (sp["sp"], sp["cfg"]) == (2, 1) and sp["block_tokens"] == -(-res["processes"]["block_tokens"] // 2)
+    # a clip as the audio (validation hands over a held-out clip's path) is heard as training hears it: the silent
+    # side.mp4 through its same-name side.wav
+    heard = {}
+    for name in ("side.mp4", "side.wav"):
+        swapped = [str(root / "data" / name) if a == str(speech) else a for a in args]
+        heard[name] = sample.main([*swapped, "--out", str(root / name)])["samples"][0]["latents"]
+    assert torch.equal(heard["side.mp4"], heard["side.wav"]) and not torch.equal(heard["side.wav"], entry["latents"])
 
 
 def test_s2v_trains_with_block_swap_fp8_storage_ddp_and_fsdp(clips, monkeypatch, capsys):

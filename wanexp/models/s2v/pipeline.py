@@ -56,14 +56,14 @@ class S2VPipeline(OneExpertPipeline):
     def audio_input(self, inputs: dict | None, frames: int, fps: int, clips_wanted: int, device) -> torch.Tensor:
         """(clips, 1, layers, dim, frames) features of the sample's audio; without audio, one clip of zeros (and as
         many as asked)."""
-        from wanexp.data.audio import read_audio
+        from wanexp.data.audio import find_audio, read_audio
         from wanexp.models.s2v.audio_encoder import audio_clips
 
         path = (inputs or {}).get("audio")
         if path is None:
             config = self.experts["dense"].config
             return torch.zeros(clips_wanted, 1, config.audio_layers, config.audio_dim, frames, device=device)
-        samples, rate = read_audio(path)
+        samples, rate = read_audio(find_audio(path))  # a clip: its same-name audio file, else its own track
         clips = audio_clips(self.audio_encoder(), samples, rate, fps, frames)[:clips_wanted]
         return clips[:, None].to(device)
 
@@ -78,12 +78,12 @@ class S2VPipeline(OneExpertPipeline):
 
     def soundtrack(self, inputs, frames, fps):
         """The sample's audio from the first frame kept (the first clip's first 3 frames are dropped)."""
-        from wanexp.data.audio import read_audio
+        from wanexp.data.audio import find_audio, read_audio
 
         path = (inputs or {}).get("audio")
         if path is None:
             return None
-        samples, rate = read_audio(path)
+        samples, rate = read_audio(find_audio(path))
         return samples[round(FIRST_CLIP_DROP / fps * rate):], rate
 
     # ---- sampling --------------------------------------------------------------------------------------------
