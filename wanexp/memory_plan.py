@@ -58,13 +58,16 @@ class FitEstimate:
         self.shards, self.tokens = shards, _tokens(cfg.data, spec, self.sp)
         self.checkpointing = bool(m.get("gradient_checkpointing"))
         self.offloading = self.checkpointing and bool(m.get("offload_activations"))
+        # selective checkpointing: a formula's keyword, passed only when on (a family without it refuses it)
+        selective = {"selective": True} if self.checkpointing and m.get("selective_checkpointing") else {}
         self._dtype_bytes = spec.dtype.itemsize
         self._weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else self._dtype_bytes
         self._configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]
         self.layers = max(formula.block_count(c) for c in self._configs)
         compiled = formula.compiled(bool(m.get("compile")))
         self.trainable = trainable_gib(cfg.get("adapter"), transformers)
-        self.activations = max(formula.activations_gib(c, self.tokens, self.checkpointing, self.offloading, compiled)
+        self.activations = max(formula.activations_gib(c, self.tokens, self.checkpointing, self.offloading, compiled,
+                                                       **selective)
                                for c in self._configs) + self.trainable
 
     def weights(self, n: int) -> float:

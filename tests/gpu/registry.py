@@ -533,6 +533,8 @@ A14B_DIT_JOB = Case(
 FP8 = "fp8_5b"
 FP8_VARIANT = "wanexp_model_fp8_true"
 FP8_VARIANT_PATH = "wanexp [model.fp8=true]"  # its label in the bench (what --profile names)
+SAC_VARIANT = "wanexp_model_selective_checkpointing_true"  # selective activation checkpointing (fast.py)
+SAC_VARIANT_PATH = "wanexp [model.selective_checkpointing=true]"
 FP8_JOB = Case(
     name=FP8, gpus=1, model="ti2v5b",
     about="model.fp8=true against the default step on the real-size TI2V-5B DiT at 704x1280x17, without and with "
@@ -1185,15 +1187,18 @@ PERF_VS_COMPILED_JOB = Case(
     about="wanexp.cli.bench on the real-size TI2V-5B DiT at 704x1280x17 (4,400 tokens), every path in one process: "
           "the plain loops (scalar and per-token timesteps, eager and with each block compiled) and wanexp's step, "
           "without (bench) and with checkpointing (bench_ckpt); each path's speed-up against the strongest (fastest) "
-          "plain loop; the opt-in FP8 base (model.fp8=true, in bench) and 27,280 tokens with checkpointing (long) "
-          "against the compiled per-token loop. One call, ~9.5 min",
+          "plain loop; the opt-in FP8 base (model.fp8=true, in bench), selective checkpointing "
+          "(model.selective_checkpointing=true, in bench_ckpt and long) and 27,280 tokens with checkpointing (long) "
+          "against the compiled per-token loop. One call, ~10 min",
     phases=(BUILD_DIT,
             bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--variants", "model.fp8=true",
                   "--warmup", "3", "--steps", "6", "--profile", f"{VS_PROFILE[1]},{FP8_VARIANT_PATH}", minutes=4.5),
             bench("bench_ckpt", VS_COMPILED, "--frames", "17", "--ckpt", "--paths", VS_PATHS, "--warmup", "3",
-                  "--steps", "6", *VS_PROFILE, minutes=4.5),
+                  "--steps", "6", "--variants", "model.selective_checkpointing=true", "--profile",
+                  f"{VS_PROFILE[1]},{SAC_VARIANT_PATH}", minutes=5),
             bench("long", VS_COMPILED, "--frames", "121", "--ckpt", "--paths", "plain_tokens_compiled,wanexp",
-                  "--warmup", "1", "--steps", "3", "--no-check", "--profile", "wanexp", minutes=5)),
+                  "--variants", "model.selective_checkpointing=true", "--warmup", "1", "--steps", "3", "--no-check",
+                  "--profile", f"wanexp,{SAC_VARIANT_PATH}", minutes=6)),
     checks=(
         *(Check(f"metrics.{p}.numerics_ok", "==", True, p, f"{p}: wanexp and the compiled per-token plain loop "
                 "compute the plain loop's function") for p in VS_RUNS),
@@ -1208,6 +1213,9 @@ PERF_VS_COMPILED_JOB = Case(
         Check("metrics.long.wanexp.tflops", ">=", 460, "long",
               "27,280 tokens with checkpointing (484 TFLOP/s measured 2026-11-27; the target is 550)"),
         Check("metrics.bench_ckpt.wanexp.peak_gib", "<=", 14, "bench_ckpt", "12.4 GiB measured (H100)"),
+        *(Check(f"metrics.{p}.{SAC_VARIANT}.median_s", "present", None, p,
+                f"{p}: selective checkpointing's step (target: 270 ms at <= 20 GiB at 4,400 tokens)")
+          for p in ("bench_ckpt", "long")),
     ),
     collect=strongest_metrics(VS_COMPILED, *VS_RUNS, *VS_MORE),
     record=(*(f"{p}.{k}" for p in VS_RUNS for k in (
@@ -1215,7 +1223,9 @@ PERF_VS_COMPILED_JOB = Case(
         *(f"{path}.peak_gib" for path in ("plain_tokens_compiled", "wanexp")), "wanexp.vs_strongest")),
             *(f"bench.{FP8_VARIANT}.{k}" for k in ("median_s", "out_rel_err", "grad_rel_err", "peak_gib")),
             *(f"long.{k}" for k in ("plain_tokens_compiled.median_s", "wanexp.median_s", "wanexp.tflops",
-                                    "wanexp.vs_strongest"))),
+                                    "wanexp.vs_strongest")),
+            *(f"{p}.{SAC_VARIANT}.{k}" for p in ("bench_ckpt", "long")
+              for k in ("median_s", "peak_gib", "tflops", "out_rel_err", "grad_rel_err"))),
 )
 
 CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB

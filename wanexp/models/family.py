@@ -179,6 +179,7 @@ class ModelSpec:
         fp8_storage: bool = False,
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
+        selective_checkpointing: bool = False,
         frame_rule: list[int] | None = None,
         audio_dropout: float | None = None,
         transformer_path: str | None = None,
@@ -222,6 +223,7 @@ class ModelSpec:
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
         self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
         self.offload_activations = offload_activations  # checkpointed blocks' inputs in host memory (fast.py)
+        self.selective_checkpointing = selective_checkpointing  # checkpointed blocks keep some outputs (fast.py)
         # share of training samples with zeroed audio (a family with audio input; None: its default_audio_dropout)
         self.audio_dropout = self.default_audio_dropout if audio_dropout is None else audio_dropout
         if audio_dropout and not self.draws_audio_dropout:
@@ -232,6 +234,15 @@ class ModelSpec:
         if offload_activations and needs:
             raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
                               f"needs {needs}")
+        if selective_checkpointing and not self.selective_checkpointing_supported:
+            raise ConfigError(f"model.selective_checkpointing=true: model={name}'s blocks have no save policy; set it "
+                              "to false (every checkpointed block recomputes all but its input)")
+        if selective_checkpointing and needs:
+            raise ConfigError("model.selective_checkpointing=true chooses what a checkpointed block keeps: it needs "
+                              f"{needs}")
+        if selective_checkpointing and offload_activations:
+            raise ConfigError("model.selective_checkpointing=true keeps outputs on the GPU that "
+                              "model.offload_activations=true is there to move off it; set one of them to false")
         if memory_budget_gib is not None and needs:
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
                               f"needs {needs}")
@@ -446,6 +457,8 @@ class ModelSpec:
         return transformer.blocks
 
     pads_sequence = False  # sequence parallel: True where the family pads its tokens to a multiple of the ranks
+    # model.selective_checkpointing: True where the family's checkpointed blocks take a save policy
+    selective_checkpointing_supported = False
 
     @classmethod
     def wanexp_forward(cls, fast_modulation: bool) -> bool:

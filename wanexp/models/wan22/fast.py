@@ -20,6 +20,7 @@ uses.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -215,7 +216,9 @@ def checkpointed_blocks(transformer: nn.Module, tokens: int) -> int:
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad) * 4 * 3 / 2**30
         per_block = block_activation_gib(transformer.config, tokens)
         dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        cache[tokens] = blocks_to_checkpoint(layers, per_block, budget, used + trainable, tokens * dim * 2 / 2**30)
+        kept = kept_gib(transformer, tokens)  # selective checkpointing: what a checkpointed block keeps
+        cache[tokens] = blocks_to_checkpoint(layers, per_block - kept, budget, used + trainable + layers * kept,
+                                             tokens * dim * 2 / 2**30)
         print(f"wanexp: model.memory_budget_gib={budget:g}: {tokens} tokens per step, checkpointing "
               f"{cache[tokens]} of {layers} blocks (about {per_block:.2f} GiB of activations per block kept, "
               f"{used + trainable:.1f} GiB held)", flush=True)
@@ -239,8 +242,79 @@ def compile_supported() -> tuple[bool, str]:
 
 
 def checkpointed_call(block: nn.Module, *args):
-    """One block under activation checkpointing (non-reentrant), the function compiled by :func:`compile_blocks`."""
-    return torch_checkpoint(block, *args, use_reentrant=False)
+    """One block under activation checkpointing (non-reentrant), the function compiled by :func:`compile_blocks`;
+    selective where :func:`set_selective_checkpointing` gave the block a policy."""
+    policy = getattr(block, "_wanexp_keep", None)
+    if policy is None:
+        return torch_checkpoint(block, *args, use_reentrant=False)
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return torch_checkpoint(block, *args, use_reentrant=False,
+                            context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+
+# ---- selective activation checkpointing (model.selective_checkpointing) -------------------------------------------
+# The attention kernels whose outputs (and log-sum-exp) a selectively checkpointed block keeps for its self-attention:
+# the recompute skips it, the costliest part of a block to run again at long sequences (the cross-attention's 512
+# text keys are cheap to run again).
+ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+# the frozen linear with its bias (addmm); the LoRA's bias-free products (mm) are recomputed (rank-wide: cheap)
+MATMUL_OPS = (torch.ops.aten.addmm.default,)
+
+
+class KeepAttentionAndUpProjection:
+    """The save policy of a selectively checkpointed block (``torch.utils.checkpoint``'s ``context_fn``): keep the
+    outputs of the self-attention kernel (queries and keys of one length) and of the FFN's up-projection (the frozen
+    GEMM whose output is ``ffn_dim`` wide, ``ffn.0``), recompute everything else (norms, modulation, projections,
+    cross-attention, LoRA products, GELU). Per block and token that keeps dim + ffn_dim bf16 values (plus the
+    attention's log-sum-exp) besides the block's input."""
+
+    def __init__(self, ffn_dim: int):
+        self.ffn_dim = ffn_dim
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if op in ATTENTION_OPS and args[1].shape[-2] == args[0].shape[-2]:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMUL_OPS and args[-1].shape[-1] == self.ffn_dim:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def set_selective_checkpointing(transformer: nn.Module, on: bool) -> None:
+    """Give every block the save policy of :class:`KeepAttentionAndUpProjection` (``on``), or none (every
+    checkpointed block recomputes all but its inputs)."""
+    policy = KeepAttentionAndUpProjection(transformer.config.ffn_dim) if on else None
+    for block in transformer.blocks:
+        block._wanexp_keep = policy
+
+
+def kept_bytes_per_token(heads: int, head_dim: int, ffn_dim: int) -> int:
+    """What a selectively checkpointed block keeps per token besides its input: the attention output (bf16), its
+    log-sum-exp (fp32 per head) and the FFN's up-projection (bf16)."""
+    return 2 * heads * head_dim + 4 * heads + 2 * ffn_dim
+
+
+def kept_gib(transformer: nn.Module, tokens: int) -> float:
+    """What a checkpointed block of ``transformer`` keeps for its backward besides its input (0 without selective
+    checkpointing)."""
+    if getattr(transformer.blocks[0], "_wanexp_keep", None) is None:
+        return 0.0
+    c = transformer.config
+    return tokens * kept_bytes_per_token(c.num_attention_heads, c.attention_head_dim, c.ffn_dim) / 2**30
+
+
+def eager_checkpoint(transformer: nn.Module):
+    """The eager checkpoint of a block (around the compiled block, or of an eager one): diffusers'
+    ``_gradient_checkpointing_func``, or under selective checkpointing the same non-reentrant checkpoint with the
+    blocks' save policy (:func:`checkpointed_call`)."""
+    if getattr(transformer.blocks[0], "_wanexp_keep", None) is None:
+        return transformer._gradient_checkpointing_func
+    return checkpointed_call
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
@@ -289,11 +363,11 @@ def checkpoint_function(transformer: nn.Module, sequence_parallel: bool):
     (collectives inside the block): there the block is called as before."""
     compiled = getattr(transformer, "_wanexp_compiled_checkpoint", None)
     if compiled is None or sequence_parallel:
-        return transformer._gradient_checkpointing_func
+        return eager_checkpoint(transformer)
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(transformer.blocks[0], FSDPModule):
-        return transformer._gradient_checkpointing_func
+        return eager_checkpoint(transformer)
     return compiled
 
 

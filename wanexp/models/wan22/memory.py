@@ -43,16 +43,18 @@ class WanMemory:
         return base_gib(config, weight_bytes, other_bytes, resident_blocks)
 
     def activations_gib(self, config: dict, tokens: int, checkpointing: bool, offloading: bool,
-                        compiled: bool) -> float:
+                        compiled: bool, selective: bool = False) -> float:
         """The least activation memory of one step: with checkpointing, every block keeps its bf16 input (offloaded:
-        one on its way to the host) and one block's backward recomputes it (fast.py); without, every block keeps its
-        activations."""
-        from wanexp.models.wan22.fast import block_activation_gib
+        one on its way to the host; selective: its attention output and FFN up-projection too) and one block's
+        backward recomputes it (fast.py); without, every block keeps its activations."""
+        from wanexp.models.wan22.fast import block_activation_gib, kept_bytes_per_token
 
         if checkpointing:
-            d = config["num_attention_heads"] * config["attention_head_dim"]
+            d, heads = config["num_attention_heads"] * config["attention_head_dim"], config["num_attention_heads"]
             kept = 1 if offloading else config["num_layers"]
-            return kept * tokens * d * 2 / 2**30 + recompute_gib(config, tokens, compiled)
+            extra = (config["num_layers"] * tokens * kept_bytes_per_token(heads, config["attention_head_dim"],
+                                                                           config["ffn_dim"]) if selective else 0)
+            return (kept * tokens * d * 2 + extra) / 2**30 + recompute_gib(config, tokens, compiled)
         return config["num_layers"] * block_activation_gib(SimpleNamespace(**config), tokens)
 
     def compiled(self, compile: bool) -> bool:

@@ -20,6 +20,7 @@ class WanSpec(ModelSpec):
 
     transformer_class = "diffusers.WanTransformer3DModel"
     pads_sequence = True  # wanexp's forward (models/wan22/fast.py) pads the tokens under sequence parallel
+    selective_checkpointing_supported = True  # fast.KeepAttentionAndUpProjection
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
     # the diffusers pipeline of the folder, its extra arguments (from LAYOUTS), and the pipeline of an image-to-video
@@ -195,6 +196,7 @@ class WanSpec(ModelSpec):
             fast.use_frame_modulation(model)
             fast.set_memory_budget(model, self.memory_budget_gib)
             model._wanexp_offload_activations = self.offload_activations
+            fast.set_selective_checkpointing(model, self.selective_checkpointing)
         if self.compile:  # lazy: compiles at the first call, after the adapters are added (and FSDP2 has sharded)
             fast.compile_blocks(model, checkpoint=self.compile_checkpoint)
         return model
