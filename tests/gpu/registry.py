@@ -1724,14 +1724,18 @@ CASES[SCALING] = Case(
           f"step, {SCALING_EPOCHS} epochs on one GPU, on two (DDP) and on two without peer-to-peer "
           "(NCCL_P2P_DISABLE=1: traffic through the host, as on PCIe cards); samples/s from the end of step "
           f"{SCALING_SKIP} to the last step, the median step and each epoch boundary's cost (the step opening an "
-          "epoch minus the median)",
+          "epoch minus the median); then 2 GPUs with steps 12-14 profiled (an epoch boundary among them)",
     phases=(BUILD_LIGHT,
             Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
                                           f"paths.output_dir={ctx.run_dir('cache24')}"],
                   minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
             *(train(f"scale_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
                     "trainer.log_every_n_steps=1", phase=key, minutes=3.5, env=env)
-              for key, (gpus, env) in SCALING_RUNS.items())),
+              for key, (gpus, env) in SCALING_RUNS.items()),
+            # where a boundary's time goes, if one is slow: steps 12-14 on 2 GPUs under the profiler (the step opening
+            # epoch 1 is step 13; rank 0's profile line is in the phase's log, its JSON in the run's profile/)
+            train("scale_gpu2_profiled", 2, 16, scaling_data, "parallel=ddp", "callbacks.profile.start_step=10",
+                  "callbacks.profile.steps=3", phase="gpu2_profiled", minutes=2.5)),
     checks=(*(c for key, (gpus, _) in SCALING_RUNS.items()
               for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus)),
             in_sync("gpu2"), in_sync("gpu2_nop2p"),
@@ -1741,7 +1745,8 @@ CASES[SCALING] = Case(
                   "the same without peer-to-peer (NCCL_P2P_DISABLE=1)"),
             *(Check(f"metrics.{key}.boundary_max_s", "<=", 0.2, key,
                     f"{key}: the costliest of its {SCALING_EPOCHS - 1} epoch boundaries, over the median step")
-              for key in SCALING_RUNS)),
+              for key in SCALING_RUNS),
+            Check("phases.gpu2_profiled.rc", "==", 0, "gpu2_profiled", "the profiled run ends")),
     collect=scaling_metrics,
     record=(*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
             "gpu2_scaling", "gpu2_nop2p_scaling"),
