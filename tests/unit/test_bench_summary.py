@@ -60,11 +60,17 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     fp8 = case.phases[1].argv(ctx)
     assert fp8[fp8.index("--variants") + 1] == "model.fp8=true"
     assert registry.FP8_VARIANT_PATH in fp8[fp8.index("--profile") + 1].split(",")
+    for p in (case.phases[2], case.phases[3]):  # selective checkpointing beside the checkpointed step and at length
+        argv = p.argv(ctx)
+        assert argv[argv.index("--variants") + 1] == "model.selective_checkpointing=true"
+        assert registry.SAC_VARIANT_PATH in argv[argv.index("--profile") + 1].split(",")
     times = {"bench": (392.9, 255.0, 420.0, 249.8, 255.8), "bench_ckpt": (568.0, 440.0, 683.8, 433.9, 344.8)}
     for name, ms in times.items():
         results = [_row(p, t) for p, t in zip(default_paths(True, compiled=True), ms)]
         if name == "bench":
             results.append({**_row(registry.FP8_VARIANT_PATH, 243.8), "peak_gib": 26.7})
+        else:  # selective checkpointing, a variant of the checkpointed step
+            results.append({**_row(registry.SAC_VARIANT_PATH, 301.0), "peak_gib": 16.9})
         strongest = speedups(results)
         path = registry.bench_json(ctx, registry.VS_COMPILED, name)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +80,8 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     # 27,280 tokens with checkpointing (TFLOP/s)
     long = case.phases[3].argv(ctx)
     assert long[long.index("--frames") + 1] == "121" and "--ckpt" in long
-    results = [_row("plain_tokens_compiled", 4100.0), {**_row("wanexp", 3760.0), "tflops": 486.0}]
+    results = [_row("plain_tokens_compiled", 4100.0), {**_row("wanexp", 3760.0), "tflops": 486.0},
+               _row(registry.SAC_VARIANT_PATH, 3300.0)]
     strongest = speedups(results)
     registry.bench_json(ctx, registry.VS_COMPILED, "long").write_text(json.dumps(
         [{"results": results, "numerics": [], "numerics_ok": True, "strongest_plain": strongest}]))
@@ -85,6 +92,8 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     assert m["long"]["wanexp"]["vs_strongest"] == pytest.approx(4100.0 / 3760.0)
     assert m["bench"]["strongest_plain"] == "plain_tokens_compiled"
     assert m["bench_ckpt"]["wanexp"]["vs_strongest"] == pytest.approx(433.9 / 344.8)
+    assert m["bench_ckpt"][registry.SAC_VARIANT]["median_s"] == pytest.approx(0.301)
+    assert m["long"][registry.SAC_VARIANT]["median_s"] == pytest.approx(3.3)
     assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
     row = run.record_row(case, result, tmp_path / "bench").read_text()
     assert "bench.strongest_plain plain_tokens_compiled" in row and f"bench_ckpt.wanexp.vs_strongest " \
