@@ -119,7 +119,7 @@ def test_a_folder_without_a_run_is_sampled_as_the_model_group_its_transformer_ma
     with pytest.raises(sample.ConfigError) as e:
         sample._folder_model(tmp_path)
     assert str(e.value) == (f"--model-path {tmp_path}: its transformer (in/out channels 20/20) is none of the model "
-                            "groups' (i2v14b, s2v14b, t2v14b, ti2v5b); pass a diffusers folder of one of them, or "
+                            "groups' (animate14b, i2v14b, s2v14b, t2v14b, ti2v5b); pass a diffusers folder of one of them, or "
                             "--run with the run folder")
 
 

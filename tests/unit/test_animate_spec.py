@@ -183,3 +183,10 @@ def test_a_control_file_that_cannot_be_read_is_a_reject_reason(tmp_path, spec):
     (tmp_path / "bad.mp4").write_bytes(b"not a video")
     assert spec.check_sample_input("face_video", str(tmp_path / "bad.mp4")).startswith(
         f"face_video: {tmp_path / 'bad.mp4'}: cannot read the video")
+
+
+def test_an_animate_folder_is_sampled_as_animate14b_not_as_i2v14b(spec):
+    """Its DiT has I2V-A14B's channels (36 in, 16 out): wanexp-sample --model-path tells them apart by its class."""
+    from wanexp.cli import sample
+
+    assert sample._folder_model(spec.path).name == "animate14b"

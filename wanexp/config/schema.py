@@ -84,7 +84,8 @@ class ModelConfig:
     animate_mode: Optional[str] = knob(None, choices=("animation", "replacement"),
                                        doc="Wan2.2-Animate: animation (the reference character driven by the pose and "
                                            "face videos) or replacement (it replaces the person of a background video "
-                                           "inside a mask); null: a model without modes")
+                                           "inside a mask); null: the family's first (Animate: animation), or a model "
+                                           "without modes")
     # Any: a block count or "auto" (the config rules check which; OmegaConf has no int-or-string type)
     blocks_to_swap: Any = knob(None, ge=0, doc="frozen weights of N blocks kept in host memory, copied to the GPU "
                                "ahead of use (null/0: none; auto: the fewest that fit)")

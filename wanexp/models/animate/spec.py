@@ -20,6 +20,7 @@ not the reference slot before them.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -64,6 +65,7 @@ class AnimateSpec(ModelSpec):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self.animate_mode = self.animate_mode or MODES[0]  # null: animation
         if self.animate_mode not in MODES:
             raise ConfigError(f"model.animate_mode={self.animate_mode}: model={self.name} takes one of "
                               f"{', '.join(MODES)}")
@@ -71,6 +73,16 @@ class AnimateSpec(ModelSpec):
             self.sample_inputs = {**CONTROL, **REPLACEMENT}
 
     # ---- the folder --------------------------------------------------------------------------------------------
+    @classmethod
+    def is_release_folder(cls, path) -> bool:
+        """A folder whose transformer is the Animate DiT (its config names the class): wanexp-sample --model-path
+        tells it from I2V-A14B's, whose DiT has the same channels."""
+        try:
+            config = json.loads((Path(path) / "transformer" / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(config, dict) and config.get("_class_name") == cls.transformer_class.rpartition(".")[2]
+
     def check_folder(self, experts: list[str]) -> None:
         super().check_folder(experts)
         if not (self.path / "image_processor" / "preprocessor_config.json").is_file():
