@@ -102,6 +102,7 @@ def test_the_encoders_give_the_dit_what_the_diffusers_pipeline_gives_it(shared_d
     spec.transformer_call(transformer, hidden, timestep, text, cond)
     ours = ours["call"]
     assert x0.shape == (1, 16, 1 + (F - 1) // 4 + 1, H // 8, W // 8)
+    assert encoders.decode(x0).shape == (1, 3, F, H, W)  # the clip's frames: the reference slot is not decoded
     assert ours["hidden_states"].shape == got["hidden_states"].shape == (1, 36, *x0.shape[2:])
     close = dict(rtol=0, atol=2e-6)
     torch.testing.assert_close(ours["hidden_states"][:, 16:], got["hidden_states"][:, 16:], **close)
