@@ -191,3 +191,20 @@ def test_an_animate_folder_is_sampled_as_animate14b_not_as_i2v14b(spec):
     from wanexp.cli import sample
 
     assert sample._folder_model(spec.path).name == "animate14b"
+
+
+def test_the_memory_formula_counts_the_released_dits_weights():
+    """The planner's weight estimate of the released Animate DiT (built on the meta device: 17.3 B parameters, the
+    face adapter's 0.84 B and the added image key/value projections included) is its bf16 size within 0.1 %."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
+    from wanexp.models.animate.memory import AnimateMemory
+    from wanexp.models.animate.spec import AnimateSpec
+
+    with torch.device("meta"):
+        dit = WanAnimateTransformer3DModel(**transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280))
+    actual = sum(p.numel() for p in dit.parameters()) * 2 / 2**30
+    assert AnimateMemory().weights_gib(dict(dit.config), 2, 2, 40) == pytest.approx(actual, rel=1e-3)
+    blocks = sum(p.numel() for p in dit.blocks.parameters()) * 2 / 2**30
+    assert AnimateMemory().weights_gib(dict(dit.config), 2, 2, 0) == pytest.approx(actual - blocks, rel=1e-2)

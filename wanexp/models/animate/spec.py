@@ -182,9 +182,9 @@ class AnimateSpec(ModelSpec):
         return transformer_step_flops(config, latent_shape, text_len, checkpointing)
 
     def memory_formula(self):
-        from wanexp.models.wan22.memory import WanMemory
+        from wanexp.models.animate.memory import AnimateMemory
 
-        return WanMemory()
+        return AnimateMemory()
 
     # ---- [seam: generation] ----------------------------------------------------------------------------------
     def load_scheduler(self):
