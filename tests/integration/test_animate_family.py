@@ -197,3 +197,22 @@ def test_samples_without_their_motion_videos_are_refused_in_one_line(clips, monk
         with pytest.raises(SystemExit):
             sample.main([*base, *extra])
         assert line in capsys.readouterr().err
+
+
+def test_checkpointing_and_block_swap_train_the_same_lora(clips, monkeypatch, capsys):
+    """Gradient checkpointing (the DiT blocks' and the face adapter's: recomputed in the backward) and block swap
+    (1 of the 2 blocks' frozen weights in host memory) give the plain run's LoRA exactly."""
+    root = clips
+    _cache(monkeypatch, capsys, _overrides(root))
+
+    def trained(name, *extra):
+        result = _train(*_overrides(root, "trainer.max_steps=2", f"paths.output_dir={root}/{name}", *extra))
+        return result, load_file(next((root / name / "lora" / "final").glob("*_diffusers.safetensors")))
+
+    _, plain = trained("plain")
+    result, checkpointed = trained("checkpointed", "model.gradient_checkpointing=true")
+    transformer = result["module"].transformers["dense"]
+    assert transformer.is_gradient_checkpointing and transformer.face_adapter[0].forward.__name__ == "run"
+    _, swapped = trained("swap", "model.blocks_to_swap=1")
+    for other in (checkpointed, swapped):
+        assert plain.keys() == other.keys() and all(torch.equal(plain[k], other[k]) for k in plain)
