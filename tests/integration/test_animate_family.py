@@ -197,6 +197,14 @@ def test_samples_without_their_motion_videos_are_refused_in_one_line(clips, monk
         with pytest.raises(SystemExit):
             sample.main([*base, *extra])
         assert line in capsys.readouterr().err
+    # validation samples during training have no motion videos: the run stops at its step-0 validation, in one line
+    from wanexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"validation samples during training have none: set "
+                                          r"callbacks.validation=null"):
+        _train(*[o for o in _overrides(clips, "trainer.max_steps=1", f"paths.output_dir={clips}/val",
+                                       "callbacks.validation.every_n_steps=1", "callbacks.validation.steps=1")
+                 if o != "callbacks.validation=null"])
 
 
 def test_checkpointing_and_block_swap_train_the_same_lora(clips, monkeypatch, capsys):

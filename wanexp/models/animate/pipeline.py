@@ -72,8 +72,9 @@ class AnimatePipeline(OneExpertPipeline):
         missing = [n for n in self.spec.sample_inputs if n not in inputs]
         if missing:
             flags = " ".join(f"--{n.replace('_', '-')}" for n in missing)
-            raise ConfigError(f"model={self.spec.name} ({self.spec.animate_mode}) needs {flags} for every --prompt "
-                              "(videos of the motion to follow: docs/animate.md)")
+            raise ConfigError(f"model={self.spec.name} ({self.spec.animate_mode}) samples from {flags} for every "
+                              "--prompt (videos of the motion to follow: docs/animate.md); validation samples during "
+                              "training have none: set callbacks.validation=null and sample with wanexp-sample")
         face = self.spec.face_size()
         return {n: read_frames(p, frames, fps, *((face, face) if n == "face_video" else ())) for n, p in
                 inputs.items()}
@@ -81,10 +82,10 @@ class AnimatePipeline(OneExpertPipeline):
     @torch.no_grad()
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
                  inputs=None):
-        if image is None:
-            raise ConfigError(f"model={self.spec.name} animates a reference image: pass one --image per --prompt")
         frames, fps = shape["frames"], shape.get("fps") or self.spec.fps
         videos = self.inputs_of(inputs, frames, fps)
+        if image is None:
+            raise ConfigError(f"model={self.spec.name} animates a reference image: pass one --image per --prompt")
         dtype = self.pipe.transformer.dtype
         text = {"prompt": prompt, "negative_prompt": negative} if embeds is None else {
             "prompt_embeds": embeds[0][None].to(device, dtype), "negative_prompt_embeds": embeds[1][None].to(device,
