@@ -228,13 +228,15 @@ def _uses_cfg(args, s) -> bool:
 
 def _inputs(args, s, model) -> list[dict]:
     """Each prompt's family inputs (``--audio`` and ``--<input>`` for the model's sample inputs, e.g. S2V's audio,
-    Animate's pose and face videos): [] for none. Every input the model's samples have is needed once per --prompt;
-    a flag the model does not take, a count that does not match the prompts' or a missing file is one line."""
-    names = tuple(_spec(dict(s, model_group=model), None).sample_inputs)  # the instance's: they may depend on a mode
+    Animate's pose and face videos): [] for none. An input given is given once per --prompt; every one is needed
+    when the family's sampler has no default for them (``ModelSpec.sampling_needs_inputs``; audio: always). A flag
+    the model does not take, a count that does not match the prompts' or a missing file is one line."""
+    spec = _spec(dict(s, model_group=model), None)
+    names = tuple(spec.sample_inputs)  # the instance's: they may depend on a mode
     given: dict[str, list[str]] = {"audio": list(args.audio)} if args.audio else {}
     for name, path in args.inputs:
         given.setdefault(name, []).append(path)
-    for name in names:
+    for name in names if spec.sampling_needs_inputs else [n for n in names if n == "audio"]:
         given.setdefault(name, [])
     for name, paths in given.items():
         flag = "--" + name.replace("_", "-")

@@ -411,6 +411,9 @@ class ModelSpec:
     # Sample inputs a row may leave out: input -> the other columns it is read from, in order; a row with none of
     # them hands the clip's own media path to load_sample_input (e.g. a video's audio stream).
     sample_input_fallbacks: dict[str, tuple[str, ...]] = {}
+    # whether wanexp-sample needs every sample input once per --prompt (``--<input>`` flags); False: its sampler has a
+    # default for a missing one (e.g. zero features)
+    sampling_needs_inputs: bool = False
 
     def route(self, sigma: torch.Tensor, loaded: list[str]) -> torch.Tensor:
         """Each sample's expert as an index into ``loaded`` (long, on sigma's device): here every sample goes to the

@@ -62,6 +62,7 @@ class AnimateSpec(ModelSpec):
     # ---- [seam: conditioning] ------------------------------------------------------------------------------------
     encoder_folders = ("vae", "text_encoder", "tokenizer", "image_encoder")
     sample_inputs = dict(CONTROL)  # model.animate_mode=replacement adds REPLACEMENT's (per instance)
+    sampling_needs_inputs = True  # a sample follows its pose and face videos: there is no default motion
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
