@@ -1751,3 +1751,72 @@ CASES[SCALING] = Case(
     record=(*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
             "gpu2_scaling", "gpu2_nop2p_scaling"),
 )
+
+
+# ---- Wan2.2-Animate-14B at real size: LoRA training on one 28 GiB GPU, generation through WanAnimatePipeline ---------
+# The released DiT's shapes with random weights (17.3 B parameters, 32.2 GiB in bf16), the CLIP ViT-H/14 vision tower,
+# UMT5-XXL and the Wan2.1 VAE (real_sizes.yaml animate14b) as the diffusers folder; two generated 77-frame 480x832
+# clips with pose and face videos. The family's DiT runs diffusers' forward: no offloaded activations, so the
+# reference's 77-frame segment needs ~30 GiB even with every block swapped (the planner's estimate); under the cap it
+# trains 49-frame clips (13 + 1 latent frames), and the 77-frame segment trains on one uncapped GPU.
+def animate_dir(ctx: Ctx) -> Path:
+    return ctx.work / "animate14b"
+
+
+def animate_data(frames: int) -> Callable[[Ctx], list[str]]:
+    def data(ctx: Ctx) -> list[str]:
+        return ["model=animate14b", f"model.path={animate_dir(ctx)}", "data=synthetic", "data.generate=null",
+                f"data.metadata={ctx.work / 'animate_data' / 'metadata.csv'}", "data.height=480", "data.width=832",
+                f"data.num_frames={frames}", "data.batch_size=1", "data.num_workers=2",
+                f"paths.cache_dir={ctx.work / 'cache_animate'}", "trainer.precision=bf16-mixed"]
+    return data
+
+
+def animate_shape(ctx: Ctx) -> list[str]:
+    """One 77-frame segment at 480x832 with the capped run's LoRA, 4 steps, no CFG (the reference's default)."""
+    data = ctx.work / "animate_data"
+    return ["--run", str(ctx.run_dir("animate")), "--height", "480", "--width", "832", "--frames", "77", "--steps",
+            "4", "--guidance", "1", "--seed", "0", "--prompt", "a person dancing", "--image", str(data / "ref.png"),
+            "--pose-video", str(data / "pose0.mp4"), "--face-video", str(data / "face0.mp4")]
+
+
+ANIMATE = "animate_14b"
+ANIMATE_PLAN = ("adapter.rank=32", "model.gradient_checkpointing=true", "model.blocks_to_swap=auto",
+                "trainer.log_every_n_steps=1")
+CASES[ANIMATE] = Case(
+    name=ANIMATE, gpus=1, model="animate14b",
+    about="Wan2.2-Animate-14B at real size (random weights; real CLIP ViT-H/14, UMT5-XXL, Wan2.1 VAE): LoRA r32 on "
+          f"480x832x49 clips with their pose and face videos on one GPU capped at {CAP_GIB} GiB (the plan sizes block "
+          "swap to the capped GPU, every block and face adapter checkpointed), 4 steps from the cache; the reference's "
+          "77-frame segment, 4 steps on the uncapped GPU; one 77-frame 480x832 sample through WanAnimatePipeline "
+          "with the capped run's LoRA",
+    phases=(Phase("build_animate", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model",
+                                                "animate14b", "--entry", "animate14b", "--path", str(animate_dir(ctx))],
+                  minutes=6, fresh=lambda ctx: [animate_dir(ctx)]),
+            Phase("clips_animate", lambda ctx: [ctx.python, "tests/gpu/animate_clips.py",
+                                                str(ctx.work / "animate_data")], minutes=0.5),
+            *(Phase(f"cache_animate_{f}", lambda ctx, f=f: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB),
+                                                           "wanexp.cli.cache", *animate_data(f)(ctx),
+                                                           f"paths.output_dir={ctx.run_dir(f'cache_animate_{f}')}"],
+                    minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}) for f in (49, 77)),
+            Phase("train_animate", lambda ctx: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB), "train.py",
+                                                *animate_data(49)(ctx), *ANIMATE_PLAN, "trainer.max_steps=4",
+                                                "callbacks.progress=null", "callbacks.validation.every_n_steps=0",
+                                                f"paths.output_dir={ctx.run_dir('animate')}", "run_name=animate"],
+                  minutes=4, fresh=lambda ctx: [ctx.run_dir("animate")],
+                  # train.py's own allocator setting (parallel.env), too late under capped.py (see s2v_14b)
+                  env={"CUDA_VISIBLE_DEVICES": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+            train("animate_77", 1, 4, animate_data(77), *ANIMATE_PLAN, phase="train_animate_77", minutes=4),
+            generate("gen_1", ANIMATE, 1, model=animate_dir, shape=animate_shape, cap=None, minutes=4)),
+    checks=(*finished("animate", 4, "train_animate"),
+            Check("metrics.animate.peak_mem_gib", "<=", CAP_GIB, "train_animate", "the LoRA step under the cap"),
+            *finished("animate_77", 4, "train_animate_77"),
+            Check("metrics.animate_77.peak_mem_gib", "present", None, "train_animate_77",
+                  "the 77-frame segment's peak, recorded"),
+            Check("phases.gen_1.rc", "==", 0, "gen_1", "a sample with the LoRA through WanAnimatePipeline")),
+    collect=both(lambda ctx, phases: {"animate": run_metrics(ctx.run_dir("animate")),
+                                      "animate_77": run_metrics(ctx.run_dir("animate_77"))},
+                 generation_metrics(ANIMATE, "gen_1")),
+    record=("animate.median_step_s", "animate.peak_mem_gib", "animate_77.median_step_s", "animate_77.peak_mem_gib",
+            "gen_1.s_per_step", "gen_1.peak_gib"),
+)

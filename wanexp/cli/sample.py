@@ -11,7 +11,9 @@ of a wanexp run; without it the model group is the one whose layout the folder h
 samples image-to-video from that image, resized and centre-cropped to the sample's size as training crops its clips:
 TI2V-5B takes one optionally, I2V-A14B always needs one, T2V-A14B refuses it. ``--first`` is ``--image``; ``--last``
 (one per ``--prompt``, cropped the same way) is the sample's last frame for a first-last-frame model (``flf2v14b``,
-which needs both; a model without first-last-frame conditioning refuses it). A LoRA made by
+which needs both; a model without first-last-frame conditioning refuses it). A family's own sample inputs are flags
+named after their columns, one per ``--prompt`` (S2V's ``--audio``; Animate's ``--pose-video``, ``--face-video``, and
+in replacement mode ``--background-video``, ``--mask-video``). A LoRA made by
 ``objective=dmd`` carries its student steps in its file header: it is sampled with exactly those steps (the shifted
 sigmas of training, each step predicting x0 and re-noising it to the next sigma) and no CFG. Otherwise the pipeline's
 own scheduler runs ``--steps`` steps with CFG ``--guidance``. The experts serve the steps as in training
@@ -104,7 +106,27 @@ def _parse(argv):
     ap.add_argument("--timeout", type=int, default=900,
                     help="seconds a process waits for the others at each phase (start, prompts, weights, each "
                          "sample) before it names the late rank and stops")
-    return ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    args.inputs = _input_flags(ap, extra)
+    return args
+
+
+def _input_flags(ap, extra: list[str]) -> list[tuple[str, str]]:
+    """The model family's own sample inputs given as ``--<input> PATH`` (an input column's name with dashes, e.g.
+    ``--pose-video``: ModelSpec.sample_inputs), one per --prompt: (name, path) pairs in order. Whether the model takes
+    them is checked once the model is known; anything else unparsed is argparse's one-line error."""
+    pairs, rest = [], list(extra)
+    while rest:
+        flag = rest.pop(0)
+        name, _, value = flag.partition("=")
+        if not (name.startswith("--") and len(name) > 2 and name[2:].replace("-", "").isalnum()):
+            ap.error(f"unrecognized arguments: {flag}")
+        if not value:
+            if not rest or rest[0].startswith("--"):
+                ap.error(f"argument {name}: expected one argument")
+            value = rest.pop(0)
+        pairs.append((name[2:].replace("-", "_"), value))
+    return pairs
 
 
 def _settings(args) -> dict:
@@ -153,7 +175,7 @@ def _settings(args) -> dict:
 
     spec = load_class(str(model._target_))
     s["images"] = _images(args, spec, model.name, s["height"], s["width"])
-    s["inputs"] = _inputs(args, spec, model.name)
+    s["inputs"] = _inputs(args, s, model)
     _last_images(args, spec, model.name, s)
     s["model_group"] = model
     s["layout"] = _layout(args, spec, s)
@@ -211,19 +233,31 @@ def _uses_cfg(args, s) -> bool:
     return args.guidance > 1 and not distilled
 
 
-def _inputs(args, spec, model: str) -> list[dict]:
-    """Each prompt's family inputs (``--audio``, for a family whose samples have an ``audio`` input): [] for none.
-    A flag the model does not take, a count that does not match the prompts' or a missing file is one line."""
-    takes = "audio" in spec.sample_inputs
-    if args.audio and not takes:
-        raise ConfigError(f"--audio: model={model} is not driven by audio; leave out --audio, or sample an S2V model")
-    if takes and len(args.audio) != len(args.prompt):
-        raise ConfigError(f"--audio given {len(args.audio)} time(s) for {len(args.prompt)} --prompt(s) (model={model} "
-                          "is speech-to-video): pass one --audio per --prompt, in the same order")
-    for p in args.audio:
-        if not Path(p).is_file():
-            raise ConfigError(f"--audio {p}: file not found")
-    return [{"audio": p} for p in args.audio]
+def _inputs(args, s, model) -> list[dict]:
+    """Each prompt's family inputs (``--audio`` and ``--<input>`` for the model's sample inputs, e.g. S2V's audio,
+    Animate's pose and face videos): [] for none. An input given is given once per --prompt; every one is needed
+    when the family's sampler has no default for them (``ModelSpec.sampling_needs_inputs``; audio: always). A flag
+    the model does not take, a count that does not match the prompts' or a missing file is one line."""
+    spec = _spec(dict(s, model_group=model), None)
+    names = tuple(spec.sample_inputs)  # the instance's: they may depend on a mode
+    given: dict[str, list[str]] = {"audio": list(args.audio)} if args.audio else {}
+    for name, path in args.inputs:
+        given.setdefault(name, []).append(path)
+    for name in names if spec.sampling_needs_inputs else [n for n in names if n == "audio"]:
+        given.setdefault(name, [])
+    for name, paths in given.items():
+        flag = "--" + name.replace("_", "-")
+        if name not in names:
+            have = ", ".join("--" + n.replace("_", "-") for n in names) or "none"
+            raise ConfigError(f"{flag}: model={model.name} takes no {name} (its sample inputs: {have}); leave out "
+                              f"{flag}")
+        if len(paths) != len(args.prompt):
+            raise ConfigError(f"{flag} given {len(paths)} time(s) for {len(args.prompt)} --prompt(s) (model="
+                              f"{model.name} samples from one each): pass one {flag} per --prompt, in the same order")
+        for p in paths:
+            if not Path(p).is_file():
+                raise ConfigError(f"{flag} {p}: file not found")
+    return [{name: paths[i] for name, paths in given.items()} for i in range(len(args.prompt))] if given else []
 
 
 def _last_images(args, spec, model: str, s: dict) -> None:
@@ -256,9 +290,10 @@ def spec_experts(s) -> list[str]:
 def _folder_model(path: Path, last: bool = False):
     """The model group (conf/model) of a model folder sampled without ``--run``: of the groups of released models
     (those without a tiny ``build``), the one whose spec's DiT has the folder's transformer's input and output
-    channels; of two with the same weights (I2V-A14B and its first-last-frame variant), the one that takes a last
-    frame when ``last`` (``--last`` given), else the other. Its spec says how the model takes an image; its ``fps``,
-    the rate the videos are written at."""
+    channels, a group whose spec recognises the folder itself (``is_release_folder``: S2V's release, Animate's DiT
+    class) before one that matches by channels; of two with the same weights (I2V-A14B and its first-last-frame
+    variant), the one that takes a last frame when ``last`` (``--last`` given), else the other. Its spec says how the
+    model takes an image; its ``fps``, the rate the videos are written at."""
     from wanexp.config import model_group, model_group_files
     from wanexp.models.family import ModelSpec, load_class
 
@@ -270,10 +305,11 @@ def _folder_model(path: Path, last: bool = False):
     for name, own in released.items():  # a group that names no spec class takes its defaults' (composed)
         spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
         diffusers_format = spec.is_release_folder.__func__ is ModelSpec.is_release_folder.__func__
-        if spec.is_release_folder(path) or (diffusers_format and (spec.in_channels, spec.latent_channels) == channels):
-            found.append((("last_image" in spec.sample_inputs) != last, name))
+        own_folder = spec.is_release_folder(path)
+        if own_folder or (diffusers_format and (spec.in_channels, spec.latent_channels) == channels):
+            found.append((not own_folder, ("last_image" in spec.sample_inputs) != last, name))
     if found:
-        return model_group(min(found)[1], "--model-path")
+        return model_group(min(found)[-1], "--model-path")
     raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
                       f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
                       "--run with the run folder")

@@ -84,6 +84,11 @@ class ModelConfig:
     audio_dropout: Optional[float] = knob(None, ge=0.0, le=1.0, doc="share of training samples with zeroed audio "
                                           "features (audio CFG's unconditional branch); null: the family's default "
                                           "(S2V: 0.1, none without audio input)")
+    animate_mode: Optional[str] = knob(None, choices=("animation", "replacement"),
+                                       doc="Wan2.2-Animate: animation (the reference character driven by the pose and "
+                                           "face videos) or replacement (it replaces the person of a background video "
+                                           "inside a mask); null: the family's first (Animate: animation), or a model "
+                                           "without modes")
     # Any: a block count or "auto" (the config rules check which; OmegaConf has no int-or-string type)
     blocks_to_swap: Any = knob(None, ge=0, doc="frozen weights of N blocks kept in host memory, copied to the GPU "
                                "ahead of use (null/0: none; auto: the fewest that fit)")

@@ -143,6 +143,7 @@ class ModelSpec:
     reference_image: bool = False  # samples from a reference image (wanexp-sample --image, optional): S2V
     per_token_timestep: bool = False  # the DiT takes a timestep per token, not one per sample
     draws_audio_dropout: bool = False  # a share of samples train with zeroed audio features (model.audio_dropout)
+    modes: tuple[str, ...] = ()  # the values model.animate_mode takes (none: the family has no modes)
     default_audio_dropout: float = 0.0  # that share when model.audio_dropout is null
     # The components, as ``package.module.Class`` (diffusers/transformers classes with from_pretrained).
     transformer_class: str = ""
@@ -182,6 +183,7 @@ class ModelSpec:
         selective_checkpointing: bool = False,
         frame_rule: list[int] | None = None,
         audio_dropout: float | None = None,
+        animate_mode: str | None = None,
         transformer_path: str | None = None,
         transformer_2_path: str | None = None,
         vae_path: str | None = None,
@@ -228,6 +230,9 @@ class ModelSpec:
         self.audio_dropout = self.default_audio_dropout if audio_dropout is None else audio_dropout
         if audio_dropout and not self.draws_audio_dropout:
             raise ConfigError(f"model.audio_dropout={audio_dropout}: model={name} has no audio input; set it to 0")
+        self.animate_mode = animate_mode  # a family with modes reads it (Wan2.2-Animate); others refuse one
+        if animate_mode is not None and not self.modes:
+            raise ConfigError(f"model.animate_mode={animate_mode}: model={name} has no modes; leave it null")
         own = self.wanexp_forward(fast_modulation)
         needs = " and ".join(["model.gradient_checkpointing=true"] * (not gradient_checkpointing)
                              + ["model.fast_modulation=true"] * (not own))
@@ -419,6 +424,9 @@ class ModelSpec:
     # Sample inputs a row may leave out: input -> the other columns it is read from, in order; a row with none of
     # them hands the clip's own media path to load_sample_input (e.g. a video's audio stream).
     sample_input_fallbacks: dict[str, tuple[str, ...]] = {}
+    # whether wanexp-sample needs every sample input once per --prompt (``--<input>`` flags); False: its sampler has a
+    # default for a missing one (e.g. zero features)
+    sampling_needs_inputs: bool = False
 
     def route(self, sigma: torch.Tensor, loaded: list[str]) -> torch.Tensor:
         """Each sample's expert as an index into ``loaded`` (long, on sigma's device): here every sample goes to the

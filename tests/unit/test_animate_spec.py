@@ -1,0 +1,210 @@
+"""The Wan2.2-Animate family's pieces without training (wanexp/models/animate/): what its encoders give the DiT equals
+what diffusers' WanAnimatePipeline gives it for the same inputs (animation and replacement), the DiT input and its
+loss mask (the reference slot left out), the LoRA's modules (the blocks', not the face adapter's), the data rules
+(the one-line refusal of a metadata file without pose/face columns) and the mode."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import compose_cfg
+from wanexp.errors import ConfigError
+
+F, H, W = 9, 32, 32
+
+
+@pytest.fixture(scope="module")
+def spec(shared_dir):
+    return _spec(shared_dir)
+
+
+def _spec(shared_dir, *extra):
+    from hydra.utils import instantiate
+
+    from wanexp.models.tiny import ensure_tiny_model
+
+    s = instantiate(compose_cfg(["model=tiny_animate", f"paths.tiny_model_dir={shared_dir}", *extra]).model,
+                    _convert_="all")
+    ensure_tiny_model(s)
+    return s
+
+
+def _frames(n, h, w, seed, binary=False):
+    g = np.random.default_rng(seed)
+    if binary:
+        block = (g.random((n, h // 8, w // 8, 1)) > 0.5).astype(np.uint8) * 255
+        return np.repeat(np.repeat(np.repeat(block, 8, 1), 8, 2), 3, 3)
+    return g.integers(0, 256, size=(n, h, w, 3), dtype=np.uint8)
+
+
+def _pixels(frames):
+    """uint8 (F, H, W, 3) -> (1, 3, F, H, W) in [-1, 1], as wanexp.data.media decodes a clip."""
+    return (torch.from_numpy(frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0)
+
+
+def _pil(frames):
+    from PIL import Image
+
+    return [Image.fromarray(f) for f in frames]
+
+
+def _pipeline_call(spec, mode, videos, image, prompt_embeds):
+    """The keyword arguments WanAnimatePipeline gives the transformer at its first call."""
+    from wanexp.models.animate.pipeline import build_animate_pipeline
+
+    transformer = spec.load_transformer("dense")
+    pipe = build_animate_pipeline(spec, transformer, spec.load_vae(), spec.load_scheduler())
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen.setdefault("call", kwargs)
+
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        pipe(image=image, prompt_embeds=prompt_embeds, height=H, width=W, segment_frame_length=F,
+             num_inference_steps=1, guidance_scale=1.0, mode=mode, generator=torch.Generator().manual_seed(0),
+             output_type="latent", **videos)
+    finally:
+        handle.remove()
+    return seen["call"], transformer
+
+
+@pytest.mark.parametrize("mode", ["animation", "replacement"])
+def test_the_encoders_give_the_dit_what_the_diffusers_pipeline_gives_it(shared_dir, mode):
+    """One clip, its pose and face videos (and background and mask): the reference latents (mask and latent
+    channels of the reference slot and the segment), the pose latents, the face pixels, the CLIP image features and
+    the text reach the transformer exactly as WanAnimatePipeline passes them at a segment's first step; only the
+    noise differs (the pipeline's own draw against the training x_t)."""
+    spec = _spec(shared_dir, f"model.animate_mode={mode}")
+    face = spec.face_size()
+    clip, pose, face_frames = _frames(F, H, W, 0), _frames(F, H, W, 1), _frames(F, face, face, 2)
+    background, mask = _frames(F, H, W, 3), _frames(F, H, W, 4, binary=True)
+    encoders = spec.load_encoders()
+    batch = {"pixels": _pixels(clip), "pose_video": _pixels(pose), "face_video": _pixels(face_frames),
+             "prompt": ["a person dances"]}
+    videos = {"pose_video": _pil(pose), "face_video": _pil(face_frames)}
+    if mode == "replacement":
+        batch.update(background_video=_pixels(background), mask_video=_pixels(mask))
+        videos.update(background_video=_pil(background), mask_video=_pil(mask))
+    x0, cond = encoders.encode_media(batch)
+    text = encoders.encode_prompts(batch["prompt"])
+    got, transformer = _pipeline_call(spec, "replace" if mode == "replacement" else "animate", videos,
+                                      _pil(clip[:1])[0], text)
+    ours = {}
+
+    def hook(module, args, kwargs):
+        ours.setdefault("call", kwargs)
+
+    transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    sigma = torch.tensor([0.5])
+    hidden, timestep, _ = spec.model_inputs(torch.randn_like(x0), x0, sigma, cond)
+    spec.transformer_call(transformer, hidden, timestep, text, cond)
+    ours = ours["call"]
+    assert x0.shape == (1, 16, 1 + (F - 1) // 4 + 1, H // 8, W // 8)
+    assert encoders.decode(x0).shape == (1, 3, F, H, W)  # the clip's frames: the reference slot is not decoded
+    assert ours["hidden_states"].shape == got["hidden_states"].shape == (1, 36, *x0.shape[2:])
+    close = dict(rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours["hidden_states"][:, 16:], got["hidden_states"][:, 16:], **close)
+    for key in ("pose_hidden_states", "face_pixel_values", "encoder_hidden_states_image", "encoder_hidden_states"):
+        assert ours[key].shape == got[key].shape, key
+        torch.testing.assert_close(ours[key], got[key], **close, msg=key)
+    # the segment's mask: 0 everywhere (animation), 1 - the mask video at the latent size (replacement)
+    segment_mask = ours["hidden_states"][0, 16:20, 1:]
+    if mode == "animation":
+        assert segment_mask.eq(0).all()
+    else:
+        assert segment_mask.eq(0).any() and segment_mask.eq(1).any()
+    assert ours["hidden_states"][0, 16:20, 0].eq(1).all()  # the reference slot: given
+
+
+def test_the_loss_covers_the_clip_and_not_the_reference_slot(spec):
+    x0 = torch.randn(2, 16, 4, 4, 4)
+    cond = {"reference_latents": torch.randn(2, 20, 4, 4, 4)}
+    hidden, timestep, mask = spec.model_inputs(x0 + 1, x0, torch.tensor([0.25, 0.5]), cond)
+    assert torch.equal(hidden, torch.cat([x0 + 1, cond["reference_latents"]], dim=1))
+    assert torch.equal(timestep, torch.tensor([250.0, 500.0]))
+    assert mask.shape == (2, 1, 4, 1, 1) and not mask[:, :, 0].any() and mask[:, :, 1:].all()
+
+
+def test_the_lora_trains_the_blocks_attention_and_ffn_and_not_the_face_adapter(spec):
+    import re
+
+    naming = spec.adapter_naming
+    names = [n for n, m in spec.load_transformer("dense").named_modules() if isinstance(m, torch.nn.Linear)]
+    regex = re.compile(naming.target_regex(["q", "k", "v", "o", "ffn.0", "ffn.2"], None))
+    targeted = [n for n in names if regex.match(n)]
+    assert len(targeted) == 2 * (2 * 4 + 2)  # 2 blocks: self and cross attention's q, k, v, o and the FFN's two
+    assert any(n.startswith("face_adapter.") for n in names) and not any("face_adapter" in n for n in targeted)
+    assert not any("add_k_proj" in n or "add_v_proj" in n for n in targeted)
+    assert naming.to_original("blocks.1.attn2.to_v") == "blocks.1.cross_attn.v"
+    assert naming.from_original("blocks.0.ffn.2") == "blocks.0.ffn.net.2"
+
+
+def test_a_metadata_file_without_pose_or_face_columns_is_refused_in_one_line(tmp_path, spec):
+    (tmp_path / "m.csv").write_text("video,prompt\na.mp4,one\nb.mp4,two\n")
+    data = {"metadata": str(tmp_path / "m.csv"), "root": None, "window": "first", "frame_stride": 1}
+    with pytest.raises(ConfigError) as e:
+        type(spec).check_groups(data, None)
+    line = str(e.value)
+    assert "\n" not in line and "pose_video and face_video" in line and "wan/modules/animate/preprocess" in line
+    # a file where some rows have them: each row without is a reject of its own, with its reason
+    (tmp_path / "m.csv").write_text("video,prompt,pose_video,face_video\na.mp4,one,p.mp4,f.mp4\nb.mp4,two,,\n")
+    type(spec).check_groups(data, None)
+    from wanexp.data.metadata import read_metadata_with_rejects
+
+    samples, rejects = read_metadata_with_rejects(tmp_path / "m.csv", inputs=tuple(spec.sample_inputs))
+    assert len(samples) == 1 and rejects[0].reason.startswith("no pose_video")
+    with pytest.raises(ConfigError, match="data.window=random: Animate trains each clip's first window"):
+        type(spec).check_groups(dict(data, window="random"), None)
+
+
+def test_the_mode_picks_the_sample_inputs(shared_dir):
+    assert list(_spec(shared_dir).sample_inputs) == ["pose_video", "face_video"]
+    replace = _spec(shared_dir, "model.animate_mode=replacement")
+    assert list(replace.sample_inputs) == ["pose_video", "face_video", "background_video", "mask_video"]
+    with pytest.raises(ConfigError, match="model.animate_mode=dance: allowed values are animation, replacement"):
+        _spec_of(shared_dir, "model=tiny_animate", "model.animate_mode=dance")
+    with pytest.raises(ConfigError, match="model.animate_mode=animation: model=tiny has no modes"):
+        _spec_of(shared_dir, "model=tiny", "model.animate_mode=animation")
+
+
+def _spec_of(shared_dir, *overrides):
+    from wanexp.composition import build
+    from wanexp.config import check_schema
+
+    cfg = compose_cfg([*overrides, f"paths.tiny_model_dir={shared_dir}"])
+    check_schema(cfg)
+    return build(cfg.model)
+
+
+def test_a_control_file_that_cannot_be_read_is_a_reject_reason(tmp_path, spec):
+    assert spec.check_sample_input("pose_video", str(tmp_path / "none.mp4")) == \
+        f"pose_video: {tmp_path / 'none.mp4'}: file not found"
+    (tmp_path / "bad.mp4").write_bytes(b"not a video")
+    assert spec.check_sample_input("face_video", str(tmp_path / "bad.mp4")).startswith(
+        f"face_video: {tmp_path / 'bad.mp4'}: cannot read the video")
+
+
+def test_an_animate_folder_is_sampled_as_animate14b_not_as_i2v14b(spec):
+    """Its DiT has I2V-A14B's channels (36 in, 16 out): wanexp-sample --model-path tells them apart by its class."""
+    from wanexp.cli import sample
+
+    assert sample._folder_model(spec.path).name == "animate14b"
+
+
+def test_the_memory_formula_counts_the_released_dits_weights():
+    """The planner's weight estimate of the released Animate DiT (built on the meta device: 17.3 B parameters, the
+    face adapter's 0.84 B and the added image key/value projections included) is its bf16 size within 0.1 %."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
+    from wanexp.models.animate.memory import AnimateMemory
+    from wanexp.models.animate.spec import AnimateSpec
+
+    with torch.device("meta"):
+        dit = WanAnimateTransformer3DModel(**transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280))
+    actual = sum(p.numel() for p in dit.parameters()) * 2 / 2**30
+    assert AnimateMemory().weights_gib(dict(dit.config), 2, 2, 40) == pytest.approx(actual, rel=1e-3)
+    blocks = sum(p.numel() for p in dit.blocks.parameters()) * 2 / 2**30
+    assert AnimateMemory().weights_gib(dict(dit.config), 2, 2, 0) == pytest.approx(actual - blocks, rel=1e-2)
