@@ -197,14 +197,23 @@ def test_samples_without_their_motion_videos_are_refused_in_one_line(clips, monk
         with pytest.raises(SystemExit):
             sample.main([*base, *extra])
         assert line in capsys.readouterr().err
-    # validation samples during training have no motion videos: the run stops at its step-0 validation, in one line
-    from wanexp.errors import ConfigError
+    # validation during training animates held-out clip i's first frame with its own pose and face videos
+    from wanexp.models.animate import pipeline
 
-    with pytest.raises(ConfigError, match=r"validation samples during training have none: set "
-                                          r"callbacks.validation=null"):
-        _train(*[o for o in _overrides(clips, "trainer.max_steps=1", f"paths.output_dir={clips}/val",
-                                       "callbacks.validation.every_n_steps=1", "callbacks.validation.steps=1")
-                 if o != "callbacks.validation=null"])
+    given = []
+    generate = pipeline.AnimatePipeline.generate
+
+    def spy(self, prompt, seed, shape, *args, **kwargs):
+        given.append((args[5], kwargs.get("inputs")))  # the reference image, the control videos
+        return generate(self, prompt, seed, shape, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.AnimatePipeline, "generate", spy)
+    _train(*[o for o in _overrides(clips, "trainer.max_steps=1", f"paths.output_dir={clips}/val",
+                                   "callbacks.validation.every_n_steps=1", "callbacks.validation.steps=1",
+                                   "callbacks.validation.at_start=false", "callbacks.validation.loss_samples=0")
+             if o != "callbacks.validation=null"])
+    assert given and all(img is not None and set(inp) == {"pose_video", "face_video"} for img, inp in given)
+    assert list((clips / "val" / "validation").rglob("*.mp4"))
 
 
 def test_checkpointing_and_block_swap_train_the_same_lora(clips, monkeypatch, capsys):

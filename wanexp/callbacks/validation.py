@@ -305,7 +305,8 @@ class Validation(Callback):
             negative = getattr(objective, "negative_prompt", negative)
         embeds = self._embeddings(trainer, pl_module, encoders, (negative,))
         sizes = self.sizes(trainer.datamodule)
-        image = spec.needs_image_latent or bool(self.images) or (self.first_frame and spec.draws_first_frame)
+        image = (spec.needs_image_latent or bool(self.images) or (self.first_frame and spec.draws_first_frame)
+                 or spec.reference_image)  # S2V, Animate: a reference image, the held-out clip's first frame
         images: dict = {}
         if image:
             images = self._first_frames(trainer.datamodule, sizes)

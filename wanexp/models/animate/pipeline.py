@@ -73,8 +73,7 @@ class AnimatePipeline(OneExpertPipeline):
         if missing:
             flags = " ".join(f"--{n.replace('_', '-')}" for n in missing)
             raise ConfigError(f"model={self.spec.name} ({self.spec.animate_mode}) samples from {flags} for every "
-                              "--prompt (videos of the motion to follow: docs/animate.md); validation samples during "
-                              "training have none: set callbacks.validation=null and sample with wanexp-sample")
+                              "--prompt (videos of the motion to follow: docs/animate.md)")
         face = self.spec.face_size()
         return {n: read_frames(p, frames, fps, *((face, face) if n == "face_video" else ())) for n, p in
                 inputs.items()}

@@ -121,10 +121,10 @@ class AnimateSpec(ModelSpec):
         return AnimateEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), image_encoder,
                                processor, self.text_len, self.face_size(), self.animate_mode == "replacement")
 
-    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None) -> torch.Tensor:
+    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None, size=None) -> torch.Tensor:
         """The first ``num_frames`` frames of a control video at ``fps`` (those of the clip: data.window=first,
         stride 1) as (3, F, h, w) in [-1, 1]: the face video at the face encoder's size, the others at their own
-        size (the encoders fit them to the clip's as the clip was fitted)."""
+        size (the encoders fit them to the clip's ``size`` as the clip was fitted)."""
         from wanexp.data.media import load_clip
 
         if name == "face_video":
