@@ -52,6 +52,18 @@ def shared_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def _hydra_full_error_as_found():
+    """A command's main run in the test's process (wanexp.composition.hydra_main) sets HYDRA_FULL_ERROR for Hydra:
+    unset again after the test, so the commands later tests start in subprocesses keep their one-line errors."""
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    yield
+    if before is None:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = before
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_models_outside_the_repo(shared_dir) -> None:
     """A test that composes ``experiment=demo`` without ``paths.tiny_model_dir`` (and every run it starts) finds and

@@ -81,6 +81,8 @@ def _cache(monkeypatch, capsys, overrides):
     from wanexp.cli import cache
     from wanexp.data.cache import CacheIndex
 
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # main sets it for Hydra: unset again after the test
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
     monkeypatch.setattr(sys, "argv", ["wanexp-cache", *overrides])
     cache.main()
     capsys.readouterr()

@@ -81,6 +81,8 @@ def test_flf2v_caches_trains_resumes_exports_and_samples_first_to_last(data, sha
 
     root, d = data, data / "data"
     # 1. the cache: each clip's latents and its first-last condition; the row whose last_image is missing rejected
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # main sets it for Hydra: unset again after the test
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
     monkeypatch.setattr("sys.argv", ["wanexp-cache", *_overrides(root, shared_dir)])
     cache.main()
     index = CacheIndex(root / "cache")
