@@ -248,3 +248,24 @@ class CliRun:
             self.proc.wait()
             raise
         return subprocess.CompletedProcess(self.proc.args, code, self.out.read_text(), self.err.read_text())
+
+
+def record_condition_channels(monkeypatch, first: int) -> list:
+    """Every transformer call's input channels from ``first`` on (an I2V-A14B sample's mask and image condition),
+    recorded while ``wanexp.models.wan22.pipeline.generate`` runs: the list they are appended to."""
+    from wanexp.models.wan22 import pipeline
+
+    seen: list = []
+    generate = pipeline.generate
+
+    def spy(pipe, *args, **kwargs):
+        hooks = [m.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"][:, first:].clone()),
+                                             with_kwargs=True) for m in (pipe.transformer, pipe.transformer_2)]
+        try:
+            return generate(pipe, *args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
+    return seen

@@ -129,21 +129,9 @@ def test_flf2v_caches_trains_resumes_exports_and_samples_first_to_last(data, sha
 
     # 4. wanexp-sample --first/--last: every transformer call's 20 condition channels are the mask and the latents
     # of [first, zeros, last] as training builds them; the second prompt's other last frame gives another condition
-    seen: list[torch.Tensor] = []
-    from wanexp.models.wan22 import pipeline
+    from tests.helpers import record_condition_channels
 
-    generate = pipeline.generate
-
-    def spy(pipe, *args, **kwargs):
-        hooks = [m.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"][:, 16:].clone()),
-                                             with_kwargs=True) for m in (pipe.transformer, pipe.transformer_2)]
-        try:
-            return generate(pipe, *args, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-
-    monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
+    seen = record_condition_channels(monkeypatch, 16)
     first_img, lasts = _image(tmp_path / "first.png", 1), [_image(tmp_path / "a.png", 2), d / "end.png"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -228,19 +228,9 @@ def test_an_image_conditions_every_step_of_an_i2v_a14b_sample(trained, tmp_path,
 
     r = trained("tiny_i2v14b")
     d = r["cfg"].data
-    seen: list[torch.Tensor] = []
-    from wanexp.models.wan22.pipeline import generate
+    from tests.helpers import record_condition_channels
 
-    def spy(pipe, *args, **kwargs):
-        hooks = [m.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"][:, 20:].clone()),
-                                             with_kwargs=True) for m in (pipe.transformer, pipe.transformer_2)]
-        try:
-            return generate(pipe, *args, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-
-    monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
+    seen = record_condition_channels(monkeypatch, 20)
     images = [_wide_image(tmp_path / "a.png", 0), _wide_image(tmp_path / "b.png", 1)]
     res = sample.main(["--run", r["output_dir"], "--prompt", "a red ball", "--prompt", "a blue ball", "--steps", "2",
                        "--guidance", "1", "--device", "cpu", "--out", str(tmp_path / "out"),
