@@ -95,11 +95,16 @@ def frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
 
 def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                         encoder_hidden_states_image: torch.Tensor | None = None, return_dict: bool = True,
-                        attention_kwargs: dict | None = None):
-    """WanTransformer3DModel's forward with the time embedding computed per latent frame (see the module doc)."""
+                        attention_kwargs: dict | None = None, control_hidden_states: torch.Tensor | None = None,
+                        control_hidden_states_scale: torch.Tensor | None = None):
+    """WanTransformer3DModel's forward with the time embedding computed per latent frame (see the module doc); a
+    WanVACETransformer3DModel's too, given its ``control_hidden_states`` (:func:`control_hints`)."""
     if attention_kwargs is not None:  # a LoRA scale through attention_kwargs: the stock path handles it
-        return type(self).forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
-                                  return_dict, attention_kwargs)
+        control = {} if control_hidden_states is None else {
+            "control_hidden_states": control_hidden_states, "control_hidden_states_scale": control_hidden_states_scale}
+        return type(self).forward(self, hidden_states, timestep, encoder_hidden_states,
+                                  encoder_hidden_states_image=encoder_hidden_states_image, return_dict=return_dict,
+                                  attention_kwargs=attention_kwargs, **control)
     b, _, f, h, w = hidden_states.shape
     pt, ph, pw = self.config.patch_size
     frames, ph_, pw_ = f // pt, h // ph, w // pw
@@ -137,6 +142,12 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
         temb, timestep_proj = (sequence.shard_modulation(x, tokens, sp, padded) for x in (temb, timestep_proj))
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+    hints = {}
+    if control_hidden_states is not None:
+        if sp is not None:
+            raise RuntimeError("a VACE control branch under sequence parallel: not supported")
+        hints = control_hints(self, hidden_states, encoder_hidden_states, control_hidden_states,
+                              control_hidden_states_scale, timestep_proj, rotary_emb)
 
     if torch.is_grad_enabled() and self.gradient_checkpointing:
         n_ckpt = checkpointed_blocks(self, hidden_states.shape[0] * hidden_states.shape[1])
@@ -148,9 +159,13 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
                 hidden_states = ckpt(block, hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
             else:
                 hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+            if i in hints:
+                hidden_states = hidden_states + hints[i]
     else:
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+            if i in hints:
+                hidden_states = hidden_states + hints[i]
 
     # output norm and projection: (1, 1, 2, D) + (B, G, 1, D) -> (B, G, 1, D) each
     shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unsqueeze(2).unbind(3)
@@ -169,6 +184,29 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     return Transformer2DModelOutput(sample=output)
+
+
+def control_hints(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, control: torch.Tensor,
+                  scale: torch.Tensor | None, timestep_proj: torch.Tensor, rotary_emb) -> dict:
+    """A WanVACETransformer3DModel's control branch, as diffusers computes it: the control tokens (zero-padded to the
+    hidden tokens) through the ``vace_blocks`` (checkpointed when the base blocks are), block k's hint times its
+    scale to be added after base block ``vace_layers[k]``; returns {base block index: hint}. One modulation row per
+    sample (a scalar timestep: the A14B layouts VACE exists for)."""
+    if timestep_proj.shape[1] != 1:
+        raise RuntimeError("a VACE control branch with per-token timesteps: not supported")
+    temb = timestep_proj[:, 0]
+    control = self.vace_patch_embedding(control.to(hidden_states.dtype)).flatten(2).transpose(1, 2)
+    pad = control.new_zeros(control.shape[0], hidden_states.shape[1] - control.shape[1], control.shape[2])
+    control = torch.cat([control, pad], dim=1)
+    layers = list(self.config.vace_layers)
+    scale = control.new_ones(len(layers)) if scale is None else scale
+    checkpointed = torch.is_grad_enabled() and self.gradient_checkpointing
+    hints = {}
+    for k, block in enumerate(self.vace_blocks):
+        args = (hidden_states, encoder_hidden_states, control, temb, rotary_emb)
+        hint, control = self._gradient_checkpointing_func(block, *args) if checkpointed else block(*args)
+        hints[layers[k]] = hint * scale[k]
+    return hints
 
 
 # ---- activation checkpointing within a memory budget --------------------------------------------------------------

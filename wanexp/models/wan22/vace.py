@@ -192,7 +192,8 @@ class VaceEncoders(WanEncoders):
 class VaceMemory(WanMemory):
     """Wan's formula for the base blocks (what block swap and checkpointing count) plus the control blocks, always
     on the device: their linears (a block's, and each one's output projection, the first one's input projection
-    too) and the control patch embedding; each control block keeps two token streams for its backward."""
+    too) and the control patch embedding; each checkpointed control block keeps its control tokens for its backward
+    (the hidden tokens it reads are the base blocks' first input, kept once) and its hint lives until it is added."""
 
     def weights_gib(self, config, weight_bytes, other_bytes, resident_blocks):
         n, d = len(config["vace_layers"]), config["num_attention_heads"] * config["attention_head_dim"]
@@ -202,7 +203,7 @@ class VaceMemory(WanMemory):
 
     def activations_gib(self, config, tokens, checkpointing, offloading, compiled):
         n = len(config["vace_layers"])
-        if checkpointing:  # every control block checkpointed too, keeping its two inputs
+        if checkpointing:  # every control block checkpointed too: its control tokens in, its hint out
             d = config["num_attention_heads"] * config["attention_head_dim"]
             return (super().activations_gib(config, tokens, checkpointing, offloading, compiled)
                     + 2 * n * tokens * d * 2 / 2**30)
@@ -285,17 +286,6 @@ class VaceA14BSpec(T2VA14BSpec):
     }
     # a row without a mask or a reference reads its control video's path in their place: that means none
     sample_input_fallbacks = {CONTROL_MASK: (CONTROL_VIDEO,), REFERENCE_IMAGE: (CONTROL_VIDEO,)}
-
-    @classmethod
-    def wanexp_forward(cls, fast_modulation: bool) -> bool:
-        return False  # diffusers' VACE forward (the control branch); wanexp's own forward is the base DiT's
-
-    def prepare_transformer(self, model):
-        if self.compile:  # the base blocks, compiled in place (diffusers' forward calls them)
-            from wanexp.models.wan22 import fast
-
-            fast.compile_blocks(model, checkpoint=self.compile_checkpoint)
-        return model
 
     def enable_sequence_parallel(self, transformer, sp, gradient_free=False):
         raise ConfigError(f"parallel.sp_size={sp.size}: model={self.name} (VACE) has no sequence parallel; set "
