@@ -171,3 +171,17 @@ def test_the_memory_formula_counts_the_control_blocks(spec):
     estimate = formula.weights_gib(cfg, 2, 2, 40)
     assert abs(estimate - params) / params < 0.01, (estimate, params)
     assert formula.weights_gib(cfg, 2, 2, 0) > 8 * (estimate - formula.weights_gib(cfg, 2, 2, 40 - 1)) - 1e-6
+
+
+def test_the_clips_train_their_first_window_frame_for_frame(shared_dir):
+    """The control video is read from its first frame (the sample-input reader gets no window start or stride), so a
+    run with another window or stride is refused in one line by the family's config rules, before anything loads;
+    the defaults pass."""
+    from wanexp.config.rules import check_family
+
+    base = ["model=tiny_vace", f"paths.tiny_model_dir={shared_dir}/models"]
+    for extra, expected in ((["data.frame_stride=2"], "data.frame_stride=2: a VACE sample follows its control video"),
+                            (["data.window=uniform"], "data.window=uniform: a VACE sample follows its control video")):
+        with pytest.raises(ConfigError, match=expected):
+            check_family(compose_cfg(base + extra))
+    check_family(compose_cfg(base))
