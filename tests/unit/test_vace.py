@@ -80,23 +80,37 @@ def test_the_encoders_build_the_control_and_prepend_the_reference(spec, pipe):
 
 
 def test_wanexp_forward_of_a_vace_expert_is_diffusers(spec):
-    """The per-frame-modulation forward with its control branch equals diffusers' WanVACETransformer3DModel.forward,
-    and the checkpointed training forward reaches the control blocks' weights."""
+    """The per-frame-modulation forward with its control branch (each control block run just before its hint is
+    added) equals diffusers' WanVACETransformer3DModel.forward, and so do its gradients, checkpointed and with the
+    control tokens offloaded (model.offload_activations)."""
     t = spec.load_transformer("high")
     g = torch.Generator().manual_seed(0)
     x, c, text = torch.randn(2, 16, 3, 4, 6, generator=g), torch.randn(2, 96, 3, 4, 6, generator=g), \
         torch.randn(2, 64, 32, generator=g)
     ts = torch.tensor([900.0, 300.0])
-    with torch.no_grad():
-        ours = spec.transformer_call(t, x, ts, text, {"vace_context": c})
-        stock = type(t).forward(t, hidden_states=x, timestep=ts, encoder_hidden_states=text,
-                                control_hidden_states=c, return_dict=False)[0]
+    scale = torch.tensor([1.0, 0.5])
     assert t.forward.__func__.__name__ == "transformer_forward"
-    torch.testing.assert_close(ours, stock, rtol=0, atol=0)
-    t.enable_gradient_checkpointing()
-    t.vace_blocks[1].proj_out.weight.requires_grad_(True)
-    spec.transformer_call(t, x, ts, text, {"vace_context": c}).square().mean().backward()
-    assert float(t.vace_blocks[1].proj_out.weight.grad.abs().sum()) > 0
+    t.enable_gradient_checkpointing()  # the checkpoint function; run() switches it on and off
+    watched = [t.vace_blocks[0].proj_in.weight, t.vace_blocks[1].proj_out.weight, t.vace_blocks[1].attn1.to_q.weight,
+               t.blocks[3].ffn.net[2].weight, t.vace_patch_embedding.weight]
+
+    def run(forward, checkpointing: bool, offload: bool):
+        t.gradient_checkpointing, t._wanexp_offload_activations = checkpointing, offload
+        for p in watched:
+            p.requires_grad_(True)
+            p.grad = None
+        out = forward(hidden_states=x, timestep=ts, encoder_hidden_states=text, control_hidden_states=c,
+                      control_hidden_states_scale=scale, return_dict=False)[0]
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in watched]
+
+    stock, stock_grads = run(lambda **kw: type(t).forward(t, **kw), False, False)
+    for checkpointing, offload in ((False, False), (True, False), (True, True)):
+        out, grads = run(t, checkpointing, offload)
+        torch.testing.assert_close(out, stock, rtol=0, atol=0)
+        for got, want in zip(grads, stock_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert all(float(g.abs().sum()) > 0 for g in stock_grads)
 
 
 def test_adapter_targets_reach_the_base_and_the_control_blocks(spec):

@@ -88,7 +88,7 @@ def _random_components(spec: ModelSpec, b: dict) -> dict:
         "transformer": dit(**tcfg),
         "scheduler": flow_scheduler(spec.shift),
     }
-    if "low" in spec.experts:
+    if "low" in b.get("experts", spec.experts):  # model.build.experts: the experts written (default: the model's)
         comps["transformer_2"] = dit(**tcfg)
     return comps
 

@@ -192,8 +192,10 @@ class VaceEncoders(WanEncoders):
 class VaceMemory(WanMemory):
     """Wan's formula for the base blocks (what block swap and checkpointing count) plus the control blocks, always
     on the device: their linears (a block's, and each one's output projection, the first one's input projection
-    too) and the control patch embedding; each checkpointed control block keeps its control tokens for its backward
-    (the hidden tokens it reads are the base blocks' first input, kept once) and its hint lives until it is added."""
+    too) and the control patch embedding. Activations (wanexp's forward, models/wan22/fast.py ControlBranch): the
+    base blocks' first input, which every control block reads, one live hint, and each checkpointed control block's
+    control tokens (in host memory under offloading: one on its way); without checkpointing, the control blocks'
+    activations as base blocks'."""
 
     def weights_gib(self, config, weight_bytes, other_bytes, resident_blocks):
         n, d = len(config["vace_layers"]), config["num_attention_heads"] * config["attention_head_dim"]
@@ -203,10 +205,11 @@ class VaceMemory(WanMemory):
 
     def activations_gib(self, config, tokens, checkpointing, offloading, compiled):
         n = len(config["vace_layers"])
-        if checkpointing:  # every control block checkpointed too: its control tokens in, its hint out
+        if checkpointing:
             d = config["num_attention_heads"] * config["attention_head_dim"]
+            streams = 2 + (1 if offloading else n)
             return (super().activations_gib(config, tokens, checkpointing, offloading, compiled)
-                    + 2 * n * tokens * d * 2 / 2**30)
+                    + streams * tokens * d * 2 / 2**30)
         return super().activations_gib(dict(config, num_layers=config["num_layers"] + n), tokens, checkpointing,
                                        offloading, compiled)
 
