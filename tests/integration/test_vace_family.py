@@ -103,7 +103,8 @@ def test_vace_caches_trains_resumes_exports_and_samples_with_a_control_video(dat
     from wanexp.cli import cache
     from wanexp.composition import build
     from wanexp.data.cache import CacheIndex
-    from wanexp.data.media import write_video
+    from wanexp.data.media import load_clip, write_video
+    from wanexp.errors import MediaError
     from wanexp.train import run
 
     root, d = data, data / "data"
@@ -198,6 +199,10 @@ def test_vace_caches_trains_resumes_exports_and_samples_with_a_control_video(dat
                        "cpu", "--out", str(tmp_path / "ref"), "--control-video", str(d / "k0.mp4"),
                        "--reference-image", str(d / "ref.png")])
     assert seen[0].shape[2] == 4 and float(seen[0][0, 64:, 0].abs().max()) == 0.0  # the reference's latent frame
+    video = res["samples"][0]["file"]  # the reference frame is generated, then left out: the sample's 9 frames
+    assert load_clip(video, FRAMES, SIZE, SIZE).shape[1] == FRAMES
+    with pytest.raises(MediaError):
+        load_clip(video, FRAMES + 1, SIZE, SIZE)
     assert (seen[0][0, :, 1:, :, :] - _expected_control(vae, spec, d, "k0.mp4", None)).abs()[16:32].max() < 1e-5
 
     # 5. a changed control video is another cache entry (the key covers the input files)

@@ -185,6 +185,27 @@ def test_the_memory_formula_counts_the_control_blocks(spec):
     estimate = formula.weights_gib(cfg, 2, 2, 40)
     assert abs(estimate - params) / params < 0.01, (estimate, params)
     assert formula.weights_gib(cfg, 2, 2, 0) > 8 * (estimate - formula.weights_gib(cfg, 2, 2, 40 - 1)) - 1e-6
+    # activations at 480x832x81: every checkpointed control block keeps its control tokens (one bf16 token stream
+    # each), in host memory when offloaded (one on its way); T2V-A14B's formula for the rest
+    from wanexp.models.wan22.memory import WanMemory
+
+    stream = 32760 * 5120 * 2 / 2**30
+    kept = formula.activations_gib(cfg, 32760, True, False, False) - WanMemory().activations_gib(cfg, 32760, True,
+                                                                                               False, False)
+    offloaded = formula.activations_gib(cfg, 32760, True, True, False) - WanMemory().activations_gib(cfg, 32760,
+                                                                                                    True, True, False)
+    assert kept == pytest.approx(10 * stream) and offloaded == pytest.approx(3 * stream)
+
+
+def test_a_build_writes_the_experts_it_names(shared_dir, tmp_path):
+    """model.build.experts: a real-size GPU case writes the one expert it trains (a VACE expert is ~35 GB)."""
+    from omegaconf import open_dict
+
+    cfg = compose_cfg(["model=tiny_vace", f"paths.tiny_model_dir={tmp_path}"])
+    with open_dict(cfg):
+        cfg.model.build.experts = ["high"]
+    folder = ensure_tiny_model(build(cfg.model))
+    assert (folder / "transformer" / "config.json").is_file() and not (folder / "transformer_2").exists()
 
 
 def test_the_clips_train_their_first_window_frame_for_frame(shared_dir):
