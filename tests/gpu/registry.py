@@ -1753,7 +1753,8 @@ VACE_DATA = ("import csv, sys\n"
              "with (Path(sys.argv[1]) / 'metadata_vace.csv').open('w', newline='') as f:\n"
              "    w = csv.DictWriter(f, fieldnames=['video', 'prompt', 'control_video'])\n"
              "    w.writeheader()\n"
-             "    w.writerows({'video': r['video'], 'prompt': r['prompt'], 'control_video': r['video']} for r in rows)\n")
+             "    w.writerows({'video': r['video'], 'prompt': r['prompt'], 'control_video': r['video']}\n"
+             "                for r in rows)\n")
 
 
 def vace_dir(ctx: Ctx) -> Path:
@@ -1764,7 +1765,8 @@ def vace_data(ctx: Ctx) -> list[str]:
     """model=vace14b's high-noise expert at 480x832x81 from the cache, each clip with its control video."""
     return ["model=vace14b", f"model.path={vace_dir(ctx)}", "data=csv",
             f"data.metadata={ctx.work / 'data_vace' / 'metadata_vace.csv'}", "data.height=480", "data.width=832",
-            "data.num_frames=81", "data.batch_size=1", "data.num_workers=2", f"paths.cache_dir={ctx.work / 'cache_vace'}",
+            "data.num_frames=81", "data.batch_size=1", "data.num_workers=2",
+            f"paths.cache_dir={ctx.work / 'cache_vace'}",
             "trainer.precision=bf16-mixed", "model.compile=false", "boundary=high", "trainer.log_every_n_steps=1"]
 
 

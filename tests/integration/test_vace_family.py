@@ -243,7 +243,8 @@ def test_control_flags_are_one_line_before_any_weights_load(data, shared_dir, tm
     vace.mkdir()
     OmegaConf.save(compose_cfg(_overrides(data, shared_dir)), vace / "config.yaml", resolve=True)
     ensure_tiny_model(build(compose_cfg(_overrides(data, shared_dir)).model))
-    t2v = ensure_tiny_model(build(compose_cfg(["model=tiny_t2v14b", f"paths.tiny_model_dir={shared_dir}/models"]).model))
+    t2v = ensure_tiny_model(build(compose_cfg(["model=tiny_t2v14b",
+                                               f"paths.tiny_model_dir={shared_dir}/models"]).model))
     k0, missing = data / "data" / "k0.mp4", tmp_path / "missing.mp4"
     cases = [
         (["--run", str(vace)], "--control-video given 0 time(s) for 1 --prompt(s) (model=tiny_vace takes a "

@@ -76,7 +76,8 @@ class VaceNaming(AdapterNaming):
         base, control = self._split(targets)
         alts = [n.target_regex(t, attention)[2:-2] for n, t in ((self.base, base), (self.control, control)) if t]
         if not alts:
-            raise ConfigError(f"adapter: targets and attention select no module; e.g. targets=[{','.join(self.allowed)}]")
+            raise ConfigError("adapter: targets and attention select no module; e.g. "
+                              f"targets=[{','.join(self.allowed)}]")
         return "^(" + "|".join(alts) + ")$"
 
     def kind(self, module):
