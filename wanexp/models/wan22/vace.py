@@ -216,13 +216,15 @@ class VaceMemory(WanMemory):
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------
-def _clip(path, frames: int, height: int, width: int) -> torch.Tensor:
-    """A control video or mask (3, frames, H, W) in [-1, 1] from its first frame; an image: its frame repeated."""
+def _clip(path, frames: int, height: int, width: int, fps: int | None) -> torch.Tensor:
+    """A control video or mask (3, frames, H, W) in [-1, 1] from its first frame at ``fps`` (None: its own frames);
+    an image: its frame repeated."""
     from wanexp.data.media import load_clip
     from wanexp.data.metadata import media_kind
 
-    n = frames if media_kind(str(path)) == "video" else 1
-    return load_clip(path, n, height, width).expand(-1, frames, -1, -1)
+    if media_kind(str(path)) == "video":
+        return load_clip(path, frames, height, width, fps=fps)
+    return load_clip(path, 1, height, width).expand(-1, frames, -1, -1)
 
 
 def quantised(image: torch.Tensor) -> torch.Tensor:
@@ -232,8 +234,13 @@ def quantised(image: torch.Tensor) -> torch.Tensor:
 
 class VaceRunner(WanPipelineRunner):
     """diffusers' WanVACEPipeline given a sample's control video, mask and reference image (``inputs`` by column:
-    paths, read as training reads them; a mask path equal to the control video's or a reference that is not an image
-    means none). Adapter files of any naming the family reads load through peft (both block kinds)."""
+    paths, read as training reads them, videos at ``fps``, the model's rate; a mask path equal to the control
+    video's or a reference that is not an image means none). Adapter files of any naming the family reads load
+    through peft (both block kinds)."""
+
+    def __init__(self, pipe, fps: int | None):
+        super().__init__(pipe)
+        self.fps = fps
 
     def generate(self, prompt, seed, shape, steps, guidance, negative, device, record, image=None, embeds=None,
                  inputs=None):
@@ -247,9 +254,9 @@ class VaceRunner(WanPipelineRunner):
         if not inputs.get(CONTROL_VIDEO):
             raise ConfigError("a VACE sample needs its control video (wanexp-sample --control-video)")
         f, h, w = shape["frames"], shape["height"], shape["width"]
-        control = _clip(inputs[CONTROL_VIDEO], f, h, w)
+        control = _clip(inputs[CONTROL_VIDEO], f, h, w, self.fps)
         given = inputs.get(CONTROL_MASK)
-        mask = masks(control[None], _clip(given, f, h, w)[None] if given else None)[0]
+        mask = masks(control[None], _clip(given, f, h, w, self.fps)[None] if given else None)[0]
         ref = inputs.get(REFERENCE_IMAGE)
         refs = None
         if ref and media_kind(str(ref)) == "image":
@@ -277,7 +284,7 @@ class VaceA14BSpec(T2VA14BSpec):
     layout = "vace_a14b"
     transformer_class = "diffusers.WanVACETransformer3DModel"
     pipeline_class = "WanVACEPipeline"
-    component_files = False  # a diffusers-format folder (the release's own layout: convert it first, docs/vace.md)
+    component_files = False  # a diffusers-format folder only (the release's VideoX-Fun layout is not read yet)
     converters: dict = {}
     cfg_parallel = None
     pads_sequence = False
@@ -319,9 +326,7 @@ class VaceA14BSpec(T2VA14BSpec):
             if media_kind(path) != "image":
                 return torch.zeros(GIVEN + 1, height, width)
             return torch.cat([quantised(load_clip(path, 1, height, width)[:, 0]), torch.ones(1, height, width)])
-        if name == CONTROL_MASK and media_kind(path) == "image":
-            return _clip(path, num_frames, height, width).contiguous()
-        return load_clip(path, num_frames, height, width, fps=fps)
+        return _clip(path, num_frames, height, width, fps).contiguous()
 
     def check_sample_input(self, name, path) -> str | None:
         """A control video that is not a video, a mask that is neither image nor video, a reference that is not an
@@ -360,9 +365,9 @@ class VaceA14BSpec(T2VA14BSpec):
         return VaceMemory()
 
     def load_pipeline(self, device, dtype, image):
-        return VaceRunner(super().load_pipeline(device, dtype, False).pipe)
+        return VaceRunner(super().load_pipeline(device, dtype, False).pipe, self.fps)
 
     def make_pipeline(self, transformers, vae, scheduler, image):
-        return VaceRunner(super().make_pipeline(transformers, vae, scheduler, False).pipe)
+        return VaceRunner(super().make_pipeline(transformers, vae, scheduler, False).pipe, self.fps)
 
 
