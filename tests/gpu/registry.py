@@ -1820,3 +1820,64 @@ CASES[ANIMATE] = Case(
     record=("animate.median_step_s", "animate.peak_mem_gib", "animate_77.median_step_s", "animate_77.peak_mem_gib",
             "gen_1.s_per_step", "gen_1.peak_gib"),
 )
+
+
+# ---- VACE control on the real-size Wan2.2-VACE-Fun-A14B high-noise expert under a 28 GiB cap (docs/vace.md) ----------
+VACE = "vace_a14b"
+VACE_STEPS = 4
+VACE_CLIPS = 4
+# generated 480x832x81 clips at 16 fps, each its own control video (any video conditions; the control's content
+# changes neither memory nor time), in metadata_vace.csv beside the generator's metadata.csv
+VACE_DATA = ("import csv, sys\n"
+             "from pathlib import Path\n"
+             "from wanexp.data.synthetic import make_demo_dataset\n"
+             "meta = make_demo_dataset(sys.argv[1], num_videos=int(sys.argv[2]), num_images=0, num_frames=81, "
+             "height=480, width=832, fps=16)\n"
+             "rows = list(csv.DictReader(meta.open()))\n"
+             "with (Path(sys.argv[1]) / 'metadata_vace.csv').open('w', newline='') as f:\n"
+             "    w = csv.DictWriter(f, fieldnames=['video', 'prompt', 'control_video'])\n"
+             "    w.writeheader()\n"
+             "    w.writerows({'video': r['video'], 'prompt': r['prompt'], 'control_video': r['video']}\n"
+             "                for r in rows)\n")
+
+
+def vace_dir(ctx: Ctx) -> Path:
+    return ctx.work / "vace14b_high"  # the real-size VACE high-noise expert with light encoders (real_sizes.yaml)
+
+
+def vace_data(ctx: Ctx) -> list[str]:
+    """model=vace14b's high-noise expert at 480x832x81 from the cache, each clip with its control video."""
+    return ["model=vace14b", f"model.path={vace_dir(ctx)}", "data=csv",
+            f"data.metadata={ctx.work / 'data_vace' / 'metadata_vace.csv'}", "data.height=480", "data.width=832",
+            "data.num_frames=81", "data.batch_size=1", "data.num_workers=2",
+            f"paths.cache_dir={ctx.work / 'cache_vace'}",
+            "trainer.precision=bf16-mixed", "model.compile=false", "boundary=high", "trainer.log_every_n_steps=1"]
+
+
+CASES[VACE] = Case(
+    name=VACE, gpus=1, model="a14b",
+    about="VACE control (model=vace14b) on the real-size Wan2.2-VACE-Fun-A14B high-noise expert (random weights, 40 "
+          "blocks + 8 VACE blocks, light encoders: real_sizes.yaml vace14b_high, the low-noise expert not written): "
+          f"LoRA r32 on the base blocks at 480x832x81 under MemoryCap {CAP_GIB} GiB, the memory settings the planner "
+          f"picks (model.memory_budget_gib={CAP_GIB}, model.blocks_to_swap=auto, the checkpointed blocks' inputs in "
+          f"host memory), {VACE_STEPS} steps from the cache of {VACE_CLIPS} clips with their control videos",
+    phases=(Phase("build_vace", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "vace14b",
+                                             "--entry", "vace14b_high", "--path", str(vace_dir(ctx))], minutes=6,
+                  fresh=lambda ctx: [light_dir(ctx), dit_dir(ctx), a14b_dir(ctx), _a14b_dir(ctx), a14b_gen_dir(ctx),
+                                     s2v_dir(ctx)]),  # ~35 GB of disk for the expert
+            Phase("data_vace", lambda ctx: [ctx.python, "-c", VACE_DATA, str(ctx.work / "data_vace"),
+                                            str(VACE_CLIPS)], minutes=2),
+            Phase("cache_vace", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *vace_data(ctx),
+                                             f"paths.output_dir={ctx.run_dir('cache_vace')}"], minutes=4),
+            train(VACE, 1, VACE_STEPS, vace_data, *MEMORY_CAP, "adapter.rank=32", "model.gradient_checkpointing=true",
+                  "model.offload_activations=true", f"model.memory_budget_gib={CAP_GIB}", "model.blocks_to_swap=auto",
+                  "callbacks.checkpoint.every_n_train_steps=1000", phase="train", minutes=8)),
+    checks=(Check("phases.build_vace.rc", "==", 0, "build_vace", "the VACE expert built"),
+            Check("phases.cache_vace.rc", "==", 0, "cache_vace", "the latents and control channels cached"),
+            *finished("train", VACE_STEPS),
+            Check("metrics.train.peak_mem_gib", "<=", CAP_GIB, "train", f"within the {CAP_GIB} GiB cap"),
+            Check("metrics.blocks_swapped", "present", None, "train", "the planner's block swap, recorded")),
+    collect=lambda ctx, phases: {"train": run_metrics(ctx.run_dir(VACE)),
+                                 "blocks_swapped": log_value(ctx, VACE, "train", FLF_SWAPPED)},
+    record=("train.median_step_s", "train.peak_mem_gib", "blocks_swapped"),
+)

@@ -119,8 +119,8 @@ def test_a_folder_without_a_run_is_sampled_as_the_model_group_its_transformer_ma
     with pytest.raises(sample.ConfigError) as e:
         sample._folder_model(tmp_path)
     assert str(e.value) == (f"--model-path {tmp_path}: its transformer (in/out channels 20/20) is none of the model "
-                            "groups' (animate14b, flf2v14b, i2v14b, s2v14b, t2v14b, ti2v5b); pass a diffusers folder "
-                            "of one of them, or --run with the run folder")
+                            "groups' (animate14b, flf2v14b, i2v14b, s2v14b, t2v14b, ti2v5b, vace14b); pass a "
+                            "diffusers folder of one of them, or --run with the run folder")
 
 
 def test_an_s2v_release_folder_is_sampled_as_s2v14b(tmp_path):

@@ -42,6 +42,12 @@ from wanexp.errors import ConfigError, MediaError, UserError, refuse
 # used: --help and a bad argument answer before torch or diffusers is imported.
 
 
+# The flags of a family's per-sample control inputs: (flag, the sample input's column, what it is).
+CONTROL_FLAGS = (("--control-video", "control_video", "the control video the sample follows (required)"),
+                 ("--control-mask", "control_mask", "the mask, white where the sample is generated (default: all)"),
+                 ("--reference-image", "reference_image", "an image of the subject (default: none)"))
+
+
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m wanexp.cli.sample", description=__doc__.splitlines()[0])
     ap.add_argument("--run", "--run-dir", dest="run",
@@ -64,6 +70,10 @@ def _parse(argv):
                     help="speech-to-video (S2V): the audio the prompt's sample is driven by, one per --prompt in their "
                          "order (a .wav/.mp3/.flac or a video with an audio track); muxed into its mp4. Audio longer "
                          "than --frames continues as further clips")
+    for flag, col, what in CONTROL_FLAGS:
+        ap.add_argument(flag, dest=col, action="append", default=[],
+                        help=f"VACE (model vace14b): {what}, one per --prompt in their order (read at the sample's "
+                             "size as training reads it)")
     ap.add_argument("--seed", type=int, action="append", default=[], help="repeat for several seeds (default 0)")
     ap.add_argument("--negative-prompt", help="CFG's negative prompt (default: a DMD run's objective.negative_prompt, "
                                               "else the empty prompt)")
@@ -177,6 +187,7 @@ def _settings(args) -> dict:
     s["images"] = _images(args, spec, model.name, s["height"], s["width"])
     s["inputs"] = _inputs(args, s, model)
     _last_images(args, spec, model.name, s)
+    _control_inputs(args, spec, model.name, s)
     s["model_group"] = model
     s["layout"] = _layout(args, spec, s)
     return s
@@ -282,6 +293,26 @@ def _last_images(args, spec, model: str, s: dict) -> None:
         s["inputs"] = [dict(given, last_image=p) for given, p in zip(s["inputs"] or [{}] * len(args.last), args.last)]
 
 
+def _control_inputs(args, spec, model: str, s: dict) -> None:
+    """Each prompt's ``--control-video`` (and ``--control-mask``, ``--reference-image``) added to its family inputs
+    under its column's name. A flag the model does not take, a count that does not match the prompts' (a required
+    input: one per prompt; an optional one: none or one per prompt) or a missing file is one line."""
+    for flag, col, _ in CONTROL_FLAGS:
+        given = getattr(args, col)
+        if given and col not in spec.sample_inputs:
+            raise ConfigError(f"{flag}: model={model} takes no {col}; leave out {flag}, or sample a VACE model "
+                              "(vace14b)")
+        required = col in spec.sample_inputs and col not in spec.sample_input_fallbacks
+        if (given or required) and len(given) != len(args.prompt):
+            raise ConfigError(f"{flag} given {len(given)} time(s) for {len(args.prompt)} --prompt(s) (model={model} "
+                              f"takes a {col} per sample): pass one {flag} per --prompt, in the same order")
+        for p in given:
+            if not Path(p).is_file():
+                raise ConfigError(f"{flag} {p}: file not found")
+        if given:
+            s["inputs"] = [dict(have, **{col: p}) for have, p in zip(s["inputs"] or [{}] * len(given), given)]
+
+
 def spec_experts(s) -> list[str]:
     """The experts of the sampled model group (``model.experts``)."""
     return list(s["model_group"].experts)
@@ -306,7 +337,8 @@ def _folder_model(path: Path, last: bool = False):
         spec = load_class(str(own.get("_target_") or model_group(name, "--model-path")._target_))
         diffusers_format = spec.is_release_folder.__func__ is ModelSpec.is_release_folder.__func__
         own_folder = spec.is_release_folder(path)
-        if own_folder or (diffusers_format and (spec.in_channels, spec.latent_channels) == channels):
+        same_class = t.get("_class_name") in (None, spec.transformer_class.rpartition(".")[2])  # e.g. a VACE DiT
+        if own_folder or (diffusers_format and same_class and (spec.in_channels, spec.latent_channels) == channels):
             found.append((not own_folder, ("last_image" in spec.sample_inputs) != last, name))
     if found:
         return model_group(min(found)[-1], "--model-path")

@@ -61,7 +61,7 @@ def build_components(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = 
 
 
 def _random_components(spec: ModelSpec, b: dict) -> dict:
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
     from wanexp.models.wan22.pipeline import flow_scheduler
@@ -81,14 +81,15 @@ def _random_components(spec: ModelSpec, b: dict) -> dict:
     else:
         mean, std = _latent_stats(vcfg["z_dim"])
         vae = AutoencoderKLWan(**vcfg, latents_mean=mean, latents_std=std)
+    dit = spec.transformer_type()  # the spec's DiT class (WanTransformer3DModel, or a variant's)
     comps = {
         "text_encoder": text_encoder,
         "vae": vae,
-        "transformer": WanTransformer3DModel(**tcfg),
+        "transformer": dit(**tcfg),
         "scheduler": flow_scheduler(spec.shift),
     }
-    if "low" in spec.experts:
-        comps["transformer_2"] = WanTransformer3DModel(**tcfg)
+    if "low" in b.get("experts", spec.experts):  # model.build.experts: the experts written (default: the model's)
+        comps["transformer_2"] = dit(**tcfg)
     return comps
 
 

@@ -96,11 +96,16 @@ def frame_timesteps(timestep: torch.Tensor, frames: int) -> torch.Tensor:
 
 def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                         encoder_hidden_states_image: torch.Tensor | None = None, return_dict: bool = True,
-                        attention_kwargs: dict | None = None):
-    """WanTransformer3DModel's forward with the time embedding computed per latent frame (see the module doc)."""
+                        attention_kwargs: dict | None = None, control_hidden_states: torch.Tensor | None = None,
+                        control_hidden_states_scale: torch.Tensor | None = None):
+    """WanTransformer3DModel's forward with the time embedding computed per latent frame (see the module doc); a
+    WanVACETransformer3DModel's too, given its ``control_hidden_states`` (:class:`ControlBranch`)."""
     if attention_kwargs is not None:  # a LoRA scale through attention_kwargs: the stock path handles it
-        return type(self).forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
-                                  return_dict, attention_kwargs)
+        control = {} if control_hidden_states is None else {
+            "control_hidden_states": control_hidden_states, "control_hidden_states_scale": control_hidden_states_scale}
+        return type(self).forward(self, hidden_states, timestep, encoder_hidden_states,
+                                  encoder_hidden_states_image=encoder_hidden_states_image, return_dict=return_dict,
+                                  attention_kwargs=attention_kwargs, **control)
     b, _, f, h, w = hidden_states.shape
     pt, ph, pw = self.config.patch_size
     frames, ph_, pw_ = f // pt, h // ph, w // pw
@@ -138,6 +143,12 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
         temb, timestep_proj = (sequence.shard_modulation(x, tokens, sp, padded) for x in (temb, timestep_proj))
     if encoder_hidden_states_image is not None:
         encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+    branch = None
+    if control_hidden_states is not None:
+        if sp is not None:
+            raise RuntimeError("a VACE control branch under sequence parallel: not supported")
+        branch = ControlBranch(self, hidden_states, encoder_hidden_states, control_hidden_states,
+                               control_hidden_states_scale, timestep_proj, rotary_emb)
 
     if torch.is_grad_enabled() and self.gradient_checkpointing:
         n_ckpt = checkpointed_blocks(self, hidden_states.shape[0] * hidden_states.shape[1])
@@ -149,9 +160,13 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
                 hidden_states = ckpt(block, hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
             else:
                 hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+            if branch is not None:
+                hidden_states = branch.after(i, hidden_states)
     else:
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+            if branch is not None:
+                hidden_states = branch.after(i, hidden_states)
 
     # output norm and projection: (1, 1, 2, D) + (B, G, 1, D) -> (B, G, 1, D) each
     shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unsqueeze(2).unbind(3)
@@ -170,6 +185,50 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     return Transformer2DModelOutput(sample=output)
+
+
+class ControlBranch:
+    """A WanVACETransformer3DModel's control branch, diffusers' function in another order: diffusers runs every
+    ``vace_blocks`` block first and keeps each one's hint until its base block; here control block k runs right after
+    base block ``vace_layers[k]`` (it reads the base blocks' first input and the previous control block's output,
+    never the running hidden states, so the order changes nothing) and its hint, times its scale, is added at once:
+    one hint alive at a time. Checkpointed when the base blocks are, its control tokens in host memory under
+    ``model.offload_activations`` (:func:`offloaded_checkpoint`). One modulation row per sample (a scalar timestep:
+    the A14B layouts VACE exists for)."""
+
+    def __init__(self, model: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 control: torch.Tensor, scale: torch.Tensor | None, timestep_proj: torch.Tensor, rotary_emb):
+        if timestep_proj.shape[1] != 1:
+            raise RuntimeError("a VACE control branch with per-token timesteps: not supported")
+        self.model, self.hidden, self.text, self.temb, self.rotary = (model, hidden_states, encoder_hidden_states,
+                                                                      timestep_proj[:, 0], rotary_emb)
+        control = model.vace_patch_embedding(control.to(hidden_states.dtype)).flatten(2).transpose(1, 2)
+        pad = control.new_zeros(control.shape[0], hidden_states.shape[1] - control.shape[1], control.shape[2])
+        self.control = torch.cat([control, pad], dim=1)
+        layers = sorted(model.config.vace_layers)  # diffusers hands hint k to the k-th vace layer in block order
+        self.scale = self.control.new_ones(len(layers)) if scale is None else scale
+        self.at = {layer: k for k, layer in enumerate(layers)}
+        self.checkpointed = torch.is_grad_enabled() and model.gradient_checkpointing
+        self.offload = self.checkpointed and getattr(model, "_wanexp_offload_activations", False)
+
+    def after(self, i: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The hidden states after base block ``i``, with control block k's hint where ``i`` is its layer."""
+        k = self.at.get(i)
+        if k is None:
+            return hidden_states
+        block = self.model.vace_blocks[k]
+        if self.offload:
+            def run(control, hidden, text, temb, rotary):
+                return block(hidden, text, control, temb, rotary)
+
+            hint, self.control = offloaded_checkpoint(run, self.control, self.hidden, self.text, self.temb,
+                                                      self.rotary)
+        elif self.checkpointed:
+            hint, self.control = self.model._gradient_checkpointing_func(block, self.hidden, self.text, self.control,
+                                                                         self.temb, self.rotary)
+        else:
+            hint, self.control = block(self.hidden, self.text, self.control, self.temb, self.rotary)
+        return hidden_states + hint * self.scale[k]
 
 
 # ---- activation checkpointing within a memory budget --------------------------------------------------------------

@@ -84,11 +84,13 @@ def recorded_timesteps(pipe):
 
 
 def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, image=None, embeds=None,
-             last_image=None):
+             last_image=None, leading_frames=0, **conditions):
     """One sample: (latents fp32 on the CPU, video (F, H, W, 3) in [0, 1] on the CPU, the timesteps recorded).
 
     ``s``: height, width, frames, text_len. ``image``: the first frame (PIL) for an image-to-video pipeline;
-    ``last_image``: its last frame (PIL, first-last-frame: diffusers' ``last_image``).
+    ``last_image``: its last frame (PIL, first-last-frame: diffusers' ``last_image``); ``conditions``: the pipeline's
+    other inputs (VACE's ``video``, ``mask``, ``reference_images``); ``leading_frames``: latent frames the pipeline
+    puts before the sample's (VACE's reference images), left out of what is returned and decoded.
     ``embeds``: the (prompt, negative prompt) UMT5 embeddings, each (text_len, D), for a pipeline built without its
     text encoder (validation and wanexp-sample encode them first). The decode is tiled (:func:`tiled`)."""
     from wanexp.models.wan22.encoders import decode_latents
@@ -97,7 +99,7 @@ def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, i
     g = torch.Generator(device="cpu").manual_seed(seed)
     if hasattr(pipe.scheduler, "noise_generator"):  # a student scheduler re-noises from this sample's stream too
         pipe.scheduler.noise_generator = g
-    extra = {} if image is None else {"image": image}
+    extra = dict(conditions) if image is None else dict(conditions, image=image)
     if last_image is not None:
         extra["last_image"] = last_image
     if embeds is None:
@@ -106,7 +108,7 @@ def generate(pipe, prompt, seed, s, steps, guidance, negative, device, record, i
         extra.update(prompt_embeds=embeds[0][None].to(device), negative_prompt_embeds=embeds[1][None].to(device))
     latents = pipe(height=s["height"], width=s["width"],
                    num_frames=s["frames"], num_inference_steps=steps, guidance_scale=guidance, generator=g,
-                   output_type="latent", max_sequence_length=s["text_len"], **extra).frames
+                   output_type="latent", max_sequence_length=s["text_len"], **extra).frames[:, :, leading_frames:]
     vae = pipe.vae
     with torch.no_grad(), tiled(vae):
         pixels = decode_latents(vae, latents.to(device))  # (B, 3, F, H, W) in [-1, 1]
@@ -179,8 +181,7 @@ def build_pipeline(spec, transformers: dict, vae, text_encoder, tokenizer, sched
     kwargs = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                   transformer=transformers["high"] if two else next(iter(transformers.values())),
                   transformer_2=transformers["low"] if two else None,
-                  boundary_ratio=spec.boundary_ratio if two else None,
-                  expand_timesteps=bool(spec.pipeline_extras.get("expand_timesteps", False)))
+                  boundary_ratio=spec.boundary_ratio if two else None, **spec.pipeline_extras)
     cls = pipeline_class(spec.image_pipeline_class if image else spec.pipeline_class)  # the family's
     if image:
         kwargs.update(image_processor=None, image_encoder=None)
