@@ -204,12 +204,12 @@ class VaceMemory(WanMemory):
         extra = ((n + 1) * d * d * weight_bytes + config["vace_in_channels"] * patch * d * other_bytes) / 2**30
         return super().weights_gib(config, weight_bytes, other_bytes, resident_blocks + n) + extra
 
-    def activations_gib(self, config, tokens, checkpointing, offloading, compiled):
+    def activations_gib(self, config, tokens, checkpointing, offloading, compiled, selective: bool = False):
         n = len(config["vace_layers"])
-        if checkpointing:
+        if checkpointing:  # selective: the base blocks keep their share (the control blocks checkpoint fully)
             d = config["num_attention_heads"] * config["attention_head_dim"]
             streams = 2 + (1 if offloading else n)
-            return (super().activations_gib(config, tokens, checkpointing, offloading, compiled)
+            return (super().activations_gib(config, tokens, checkpointing, offloading, compiled, selective)
                     + streams * tokens * d * 2 / 2**30)
         return super().activations_gib(dict(config, num_layers=config["num_layers"] + n), tokens, checkpointing,
                                        offloading, compiled)
