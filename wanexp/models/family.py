@@ -68,6 +68,17 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors' own limit on the JSON header
 
 
+def require_first_window(data: dict, stride_why: str, window_why: str) -> None:
+    """The ``data`` group of a family whose sample inputs are read from the clip's start (the reader is given no
+    window): each clip trains its first window at stride 1, else one line saying why (``stride_why``,
+    ``window_why``) and what to set."""
+    if int(data.get("frame_stride") or 1) != 1:
+        raise ConfigError(f"data.frame_stride={data.get('frame_stride')}: {stride_why}; set data.frame_stride=1 and "
+                          "data.fps to the rate wanted")
+    if data.get("window", "first") != "first":
+        raise ConfigError(f"data.window={data.get('window')}: {window_why}; set data.window=first")
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The weight files of a component's folder (safetensors, or torch's .bin/.pth)."""
     return sorted(f for f in Path(folder).glob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())

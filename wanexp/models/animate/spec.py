@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError
-from wanexp.models.family import EncoderInfo, ModelSpec
+from wanexp.models.family import EncoderInfo, ModelSpec, require_first_window
 from wanexp.models.animate.adapter_naming import ANIMATE_NAMING
 from wanexp.models.animate.media import video_size
 
@@ -171,13 +171,8 @@ class AnimateSpec(ModelSpec):
     def check_groups(cls, data: dict, adapter: dict | None) -> None:
         """The control videos are read from frame 0 at the clip's rate, so the clip is its first window at stride
         1; a metadata file whose rows name no pose/face video at all is one line saying what to provide."""
-        if int(data.get("frame_stride") or 1) != 1:
-            raise ConfigError(f"data.frame_stride={data.get('frame_stride')}: Animate clips keep every frame (their "
-                              "pose and face videos are frame for frame); set data.frame_stride=1 and data.fps to the "
-                              "rate wanted")
-        if data.get("window", "first") != "first":
-            raise ConfigError(f"data.window={data.get('window')}: Animate trains each clip's first window (its pose "
-                              "and face videos start with it); set data.window=first")
+        require_first_window(data, "Animate clips keep every frame (their pose and face videos are frame for frame)",
+                             "Animate trains each clip's first window (its pose and face videos start with it)")
         for part in _metadata_parts(data):
             problem = missing_columns(part, data.get("root"))
             if problem:

@@ -27,7 +27,8 @@ import torch
 
 from wanexp.config.rules import missing_model_folder
 from wanexp.errors import ConfigError
-from wanexp.models.family import EncoderInfo, ModelSpec, safetensors_problem, unreadable_weights
+from wanexp.models.family import (EncoderInfo, ModelSpec, require_first_window, safetensors_problem,
+                                   unreadable_weights)
 from wanexp.models.s2v.adapter_naming import S2V_NAMING
 from wanexp.models.s2v.audio_encoder import FOLDER as AUDIO_FOLDER
 
@@ -259,12 +260,8 @@ class S2VSpec(ModelSpec):
     @classmethod
     def check_groups(cls, data: dict, adapter: dict | None) -> None:
         """A clip's audio is read from its first frame's time at data.fps: windows from frame 0, stride 1."""
-        if int(data.get("frame_stride") or 1) != 1:
-            raise ConfigError(f"data.frame_stride={data.get('frame_stride')}: S2V clips keep every frame (their audio "
-                              "features are one per frame); set data.frame_stride=1 and data.fps to the rate wanted")
-        if data.get("window", "first") != "first":
-            raise ConfigError(f"data.window={data.get('window')}: S2V trains each clip's first window (its audio is "
-                              "read from the clip's start); set data.window=first")
+        require_first_window(data, "S2V clips keep every frame (their audio features are one per frame)",
+                             "S2V trains each clip's first window (its audio is read from the clip's start)")
 
     # ---- [seam: generation] ----------------------------------------------------------------------------------
     def load_scheduler(self):

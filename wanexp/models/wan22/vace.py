@@ -26,6 +26,7 @@ import torch
 
 from wanexp.adapters.naming import AdapterNaming
 from wanexp.errors import ConfigError
+from wanexp.models.family import require_first_window
 from wanexp.models.wan22.adapter_naming import WAN_NAMING
 from wanexp.models.wan22.encoders import WanEncoders, encode_video
 from wanexp.models.wan22.memory import WanMemory
@@ -306,13 +307,9 @@ class VaceA14BSpec(T2VA14BSpec):
     def check_groups(cls, data: dict, adapter: dict | None) -> None:
         """A control video is read from its own first frame at data.fps, frame for frame (the sample-input reader is
         not given the clip's window): the clips train their first window at stride 1."""
-        if int(data.get("frame_stride") or 1) != 1:
-            raise ConfigError(f"data.frame_stride={data.get('frame_stride')}: a VACE sample follows its control video "
-                              "frame for frame from its first frame; set data.frame_stride=1 and data.fps to the rate "
-                              "wanted")
-        if data.get("window", "first") != "first":
-            raise ConfigError(f"data.window={data.get('window')}: a VACE sample follows its control video from the "
-                              "first frame (the control is read from its start); set data.window=first")
+        require_first_window(data, "a VACE sample follows its control video frame for frame from its first frame",
+                             "a VACE sample follows its control video from the first frame (the control is read from "
+                             "its start)")
 
     def load_sample_input(self, name, path, num_frames, fps, size=None) -> torch.Tensor:
         """``control_video`` and ``control_mask``: (3, num_frames, H, W) in [-1, 1] from the file's first frame at
