@@ -269,3 +269,18 @@ def record_condition_channels(monkeypatch, first: int) -> list:
 
     monkeypatch.setattr("wanexp.models.wan22.pipeline.generate", spy)
     return seen
+
+
+def assert_samples_refused(cases, capsys, out) -> None:
+    """Each ``(args, expected)`` of ``cases`` given to wanexp-sample (one prompt, on the CPU, into ``out``) exits 2
+    with one line starting ``wanexp: error: <expected>``, and nothing is written to ``out``."""
+    import pytest
+
+    from wanexp.cli import sample
+
+    for args, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            sample.main([*args, "--prompt", "x", "--device", "cpu", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"wanexp: error: {expected}") and err.count("\n") == 1, err
+    assert not out.exists()
