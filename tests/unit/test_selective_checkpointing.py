@@ -33,8 +33,7 @@ def test_selective_checkpointing_keeps_the_attention_and_the_up_projection_and_c
             decisions.append((op, decision.name))
         return decision
 
-    for block in selective.blocks:
-        block._wanexp_keep = recorded
+    selective._wanexp_keep_policy = recorded  # what every block's forward checkpoints with (fast.keep_outputs)
     hidden, timestep, text = ti2v_batch(3, [True, False])
     ref, ref_g = output_and_grads(full, hidden, timestep, text)
     out, g = output_and_grads(selective, hidden, timestep, text)
@@ -93,3 +92,42 @@ def test_settings_it_cannot_run_with_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         build(compose_cfg(["experiment=demo", *overrides]).model)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_budget_spends_its_room_on_selective_blocks_first():
+    """model.selective_checkpointing=null (the default) with a budget: selective blocks first (the most time saved per
+    GiB), then blocks not checkpointed at all; true and false keep their plans."""
+    # the 5B at 4,400 tokens: 0.637 GiB of activations per block, 0.143 GiB kept by a selective one, inputs 0.025 GiB,
+    # 10.7 GiB held; 30 GiB: 14.6 GiB free -> 30 selective (4.3 GiB), then 10.3 // 0.494 = 20 not checkpointed
+    per_block, kept = 0.637, 0.143
+    assert fast.plan_blocks(30, per_block, kept, 30.0, 10.7, 0.025, None) == (10, 10)
+    assert fast.plan_blocks(30, per_block, kept, 30.0, 10.7, 0.025, False) == (8, 0)  # 8 fully, 22 not at all
+    assert fast.plan_blocks(30, per_block, kept, 30.0, 10.7, 0.025, True) == (
+        (n := fast.blocks_to_checkpoint(30, per_block - kept, 30.0, 10.7 + 30 * kept, 0.025)), n)
+    # 20 GiB: 5.6 GiB free -> every block selective, 1.3 GiB left turns 2 of them into unchecked ones
+    assert fast.plan_blocks(30, per_block, kept, 20.0, 10.7, 0.025, None) == (28, 28)
+    # 14 GiB: room for one selective block; 11 GiB: for none
+    assert fast.plan_blocks(30, per_block, kept, 14.0, 10.7, 0.025, None) == (30, 1)
+    assert fast.plan_blocks(30, per_block, kept, 11.0, 10.7, 0.025, None) == (30, 0)
+    assert fast.plan_blocks(30, per_block, kept, 200.0, 10.7, 0.025, None) == (0, 0)
+
+
+def test_a_budget_with_room_for_one_selective_block_keeps_its_outputs_and_computes_the_same():
+    full, auto = _checkpointed(False), _checkpointed(None)
+    auto.load_state_dict(full.state_dict())
+    hidden, timestep, text = ti2v_batch(3, [True, False])
+    tokens = hidden.shape[0] * hidden.shape[2] * hidden.shape[3] * hidden.shape[4] // 4  # patches of 1x2x2
+    c = auto.config
+    held = sum(p.numel() for p in auto.parameters() if p.requires_grad) * 12 / 2**30  # as block_plan counts it
+    inputs = len(auto.blocks) * tokens * c.num_attention_heads * c.attention_head_dim * 2 / 2**30
+    kept, per_block = fast.kept_gib(auto, tokens), fast.block_activation_gib(c, tokens)
+    assert 0 < 2 * kept < per_block
+    fast.set_memory_budget(auto, (held + inputs + 1.5 * per_block + 1.5 * kept) / 0.9)
+    ref, ref_g = output_and_grads(full, hidden, timestep, text)
+    out, g = output_and_grads(auto, hidden, timestep, text)
+    assert auto._wanexp_ckpt_for_tokens == {tokens: (2, 1)}
+    assert auto.blocks[0]._wanexp_keep is not None and auto.blocks[1]._wanexp_keep is None
+    assert torch.equal(out, ref) and all(torch.equal(g[n], ref_g[n]) for n in ref_g)
+    fast.set_memory_budget(auto, None)  # no budget: every block checkpointed, none selectively
+    output_and_grads(auto, hidden, timestep, text)
+    assert all(block._wanexp_keep is None for block in auto.blocks)

@@ -75,9 +75,11 @@ class ModelConfig:
     memory_budget_gib: Optional[float] = knob(MISSING, gt=0.0, doc="checkpoint only the blocks this GPU budget needs")
     offload_activations: bool = knob(False, doc="the checkpointed blocks' inputs kept in pinned host memory between "
                                      "the forward and the backward (needs gradient_checkpointing)")
-    selective_checkpointing: bool = knob(False, doc="a checkpointed block keeps its attention output and its FFN "
-                                         "up-projection for the backward and recomputes the rest (more memory, "
-                                         "less recompute; needs gradient_checkpointing)")
+    selective_checkpointing: Optional[bool] = knob(None, doc="a checkpointed block keeps its attention output and its "
+                                                   "FFN up-projection for the backward and recomputes the rest (more "
+                                                   "memory, less recompute; needs gradient_checkpointing): true every "
+                                                   "checkpointed block, false none, null the blocks "
+                                                   "model.memory_budget_gib has room for")
     fp8: bool = knob(False, doc="frozen block linears in FP8 (per-row scales), LoRA unchanged; changes the numerics")
     fp8_storage: bool = knob(False, doc="frozen block linears stored in FP8 (per-row scales), dequantized at use: "
                              "any GPU; changes the numerics")

@@ -191,7 +191,7 @@ class ModelSpec:
         fp8_storage: bool = False,
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
-        selective_checkpointing: bool = False,
+        selective_checkpointing: bool | None = None,
         frame_rule: list[int] | None = None,
         audio_dropout: float | None = None,
         animate_mode: str | None = None,
@@ -236,7 +236,8 @@ class ModelSpec:
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)
         self.blocks_to_swap = blocks_to_swap or 0  # frozen weights of N blocks in host memory (models/blockswap.py)
         self.offload_activations = offload_activations  # checkpointed blocks' inputs in host memory (fast.py)
-        self.selective_checkpointing = selective_checkpointing  # checkpointed blocks keep some outputs (fast.py)
+        # checkpointed blocks keep some outputs (fast.py): True all, False none, None where the memory budget has room
+        self.selective_checkpointing = selective_checkpointing
         # share of training samples with zeroed audio (a family with audio input; None: its default_audio_dropout)
         self.audio_dropout = self.default_audio_dropout if audio_dropout is None else audio_dropout
         if audio_dropout and not self.draws_audio_dropout:

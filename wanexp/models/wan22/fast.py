@@ -151,7 +151,8 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
                                control_hidden_states_scale, timestep_proj, rotary_emb)
 
     if torch.is_grad_enabled() and self.gradient_checkpointing:
-        n_ckpt = checkpointed_blocks(self, hidden_states.shape[0] * hidden_states.shape[1])
+        n_ckpt, n_selective = block_plan(self, hidden_states.shape[0] * hidden_states.shape[1])
+        keep_outputs(self, n_selective)
         ckpt = checkpoint_function(self, sp is not None)
         if getattr(self, "_wanexp_offload_activations", False):
             ckpt = offloaded_checkpoint
@@ -256,6 +257,31 @@ def blocks_to_checkpoint(num_layers: int, per_block_gib: float, budget_gib: floa
     return max(0, num_layers - min(keep, num_layers))
 
 
+def plan_blocks(num_layers: int, per_block_gib: float, kept_gib: float, budget_gib: float, used_gib: float,
+                input_gib: float = 0.0, selective: bool | None = False) -> tuple[int, int]:
+    """How many blocks (the first ones) to checkpoint, and how many of those (the first ones) checkpoint selectively
+    (keeping ``kept_gib`` each: their attention output and FFN up-projection, :class:`KeepAttentionAndUpProjection`),
+    so the step stays inside ``budget_gib`` (:func:`blocks_to_checkpoint`'s accounting).
+
+    ``selective`` True: every checkpointed block is selective; False: none is. None: the budget chooses. The room goes
+    first to selective blocks, then turns selective blocks into blocks not checkpointed at all: per GiB, a selective
+    block saves the most time (the 5B at 4,400 tokens on one H200: 54 ms per step for 4.3 GiB, every block selective,
+    against 83 ms for 18.8 GiB with no block checkpointed; benchmarks/ti2v5b_h200_2026-11-28.md)."""
+    if selective:
+        n = blocks_to_checkpoint(num_layers, per_block_gib - kept_gib, budget_gib, used_gib + num_layers * kept_gib,
+                                 input_gib)
+        return n, n
+    if selective is False or kept_gib <= 0 or kept_gib >= per_block_gib:
+        return blocks_to_checkpoint(num_layers, per_block_gib, budget_gib, used_gib, input_gib), 0
+    free = budget_gib * 0.9 - used_gib - num_layers * input_gib - 1.5 * per_block_gib
+    chosen = min(num_layers, int(max(0.0, free) // kept_gib))
+    if chosen < num_layers:
+        return num_layers, chosen
+    free -= num_layers * kept_gib
+    unchecked = min(num_layers, int(max(0.0, free) // (per_block_gib - kept_gib)))
+    return num_layers - unchecked, num_layers - unchecked
+
+
 def set_memory_budget(transformer: nn.Module, budget_gib: float | None) -> None:
     """Checkpoint only as many blocks as the budget needs (decided per token count, at its first training forward,
     from the memory the process holds then); None: every block (diffusers' behaviour)."""
@@ -263,11 +289,16 @@ def set_memory_budget(transformer: nn.Module, budget_gib: float | None) -> None:
     transformer._wanexp_ckpt_for_tokens = {}
 
 
-def checkpointed_blocks(transformer: nn.Module, tokens: int) -> int:
+def block_plan(transformer: nn.Module, tokens: int) -> tuple[int, int]:
+    """(blocks checkpointed, of them selective) for a training forward of ``tokens`` tokens: every block, selective
+    as ``model.selective_checkpointing`` says, without a budget; else :func:`plan_blocks`, once per token count."""
     budget = getattr(transformer, "_wanexp_budget_gib", None)
     layers = len(transformer.blocks)
+    selective = getattr(transformer, "_wanexp_selective", False)
+    if getattr(transformer, "_wanexp_offload_activations", False):
+        selective = False  # the offloaded checkpoint keeps nothing on the GPU
     if budget is None:
-        return layers
+        return layers, layers if selective else 0
     cache = transformer._wanexp_ckpt_for_tokens
     if tokens not in cache:
         used = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -275,13 +306,18 @@ def checkpointed_blocks(transformer: nn.Module, tokens: int) -> int:
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad) * 4 * 3 / 2**30
         per_block = block_activation_gib(transformer.config, tokens)
         dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        kept = kept_gib(transformer, tokens)  # selective checkpointing: what a checkpointed block keeps
-        cache[tokens] = blocks_to_checkpoint(layers, per_block - kept, budget, used + trainable + layers * kept,
-                                             tokens * dim * 2 / 2**30)
-        print(f"wanexp: model.memory_budget_gib={budget:g}: {tokens} tokens per step, checkpointing "
-              f"{cache[tokens]} of {layers} blocks (about {per_block:.2f} GiB of activations per block kept, "
+        cache[tokens] = plan_blocks(layers, per_block, kept_gib(transformer, tokens), budget, used + trainable,
+                                    tokens * dim * 2 / 2**30, selective)
+        n, sel = cache[tokens]
+        print(f"wanexp: model.memory_budget_gib={budget:g}: {tokens} tokens per step, checkpointing {n} of {layers} "
+              f"blocks ({sel} of them selectively; about {per_block:.2f} GiB of activations per block kept, "
               f"{used + trainable:.1f} GiB held)", flush=True)
     return cache[tokens]
+
+
+def checkpointed_blocks(transformer: nn.Module, tokens: int) -> int:
+    """How many blocks (the first ones) a training forward of ``tokens`` tokens checkpoints (:func:`block_plan`)."""
+    return block_plan(transformer, tokens)[0]
 
 
 def use_frame_modulation(transformer: nn.Module) -> nn.Module:
@@ -344,12 +380,21 @@ class KeepAttentionAndUpProjection:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def set_selective_checkpointing(transformer: nn.Module, on: bool) -> None:
-    """Give every block the save policy of :class:`KeepAttentionAndUpProjection` (``on``), or none (every
-    checkpointed block recomputes all but its inputs)."""
-    policy = KeepAttentionAndUpProjection(transformer.config.ffn_dim) if on else None
-    for block in transformer.blocks:
-        block._wanexp_keep = policy
+def set_selective_checkpointing(transformer: nn.Module, on: bool | None) -> None:
+    """``model.selective_checkpointing``: True, every checkpointed block keeps what :class:`KeepAttentionAndUpProjection`
+    keeps; False, none (every checkpointed block recomputes all but its input); None, the blocks
+    ``model.memory_budget_gib`` has room for (:func:`plan_blocks`; none without a budget). The blocks' policies are
+    set at each training forward (:func:`keep_outputs`)."""
+    transformer._wanexp_selective = on
+    transformer._wanexp_keep_policy = KeepAttentionAndUpProjection(transformer.config.ffn_dim)
+    keep_outputs(transformer, len(transformer.blocks) if on else 0)
+
+
+def keep_outputs(transformer: nn.Module, n: int) -> None:
+    """The first ``n`` blocks checkpoint selectively (their save policy), the others fully."""
+    policy = getattr(transformer, "_wanexp_keep_policy", None)
+    for i, block in enumerate(transformer.blocks):
+        block._wanexp_keep = policy if i < n else None
 
 
 def kept_bytes_per_token(heads: int, head_dim: int, ffn_dim: int) -> int:
@@ -359,9 +404,9 @@ def kept_bytes_per_token(heads: int, head_dim: int, ffn_dim: int) -> int:
 
 
 def kept_gib(transformer: nn.Module, tokens: int) -> float:
-    """What a checkpointed block of ``transformer`` keeps for its backward besides its input (0 without selective
-    checkpointing)."""
-    if getattr(transformer.blocks[0], "_wanexp_keep", None) is None:
+    """What a selectively checkpointed block of ``transformer`` keeps for its backward besides its input (0 where
+    ``model.selective_checkpointing=false``)."""
+    if getattr(transformer, "_wanexp_selective", False) is False:
         return 0.0
     c = transformer.config
     return tokens * kept_bytes_per_token(c.num_attention_heads, c.attention_head_dim, c.ffn_dim) / 2**30
@@ -371,7 +416,7 @@ def eager_checkpoint(transformer: nn.Module):
     """The eager checkpoint of a block (around the compiled block, or of an eager one): diffusers'
     ``_gradient_checkpointing_func``, or under selective checkpointing the same non-reentrant checkpoint with the
     blocks' save policy (:func:`checkpointed_call`)."""
-    if getattr(transformer.blocks[0], "_wanexp_keep", None) is None:
+    if all(getattr(block, "_wanexp_keep", None) is None for block in transformer.blocks):
         return transformer._gradient_checkpointing_func
     return checkpointed_call
 
