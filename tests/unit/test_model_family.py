@@ -280,10 +280,10 @@ class ToySpec(ModelSpec):
     encoder_folders = ("vae", "text_encoder", "tokenizer", "signal_encoder")
     sample_inputs = {"signal": "a .npy file of the clip's signal, 100 values per second"}
 
-    def load_sample_input(self, name, path, num_frames, fps, size=None):
-        """The signal's value at each frame's time."""
+    def load_sample_input(self, name, path, num_frames, fps, size=None, start=0, stride=1):
+        """The signal's value at the time of each frame of the clip's window."""
         values = np.load(path)
-        at = np.round(np.arange(num_frames) / (fps or self.fps) * SIGNAL_RATE).astype(int)
+        at = np.round((start + stride * np.arange(num_frames)) / (fps or self.fps) * SIGNAL_RATE).astype(int)
         return torch.from_numpy(values[np.minimum(at, len(values) - 1)]).float()
 
     def load_encoders(self):

@@ -209,17 +209,3 @@ def test_a_build_writes_the_experts_it_names(shared_dir, tmp_path):
         cfg.model.build.experts = ["high"]
     folder = ensure_tiny_model(build(cfg.model))
     assert (folder / "transformer" / "config.json").is_file() and not (folder / "transformer_2").exists()
-
-
-def test_the_clips_train_their_first_window_frame_for_frame(shared_dir):
-    """The control video is read from its first frame (the sample-input reader gets no window start or stride), so a
-    run with another window or stride is refused in one line by the family's config rules, before anything loads;
-    the defaults pass."""
-    from wanexp.config.rules import check_family
-
-    base = ["model=tiny_vace", f"paths.tiny_model_dir={shared_dir}/models"]
-    for extra, expected in ((["data.frame_stride=2"], "data.frame_stride=2: a VACE sample follows its control video"),
-                            (["data.window=uniform"], "data.window=uniform: a VACE sample follows its control video")):
-        with pytest.raises(ConfigError, match=expected):
-            check_family(compose_cfg(base + extra))
-    check_family(compose_cfg(base))

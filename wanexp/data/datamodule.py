@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from wanexp.data.cache import CacheIndex, folder_identity, latent_key, padded_text, text_key
-from wanexp.data.media import load_clip
+from wanexp.data.media import load_clip, load_clip_window
 from wanexp.data.metadata import PROMPT_KIND, MetadataError, Reject, Sample, read_metadata_with_rejects, read_prompts
 from wanexp.data.prompts import prompt_dataset, prompt_items
 from wanexp.context import RunContext
@@ -271,10 +271,12 @@ def caption_dropped(seed: int, epoch: int, index: int, p: float) -> bool:
 def load_media(sample: Sample, frames: int, height: int, width: int, stride: int = 1, start: int = 0,
                fps: int | None = None, load_input: Callable | None = None) -> dict:
     """A sample's clip ``{"pixels": (3, F, H, W) in [-1, 1]}`` and each of its sample inputs under its column's name,
-    read by the family's ``load_input`` (ModelSpec.load_sample_input) for this clip's frames, rate and size."""
-    item = {"pixels": load_clip(sample, frames, height, width, stride, start=start, fps=fps)}
+    read by the family's ``load_input`` (ModelSpec.load_sample_input) for this clip's window (its frames, first frame
+    and stride), rate and size."""
+    pixels, start, stride = load_clip_window(sample, frames, height, width, stride, start=start, fps=fps)
+    item = {"pixels": pixels}  # its inputs follow the window the clip holds (a short clip's is fitted)
     for name, path in sample.inputs:
-        item[name] = load_input(name, path, frames, fps, size=(height, width))
+        item[name] = load_input(name, path, frames, fps, size=(height, width), start=start, stride=stride)
     return item
 
 

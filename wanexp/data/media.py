@@ -86,14 +86,15 @@ class _TooShort(Exception):
 def _decode_video(
     path: str, num_frames: int, stride: int, height: int, width: int, *, start: int = 0, trust_header: bool,
     fps: int | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int, int]:
     """Decode frames start, start + stride, ... of the clip resampled to ``fps`` (``wanexp.data.windows``; None: the
     source frames themselves); stop as soon as the last one is decoded.
 
     Frames before ``start`` and between the taken ones are decoded (the codec needs them) but never
     converted to arrays. With ``trust_header`` the window is first fitted (``fit_window``: stride
     lowered, then start shifted back) to the frame count stored in the container, when there is one.
-    Raises ``_TooShort`` with the number of frames decoded if the stream ends early.
+    Raises ``_TooShort`` with the number of frames decoded if the stream ends early. Returns the clip and the window
+    decoded (its start and stride).
     """
     taken: dict[int, np.ndarray] = {}
     index = -1
@@ -114,17 +115,19 @@ def _decode_video(
                     break
     if wanted[-1] not in taken:
         raise _TooShort(index + 1, resampled_frames(index + 1, src, fps), src)
-    return _to_clip([taken[i] for i in wanted], height, width)  # a frame taken twice (a low rate) is repeated
+    # a frame taken twice (a low rate) is repeated
+    return _to_clip([taken[i] for i in wanted], height, width), start, stride
 
 
 def _load_video(path: str, num_frames: int, height: int, width: int, stride: int, start: int = 0,
-                fps: int | None = None) -> torch.Tensor:
+                fps: int | None = None, exact: bool = False) -> tuple[torch.Tensor, int, int]:
     try:
         try:
-            return _decode_video(path, num_frames, stride, height, width, start=start, trust_header=True, fps=fps)
+            return _decode_video(path, num_frames, stride, height, width, start=start, trust_header=not exact,
+                                 fps=fps)
         except _TooShort as short:  # header missing or wrong: retry with the real count
             too_short = short
-            fitted = fit_window(short.available, num_frames, stride, start)
+            fitted = None if exact else fit_window(short.available, num_frames, stride, start)
             if fitted:
                 return _decode_video(
                     path, num_frames, fitted[1], height, width, start=fitted[0], trust_header=False, fps=fps
@@ -138,13 +141,17 @@ def _load_video(path: str, num_frames: int, height: int, width: int, stride: int
     count, rate, have = too_short.count, too_short.source_fps, f"{too_short.count} frames"
     if too_short.available != count:  # resampled to another rate than the clip's own
         have += f" at {float(rate):g} fps ({float(count / rate):.2f} s), {too_short.available} at {fps} fps,"
+    if exact:
+        raise MediaError(f"{path}: video has {have} but the window needs frames {start} to "
+                         f"{start + (num_frames - 1) * stride} (every {stride}); it follows its clip frame for frame: "
+                         "use one as long as the clip")
     raise MediaError(
         f"{path}: video has {have} but {num_frames} are needed (even at stride 1); "
         "use a longer clip or lower num_frames"
     )
 
 
-def load_clip(
+def load_clip_window(
     sample_or_path: Sample | str | os.PathLike[str],
     num_frames: int,
     height: int,
@@ -153,7 +160,8 @@ def load_clip(
     *,
     start: int = 0,
     fps: int | None = None,
-) -> torch.Tensor:
+    exact: bool = False,
+) -> tuple[torch.Tensor, int, int]:
     """Load a clip as float32 ``(3, T, height, width)`` in [-1, 1].
 
     Videos give ``T == num_frames`` frames ``start, start + stride, ..., start + (num_frames - 1) * stride`` of the
@@ -161,7 +169,9 @@ def load_clip(
     frames).
     When the video is too short for that window, the stride is lowered (down to 1) and, if even
     stride 1 does not fit from ``start``, the window shifts back to end at the last frame
-    (``wanexp.data.windows.fit_window``); only a video with fewer than ``num_frames`` frames fails.
+    (``wanexp.data.windows.fit_window``); only a video with fewer than ``num_frames`` frames fails. ``exact``: the
+    window as asked or a MediaError (a video that follows another frame for frame, e.g. a control video).
+    Returns the clip and the window it holds, its first frame and stride (an image: ``start`` and ``stride``).
     Decoding stops after the window's last frame. Images give ``T == 1`` (``start`` and ``fps`` are ignored).
     Frames are resized to cover ``height x width`` and center-cropped.
     """
@@ -177,10 +187,25 @@ def load_clip(
         path = os.fspath(sample_or_path)
         kind = media_kind(path)
     if kind == "image":
-        return _load_image(path, height, width)
+        return _load_image(path, height, width), start, stride
     if kind == "video":
-        return _load_video(path, num_frames, height, width, stride, start, fps)
+        return _load_video(path, num_frames, height, width, stride, start, fps, exact)
     raise MediaError(f"{path}: unknown media type {Path(path).suffix or '(no extension)'!r}")
+
+
+def load_clip(
+    sample_or_path: Sample | str | os.PathLike[str],
+    num_frames: int,
+    height: int,
+    width: int,
+    stride: int = 1,
+    *,
+    start: int = 0,
+    fps: int | None = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """:func:`load_clip_window`'s clip alone."""
+    return load_clip_window(sample_or_path, num_frames, height, width, stride, start=start, fps=fps, exact=exact)[0]
 
 
 def _video_codec() -> str:

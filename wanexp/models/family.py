@@ -52,7 +52,8 @@ class EncoderInfo:
     fps: int | None = None  # the native frame rate: training clips are resampled to it unless data.fps says otherwise
     frame_rule: tuple[int, int] = (1, 0)  # a sample's frame count n keeps n % m == r (ModelSpec.frame_rule)
     sample_inputs: tuple[str, ...] = ()  # the family's extra metadata columns (ModelSpec.sample_inputs)
-    # ModelSpec.load_sample_input(name, path, num_frames, fps, size) -> Tensor: reads one sample input (None: none)
+    # ModelSpec.load_sample_input(name, path, num_frames, fps, size, start, stride) -> Tensor: reads one sample input
+    # (None: none)
     load_sample_input: Callable | None = None
     # the folders of the family's other media encoders (encoder_folders besides the VAE, the text encoder and the
     # tokenizer: e.g. an audio encoder), whose weights the latent cache keys cover too
@@ -68,15 +69,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors' own limit on the JSON header
 
 
-def require_first_window(data: dict, stride_why: str, window_why: str) -> None:
-    """The ``data`` group of a family whose sample inputs are read from the clip's start (the reader is given no
-    window): each clip trains its first window at stride 1, else one line saying why (``stride_why``,
-    ``window_why``) and what to set."""
+def require_frame_stride_one(data: dict, why: str) -> None:
+    """The ``data`` group of a family whose clips keep every frame at their rate (e.g. one audio feature per frame):
+    ``data.frame_stride=1``, else one line saying why and what to set."""
     if int(data.get("frame_stride") or 1) != 1:
-        raise ConfigError(f"data.frame_stride={data.get('frame_stride')}: {stride_why}; set data.frame_stride=1 and "
+        raise ConfigError(f"data.frame_stride={data.get('frame_stride')}: {why}; set data.frame_stride=1 and "
                           "data.fps to the rate wanted")
-    if data.get("window", "first") != "first":
-        raise ConfigError(f"data.window={data.get('window')}: {window_why}; set data.window=first")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -456,9 +454,11 @@ class ModelSpec:
         raise ConfigError(f"model={self.name}: its family provides no encoders (ModelSpec.load_encoders)")
 
     def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None,
-                          size: tuple[int, int] | None = None) -> torch.Tensor:
+                          size: tuple[int, int] | None = None, start: int = 0, stride: int = 1) -> torch.Tensor:
         """One of ``sample_inputs`` of a sample, read from its file for a clip of ``num_frames`` at ``fps`` whose frames
-        are ``size`` (height, width) pixels (an input with frames of its own is cropped as the clip is)."""
+        are ``size`` (height, width) pixels (an input with frames of its own is cropped as the clip is): the clip's
+        window, frames ``start, start + stride, ...`` of the clip at ``fps`` (0 and 1 for a sample from a file's
+        start: wanexp-sample, validation)."""
         raise ConfigError(f"model={self.name}: its family declares the sample input {name!r} but provides no "
                           "load_sample_input to read it")
 

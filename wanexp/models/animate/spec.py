@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError
-from wanexp.models.family import EncoderInfo, ModelSpec, require_first_window
+from wanexp.models.family import EncoderInfo, ModelSpec
 from wanexp.models.animate.adapter_naming import ANIMATE_NAMING
 from wanexp.models.animate.media import video_size
 
@@ -121,16 +121,18 @@ class AnimateSpec(ModelSpec):
         return AnimateEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(), image_encoder,
                                processor, self.text_len, self.face_size(), self.animate_mode == "replacement")
 
-    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None, size=None) -> torch.Tensor:
-        """The first ``num_frames`` frames of a control video at ``fps`` (those of the clip: data.window=first,
-        stride 1) as (3, F, h, w) in [-1, 1]: the face video at the face encoder's size, the others at their own
-        size (the encoders fit them to the clip's ``size`` as the clip was fitted)."""
+    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None, size=None, start: int = 0,
+                          stride: int = 1) -> torch.Tensor:
+        """The clip's window of a control video at ``fps``, exactly its frames (frame for frame with the clip), as
+        (3, F, h, w) in [-1, 1]: the face video at the face encoder's size, the others at their own size (the
+        encoders fit them to the clip's ``size`` as the clip was fitted)."""
         from wanexp.data.media import load_clip
 
         if name == "face_video":
-            return load_clip(path, num_frames, self.face_size(), self.face_size(), fps=fps or self.fps)
+            return load_clip(path, num_frames, self.face_size(), self.face_size(), stride, start=start,
+                             fps=fps or self.fps, exact=True)
         width, height = video_size(path)
-        return load_clip(path, num_frames, height, width, fps=fps or self.fps)
+        return load_clip(path, num_frames, height, width, stride, start=start, fps=fps or self.fps, exact=True)
 
     def check_sample_input(self, name: str, path: str) -> str | None:
         """A control file that is missing or has no video stream: the reason."""
@@ -169,10 +171,7 @@ class AnimateSpec(ModelSpec):
 
     @classmethod
     def check_groups(cls, data: dict, adapter: dict | None) -> None:
-        """The control videos are read from frame 0 at the clip's rate, so the clip is its first window at stride
-        1; a metadata file whose rows name no pose/face video at all is one line saying what to provide."""
-        require_first_window(data, "Animate clips keep every frame (their pose and face videos are frame for frame)",
-                             "Animate trains each clip's first window (its pose and face videos start with it)")
+        """A metadata file whose rows name no pose/face video at all is one line saying what to provide."""
         for part in _metadata_parts(data):
             problem = missing_columns(part, data.get("root"))
             if problem:

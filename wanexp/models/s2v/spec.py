@@ -27,7 +27,7 @@ import torch
 
 from wanexp.config.rules import missing_model_folder
 from wanexp.errors import ConfigError
-from wanexp.models.family import (EncoderInfo, ModelSpec, require_first_window, safetensors_problem,
+from wanexp.models.family import (EncoderInfo, ModelSpec, require_frame_stride_one, safetensors_problem,
                                    unreadable_weights)
 from wanexp.models.s2v.adapter_naming import S2V_NAMING
 from wanexp.models.s2v.audio_encoder import FOLDER as AUDIO_FOLDER
@@ -217,13 +217,18 @@ class S2VSpec(ModelSpec):
         return S2VEncoders(self.load_vae(), self.load_text_encoder(), self.load_tokenizer(),
                            self.load_audio_encoder(), self.text_len)
 
-    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None, size=None) -> torch.Tensor:
-        """The 16 kHz samples under the clip (``round(num_frames * 16000 / fps)``, zeros past the audio's end): of
-        an audio file, or for a video of a same-name audio file beside it, else of its own audio stream."""
+    def load_sample_input(self, name: str, path: str, num_frames: int, fps: int | None, size=None, start: int = 0,
+                          stride: int = 1) -> torch.Tensor:
+        """The 16 kHz samples under the clip's window (``round(num_frames * 16000 / fps)`` from its first frame's
+        time, ``start / fps``; zeros past the audio's end): of an audio file, or for a video of a same-name audio file
+        beside it, else of its own audio stream. The window keeps every frame (``stride`` 1: check_groups)."""
         from wanexp.data.audio import audio_for_clip, find_audio, read_audio
 
+        if stride != 1:
+            raise ValueError(f"an S2V clip keeps every frame of its window, got stride {stride}")
+        rate_fps = fps or self.fps
         samples, rate = read_audio(find_audio(path))
-        return torch.from_numpy(audio_for_clip(samples, rate, 0.0, num_frames, fps or self.fps))
+        return torch.from_numpy(audio_for_clip(samples, rate, start / rate_fps, num_frames, rate_fps))
 
     def check_sample_input(self, name: str, path: str) -> str | None:
         """A sample without audio (no audio file, no same-name one beside a clip, no audio stream): the reason."""
@@ -259,9 +264,8 @@ class S2VSpec(ModelSpec):
 
     @classmethod
     def check_groups(cls, data: dict, adapter: dict | None) -> None:
-        """A clip's audio is read from its first frame's time at data.fps: windows from frame 0, stride 1."""
-        require_first_window(data, "S2V clips keep every frame (their audio features are one per frame)",
-                             "S2V trains each clip's first window (its audio is read from the clip's start)")
+        """A clip's audio is read from its window's first frame at data.fps, one feature per frame: stride 1."""
+        require_frame_stride_one(data, "S2V clips keep every frame (their audio features are one per frame)")
 
     # ---- [seam: generation] ----------------------------------------------------------------------------------
     def load_scheduler(self):

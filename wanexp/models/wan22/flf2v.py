@@ -80,7 +80,7 @@ class FLF2VA14BSpec(I2VA14BSpec):
     sample_inputs = {LAST_IMAGE: "an image the sample ends on (default: the clip's own last frame)"}
     sample_input_fallbacks = {LAST_IMAGE: ()}  # a row without it: the clip's own path, i.e. its own last frame
 
-    def load_sample_input(self, name, path, num_frames, fps, size=None) -> torch.Tensor:
+    def load_sample_input(self, name, path, num_frames, fps, size=None, start=0, stride=1) -> torch.Tensor:
         """The row's last image as (4, H, W) (see GIVEN), resized and centre-cropped to the clip's ``size`` (height,
         width) as training crops its clips; the clip's own path (no ``last_image`` in the row) gives zeros."""
         from wanexp.data.media import load_clip

@@ -26,7 +26,6 @@ import torch
 
 from wanexp.adapters.naming import AdapterNaming
 from wanexp.errors import ConfigError
-from wanexp.models.family import require_first_window
 from wanexp.models.wan22.adapter_naming import WAN_NAMING
 from wanexp.models.wan22.encoders import WanEncoders, encode_video
 from wanexp.models.wan22.memory import WanMemory
@@ -217,14 +216,14 @@ class VaceMemory(WanMemory):
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------
-def _clip(path, frames: int, height: int, width: int, fps: int | None) -> torch.Tensor:
-    """A control video or mask (3, frames, H, W) in [-1, 1] from its first frame at ``fps`` (None: its own frames);
-    an image: its frame repeated."""
+def _clip(path, frames: int, height: int, width: int, fps: int | None, start: int = 0, stride: int = 1) -> torch.Tensor:
+    """A control video or mask (3, frames, H, W) in [-1, 1]: frames ``start, start + stride, ...`` at ``fps`` (None:
+    its own frames), exactly those (it follows its clip frame for frame); an image: its frame repeated."""
     from wanexp.data.media import load_clip
     from wanexp.data.metadata import media_kind
 
     if media_kind(str(path)) == "video":
-        return load_clip(path, frames, height, width, fps=fps)
+        return load_clip(path, frames, height, width, stride, start=start, fps=fps, exact=True)
     return load_clip(path, 1, height, width).expand(-1, frames, -1, -1)
 
 
@@ -303,16 +302,8 @@ class VaceA14BSpec(T2VA14BSpec):
         raise ConfigError(f"parallel.sp_size={sp.size}: model={self.name} (VACE) has no sequence parallel; set "
                           "parallel.sp_size=1")
 
-    @classmethod
-    def check_groups(cls, data: dict, adapter: dict | None) -> None:
-        """A control video is read from its own first frame at data.fps, frame for frame (the sample-input reader is
-        not given the clip's window): the clips train their first window at stride 1."""
-        require_first_window(data, "a VACE sample follows its control video frame for frame from its first frame",
-                             "a VACE sample follows its control video from the first frame (the control is read from "
-                             "its start)")
-
-    def load_sample_input(self, name, path, num_frames, fps, size=None) -> torch.Tensor:
-        """``control_video`` and ``control_mask``: (3, num_frames, H, W) in [-1, 1] from the file's first frame at
+    def load_sample_input(self, name, path, num_frames, fps, size=None, start=0, stride=1) -> torch.Tensor:
+        """``control_video`` and ``control_mask``: (3, num_frames, H, W) in [-1, 1], the clip's window of the file at
         ``fps`` (an image mask: its frame repeated), resized and centre-cropped to ``size`` as the clip is;
         ``reference_image``: (4, H, W), see GIVEN (the control video's path in its place: zeros)."""
         from wanexp.data.media import load_clip
@@ -323,7 +314,7 @@ class VaceA14BSpec(T2VA14BSpec):
             if media_kind(path) != "image":
                 return torch.zeros(GIVEN + 1, height, width)
             return torch.cat([quantised(load_clip(path, 1, height, width)[:, 0]), torch.ones(1, height, width)])
-        return _clip(path, num_frames, height, width, fps).contiguous()
+        return _clip(path, num_frames, height, width, fps, start, stride).contiguous()
 
     def check_sample_input(self, name, path) -> str | None:
         """A control video that is not a video, a mask that is neither image nor video, a reference that is not an
