@@ -14,9 +14,10 @@ from wanexp.data.metadata import read_metadata_with_rejects
 from wanexp.models.encoders import Encoders, cached_batch
 
 
-def load_signal(name: str, path: str, num_frames: int, fps: int | None, size=None) -> torch.Tensor:
-    """The fake family's load_sample_input: one value per frame."""
-    return torch.from_numpy(np.load(path))[:num_frames].float()
+def load_signal(name: str, path: str, num_frames: int, fps: int | None, size=None, start: int = 0,
+                stride: int = 1) -> torch.Tensor:
+    """The fake family's load_sample_input: one value per frame of the clip's window."""
+    return torch.from_numpy(np.load(path))[start:start + (num_frames - 1) * stride + 1:stride].float()
 
 
 class SignalEncoders(Encoders):

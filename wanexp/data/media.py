@@ -193,19 +193,10 @@ def load_clip_window(
     raise MediaError(f"{path}: unknown media type {Path(path).suffix or '(no extension)'!r}")
 
 
-def load_clip(
-    sample_or_path: Sample | str | os.PathLike[str],
-    num_frames: int,
-    height: int,
-    width: int,
-    stride: int = 1,
-    *,
-    start: int = 0,
-    fps: int | None = None,
-    exact: bool = False,
-) -> torch.Tensor:
-    """:func:`load_clip_window`'s clip alone."""
-    return load_clip_window(sample_or_path, num_frames, height, width, stride, start=start, fps=fps, exact=exact)[0]
+def load_clip(sample_or_path: Sample | str | os.PathLike[str], num_frames: int, height: int, width: int,
+              stride: int = 1, **window) -> torch.Tensor:
+    """:func:`load_clip_window`'s clip alone (``window``: its keyword arguments ``start``, ``fps``, ``exact``)."""
+    return load_clip_window(sample_or_path, num_frames, height, width, stride, **window)[0]
 
 
 def _video_codec() -> str:
