@@ -289,3 +289,25 @@ def test_validation_videos_follow_each_held_out_clips_control_video(data, shared
     for v in given:
         assert any(torch.allclose(v[0].permute(1, 0, 2, 3), o, atol=1e-6) for o in own)
     assert len({tuple(v.flatten()[:64].tolist()) for v in given}) == 3
+
+
+@pytest.mark.slow  # two train.py processes
+def test_vace_trains_with_ddp_on_two_ranks_from_windows_of_the_clips(data, shared_dir):
+    """2 ranks (DDP over gloo) from the clips themselves, each sample a window of its clip at stride 2 whose control
+    video (and mask video) is read at the same frames: both experts train, the ranks end with the same LoRA and the
+    ComfyUI file names the control blocks."""
+    import json
+
+    from tests.conftest import run_cli
+
+    res = run_cli(_overrides(data, shared_dir, "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                             "parallel.strategy.timeout_s=120", "data.use_cache=false", "data.window=uniform",
+                             "data.windows_per_clip=2", "data.frame_stride=2", "data.num_frames=5", "data.batch_size=1",
+                             "trainer.max_steps=2", VACE_TARGETS), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    status = json.loads((data / "run" / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 2 and status["world_size"] == 2
+    assert status["replicas_in_sync"] is True
+    files = _lora(data / "run")
+    comfy = next(sd for name, sd in files.items() if "diffusers" not in name and "high" in name)
+    assert any(k.startswith("diffusion_model.vace_blocks.") for k in comfy)
