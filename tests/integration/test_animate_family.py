@@ -235,3 +235,22 @@ def test_checkpointing_and_block_swap_train_the_same_lora(clips, monkeypatch, ca
     _, swapped = trained("swap", "model.blocks_to_swap=1")
     for other in (checkpointed, swapped):
         assert plain.keys() == other.keys() and all(torch.equal(plain[k], other[k]) for k in plain)
+
+
+@pytest.mark.slow  # two train.py processes
+def test_animate_trains_with_ddp_on_two_ranks_from_windows_of_the_clips(clips, shared_dir):
+    """2 ranks (DDP over gloo) from the clips themselves, each sample a window of its clip at stride 2 whose pose and
+    face videos are read at the same frames: the run ends with the ranks' LoRA in sync and its files written."""
+    import json
+
+    from tests.conftest import run_cli
+
+    res = run_cli(_overrides(clips, f"paths.tiny_model_dir={shared_dir}", "parallel=ddp", "trainer.accelerator=cpu",
+                             "trainer.devices=2", "parallel.strategy.timeout_s=120", "data.use_cache=false",
+                             "data.window=uniform", "data.windows_per_clip=2", "data.frame_stride=2",
+                             "data.num_frames=5", "trainer.max_steps=2"), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    status = json.loads((clips / "run" / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 2 and status["world_size"] == 2
+    assert status["replicas_in_sync"] is True
+    assert list((clips / "run" / "lora" / "final").glob("*.safetensors"))
