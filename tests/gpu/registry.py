@@ -1515,6 +1515,25 @@ CASES[A14B_GEN] = Case(
 )
 
 
+A14B_GEN4 = "generate_a14b_4gpu"
+A14B_PHASES4 = ("gen_1", "gen_cfg2_sp2")
+CASES[A14B_GEN4] = Case(
+    name=A14B_GEN4, gpus=4, model="a14b",
+    about=f"as {A14B_GEN} on 4 GPUs: one uncapped GPU with both experts resident, then the default grid on 4 GPUs "
+          f"(CFG 2 x sp 2) each capped at {CAP_GIB} GiB with both experts sharded over the 4 (--shard)",
+    phases=(CASES[A14B_GEN].phases[0], CASES[A14B_GEN].phases[1],
+            generate("gen_1", A14B_GEN4, 1, model=a14b_gen_dir, shape=a14b_shape, cap=None, minutes=3),
+            generate("gen_cfg2_sp2", A14B_GEN4, 4, "--shard", model=a14b_gen_dir, shape=a14b_shape, minutes=3)),
+    checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0") for p in A14B_PHASES4),
+            Check("metrics.gen_cfg2_sp2.peak_gib", "<=", CAP_GIB, "gen_cfg2_sp2", "each GPU under the cap"),
+            Check("metrics.gen_cfg2_sp2.peak_spread", "<=", 0.10, "gen_cfg2_sp2",
+                  "peak memory within 10 % across the GPUs"),
+            Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2",
+                  "4 GPUs' steps/s over one's, the default grid")),
+    collect=generation_metrics(A14B_GEN4, *A14B_PHASES4),
+    record=tuple(f"{p}.{k}" for p in A14B_PHASES4 for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
+)
+
 # ---- the optimizers by name and the adapter's EMA on the real-size 5B step (docs/configuration.md#optimizers) -----
 OPTIM = "optimizers_5b"
 OPTIM_STEPS = 10  # the median step over steps 4-10 (the first three: compilation, first loads)
