@@ -209,3 +209,22 @@ def test_validation_videos_end_on_each_held_out_clips_last_frame(data, shared_di
     got = [(g[0] * 2 - 1) for g in given]  # the pipeline's [0, 1] back to the clips' [-1, 1]
     assert all(any(torch.allclose(x, e, atol=1e-6) for e in expected) for x in got)
     assert len({tuple(x.flatten()[:8].tolist()) for x in got}) == 3  # each prompt its own sample's last frame
+
+
+@pytest.mark.slow  # two train.py processes
+def test_flf2v_trains_with_ddp_on_two_ranks_from_windows_of_the_clips(data, shared_dir):
+    """2 ranks (DDP over gloo) from the clips themselves, each sample a window of its clip at stride 2 ending on the
+    window's last frame (or the row's last image): both experts train and the ranks end with the same LoRA."""
+    import json
+
+    from tests.conftest import run_cli
+
+    res = run_cli(_overrides(data, shared_dir, "parallel=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                             "parallel.strategy.timeout_s=120", "data.use_cache=false", "data.window=uniform",
+                             "data.windows_per_clip=2", "data.frame_stride=2", "data.num_frames=5", "data.batch_size=1",
+                             "trainer.max_steps=2"), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    status = json.loads((data / "run" / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 2 and status["world_size"] == 2
+    assert status["replicas_in_sync"] is True
+    assert len(_lora(data / "run")) >= 4  # ComfyUI and diffusers files of both experts
