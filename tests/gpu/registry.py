@@ -1378,7 +1378,8 @@ CASES[GEN4] = Case(
     checks=(*(Check(f"phases.{p}.rc", "==", 0, p, "exits 0 under the cap") for p in
               ("gen_1", "gen_sp4", "gen_cfg2_sp2")),
             Check("metrics.gen_sp4.speedup", "present", None, "gen_sp4", "sequence parallel alone"),
-            Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2", "4 GPUs' steps/s over one's, default grid"),
+            Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2",
+                  "4 GPUs' steps/s over one's, default grid"),
             Check("metrics.gen_sp4.peak_spread", "<=", 0.10, "gen_sp4", "peak memory within 10 % across the GPUs")),
     collect=generation_metrics(GEN4, "gen_1", "gen_sp4", "gen_cfg2_sp2"),
     record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_sp4", "gen_cfg2_sp2")
