@@ -382,9 +382,9 @@ class KeepAttentionAndUpProjection:
 
 def set_selective_checkpointing(transformer: nn.Module, on: bool | None) -> None:
     """``model.selective_checkpointing``: True, every checkpointed block keeps what
-    :class:`KeepAttentionAndUpProjection` keeps; False, none (every checkpointed block recomputes all but its input); None, the blocks
-    ``model.memory_budget_gib`` has room for (:func:`plan_blocks`; none without a budget). The blocks' policies are
-    set at each training forward (:func:`keep_outputs`)."""
+    :class:`KeepAttentionAndUpProjection` keeps; False, none (every checkpointed block recomputes all but its input);
+    None, the blocks ``model.memory_budget_gib`` has room for (:func:`plan_blocks`; none without a budget). The
+    blocks' policies are set at each training forward (:func:`keep_outputs`)."""
     transformer._wanexp_selective = on
     transformer._wanexp_keep_policy = KeepAttentionAndUpProjection(transformer.config.ffn_dim)
     keep_outputs(transformer, len(transformer.blocks) if on else 0)
