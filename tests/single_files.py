@@ -29,7 +29,8 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 
 # ---- diffusers -> original names (the inverse mapping, written from the original Wan2.2 modules) ---------------------
 def dit_to_original(sd: dict) -> dict:
-    """diffusers WanTransformer3DModel -> original WanModel (wan/modules/model.py) names."""
+    """diffusers WanTransformer3DModel (or WanVACETransformer3DModel) -> original WanModel (wan/modules/model.py;
+    VACE: VaceWanModel) names."""
     top = {"scale_shift_table": "head.modulation", "proj_out.weight": "head.head.weight",
            "proj_out.bias": "head.head.bias"}
     emb = {"condition_embedder.time_embedder.linear_1.": "time_embedding.0.",
@@ -45,22 +46,25 @@ def dit_to_original(sd: dict) -> dict:
              "attn2.norm_k.": "cross_attn.norm_k.",
              "norm2.": "norm3.",  # the affine cross-attention norm: norm3 in the original
              "ffn.net.0.proj.": "ffn.0.", "ffn.net.2.": "ffn.2.", "scale_shift_table": "modulation"}
+    leaves = {**block, "proj_in.": "before_proj.", "proj_out.": "after_proj."}
     out = {}
     for k, v in sd.items():
         if k in top:
             out[top[k]] = v
             continue
-        if k.startswith("patch_embedding."):
+        if k.startswith(("patch_embedding.", "vace_patch_embedding.")):
             out[k] = v
             continue
         pre = next((p for p in emb if k.startswith(p)), None)
         if pre is not None:
             out[emb[pre] + k[len(pre):]] = v
             continue
-        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", k)
-        rest = m.group(2)
-        pre = next(p for p in block if rest.startswith(p))
-        out[f"blocks.{m.group(1)}.{block[pre]}{rest[len(pre):]}"] = v
+        # a VACE model's control blocks (wan/modules/vace_model.py's VaceWanAttentionBlock): a block's keys plus the
+        # input projection of the first (before_proj) and each one's output projection (after_proj)
+        m = re.fullmatch(r"(vace_blocks|blocks)\.(\d+)\.(.+)", k)
+        rest = m.group(3)
+        pre = next(p for p in leaves if rest.startswith(p))
+        out[f"{m.group(1)}.{m.group(2)}.{leaves[pre]}{rest[len(pre):]}"] = v
     return out
 
 

@@ -89,11 +89,14 @@ def wan_t5_forward(sd: dict, ids, mask, num_heads: int, num_buckets: int = 32, m
 
 # ---- writing a tiny model in the ORIGINAL layout ---------------------------------------------------------------------
 def save_original_dit(model, folder: Path, model_type: str, shards: int, dtype=None) -> None:
+    """A VACE model as VideoX-Fun's VaceWanTransformer3DModel writes it: model_type "t2v", vace_layers, vace_in_dim."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     sd = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in dit_to_original(model.state_dict()).items()}
+    vace = {"_class_name": "VaceWanTransformer3DModel", "vace_layers": list(cfg.vace_layers),
+            "vace_in_dim": cfg.vace_in_channels} if "vace_layers" in cfg else {"_class_name": "WanModel"}
     (folder / "config.json").write_text(json.dumps({
-        "_class_name": "WanModel", "_diffusers_version": "0.33.0",
+        **vace, "_diffusers_version": "0.33.0",
         "dim": cfg.num_attention_heads * cfg.attention_head_dim,
         "eps": cfg.eps, "ffn_dim": cfg.ffn_dim, "freq_dim": cfg.freq_dim, "in_dim": cfg.in_channels,
         "model_type": model_type, "num_heads": cfg.num_attention_heads, "num_layers": cfg.num_layers,
@@ -117,7 +120,7 @@ def write_original(spec, comps: dict, src: Path) -> None:
     if layout == "ti2v":
         save_original_dit(comps["transformer"], src, "ti2v", shards=2)
     else:
-        mt = {"t2v_a14b": "t2v", "i2v_a14b": "i2v"}[layout]
+        mt = {"t2v_a14b": "t2v", "i2v_a14b": "i2v", "vace_a14b": "t2v"}[layout]
         save_original_dit(comps["transformer"], src / "high_noise_model", mt, shards=3)
         # the low-noise expert as one bf16 file, like a real bf16 release: conversion must keep the dtype
         save_original_dit(comps["transformer_2"], src / "low_noise_model", mt, shards=1, dtype=torch.bfloat16)
@@ -162,6 +165,11 @@ def i2v(tmp_path_factory) -> Case:
     return Case(tmp_path_factory.mktemp("i2v"), "tiny_i2v14b", via_cli=True)
 
 
+@pytest.fixture(scope="module")
+def vace(tmp_path_factory) -> Case:
+    return Case(tmp_path_factory.mktemp("vace"), "tiny_vace", via_cli=True)
+
+
 def assert_same_tensors(loaded: dict, ref: dict) -> None:
     assert loaded.keys() == ref.keys()
     for k in ref:
@@ -174,7 +182,7 @@ def public(cfg) -> dict:
 
 
 # ---- the converted folder loads through the spec and holds the same tensors ------------------------------------------
-@pytest.mark.parametrize("case", ["ti2v", "i2v"])
+@pytest.mark.parametrize("case", ["ti2v", "i2v", "vace"])
 def test_converted_folder_loads_through_spec_with_identical_tensors(case, request, tmp_path):
     c: Case = request.getfixturevalue(case)
     spec, comps = c.spec, c.comps
@@ -211,16 +219,17 @@ def test_the_low_noise_expert_keeps_its_bf16_dtype_on_disk(i2v):
         torch.float32}
 
 
-@pytest.mark.parametrize("case", ["ti2v", "i2v"])
+@pytest.mark.parametrize("case", ["ti2v", "i2v", "vace"])
 def test_pipeline_index_and_scheduler_match_the_layout(case, request):
     c: Case = request.getfixturevalue(case)
     index = json.loads((c.spec.path / "model_index.json").read_text())
     assert index["_class_name"] == c.spec.pipeline_class
     assert index["boundary_ratio"] == c.spec.boundary_ratio
-    assert index["expand_timesteps"] == bool(c.spec.pipeline_extras.get("expand_timesteps", False))
-    assert index["transformer"] == ["diffusers", "WanTransformer3DModel"]
-    assert index["transformer_2"] == (["diffusers", "WanTransformer3DModel"] if "low" in c.spec.experts
-                                      else [None, None])
+    if case != "vace":  # WanVACEPipeline has no expand_timesteps
+        assert index["expand_timesteps"] == bool(c.spec.pipeline_extras.get("expand_timesteps", False))
+    dit = ["diffusers", "WanVACETransformer3DModel" if case == "vace" else "WanTransformer3DModel"]
+    assert index["transformer"] == dit
+    assert index["transformer_2"] == (dit if "low" in c.spec.experts else [None, None])
     sched = json.loads((c.spec.path / "scheduler" / "scheduler_config.json").read_text())
     assert sched["_class_name"] == "UniPCMultistepScheduler"
     assert (sched["flow_shift"], sched["prediction_type"], sched["use_flow_sigmas"]) == (
@@ -332,7 +341,7 @@ def test_wrong_and_unknown_layout_and_existing_dst(ti2v, i2v, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("case,model", [("ti2v", "ti2v5b"), ("i2v", "i2v14b")])
+@pytest.mark.parametrize("case,model", [("ti2v", "ti2v5b"), ("i2v", "i2v14b"), ("vace", "vace14b")])
 def test_check_folder_on_an_original_folder_names_the_convert_command(case, model, request):
     c: Case = request.getfixturevalue(case)
     assert original.is_original_layout(c.src)
@@ -370,3 +379,38 @@ def test_an_unknown_model_group_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == "wanexp: error: --model ti2v6b: no such model group (conf/model/ti2v6b.yaml)\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_vace_download_and_a_t2v_download_each_name_their_model(vace, tmp_path):
+    """The VACE release's experts say model_type "t2v" like T2V-A14B's: their vace_layers tell them apart, and
+    converting one as the other is one line naming the right --model, with nothing written."""
+    assert original.detect_layout(vace.src) == "vace_a14b"
+    with pytest.raises(ConfigError) as e:
+        original.convert_original(vace.src, tmp_path / "a", "t2v_a14b")
+    assert "--model vace14b" in one_line(e)
+    t2v = tmp_path / "t2v"
+    shutil.copytree(vace.src, t2v)
+    for expert in ("high_noise_model", "low_noise_model"):
+        cfg = json.loads((t2v / expert / "config.json").read_text())
+        for key in ("vace_layers", "vace_in_dim"):
+            cfg.pop(key)
+        (t2v / expert / "config.json").write_text(json.dumps(cfg))
+    assert original.detect_layout(t2v) == "t2v_a14b"
+    with pytest.raises(ConfigError) as e:
+        original.convert_original(t2v, tmp_path / "b", "vace_a14b")
+    assert "--model t2v14b" in one_line(e)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_control_blocks_keep_their_original_names_apart():
+    """The inverse names of the control blocks (tests/single_files.py) against diffusers' converter: before_proj and
+    after_proj become proj_in and proj_out, the blocks' own keys as the DiT's."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    names = ["vace_blocks.0.proj_in.weight", "vace_blocks.1.proj_out.bias", "vace_blocks.1.attn1.to_q.weight",
+             "vace_blocks.0.norm2.weight", "vace_patch_embedding.weight", "blocks.3.attn2.to_out.0.bias"]
+    orig = dit_to_original({n: torch.zeros(1) for n in names})
+    assert set(orig) == {"vace_blocks.0.before_proj.weight", "vace_blocks.1.after_proj.bias",
+                         "vace_blocks.1.self_attn.q.weight", "vace_blocks.0.norm3.weight",
+                         "vace_patch_embedding.weight", "blocks.3.cross_attn.o.bias"}
+    assert set(convert_wan_transformer_to_diffusers(orig)) == set(names)

@@ -2,6 +2,8 @@
 
     python -m wanexp.cli.convert --src /models/Wan2.2-TI2V-5B --dst /models/Wan2.2-TI2V-5B-diffusers --model ti2v5b
     python -m wanexp.cli.convert --src /models/Wan2.2-T2V-A14B --dst /models/Wan2.2-T2V-A14B-diffusers --model t2v14b
+    python -m wanexp.cli.convert --src /models/Wan2.2-VACE-Fun-A14B --dst /models/Wan2.2-VACE-Fun-A14B-Diffusers \
+        --model vace14b
 
 Then set ``model.path`` to the --dst folder. Needs RAM for the largest component (a 14B expert in bf16: ~29 GB) and
 disk for a full copy of the weights. See wanexp/models/wan22/original.py for where each name mapping comes from.

@@ -26,6 +26,8 @@ class Layout:
     # reads them from the config, not from the folder; tests/unit/test_original_layout.py pins them to the YAMLs).
     shift: float = 5.0
     boundary_ratio: float | None = None
+    # VACE control blocks beside the DiT's (WanVACETransformer3DModel; the release's config.json has vace_layers)
+    control: bool = False
 
 
 LAYOUTS = {lay.name: lay for lay in (
@@ -37,6 +39,10 @@ LAYOUTS = {lay.name: lay for lay in (
            model_type="t2v", vae_file="Wan2.1_VAE.pth", shift=12.0, boundary_ratio=0.875),
     Layout("i2v_a14b", "i2v14b", ("high", "low"), 16, 36, (4, 8, 8), False, "WanImageToVideoPipeline",
            model_type="i2v", vae_file="Wan2.1_VAE.pth", shift=5.0, boundary_ratio=0.900),
+    # Wan2.2-VACE-Fun-A14B (alibaba-pai): T2V-A14B's experts with control blocks, in VideoX-Fun's layout of the
+    # Wan-AI release (its config.json says model_type "t2v"; copies elsewhere say "vace")
+    Layout("vace_a14b", "vace14b", ("high", "low"), 16, 16, (4, 8, 8), False, "WanVACEPipeline",
+           model_type="vace", vae_file="Wan2.1_VAE.pth", shift=12.0, boundary_ratio=0.875, control=True),
 )}
 # conf/model name (convert's --model) -> layout
 MODELS = {lay.model: lay for lay in LAYOUTS.values()}

@@ -9,11 +9,16 @@ The original layout (what DiffSynth-Studio and the Wan2.2 repo download)::
       models_t5_umt5-xxl-enc-bf16.pth              models_t5_umt5-xxl-enc-bf16.pth
       google/umt5-xxl/   (tokenizer)               google/umt5-xxl/
 
+Wan2.2-VACE-Fun-A14B (alibaba-pai) ships the A14B layout too, as VideoX-Fun writes it: each expert's config.json adds
+``vace_layers`` and ``vace_in_dim`` and its weights the control blocks (``vace_blocks.N.*``, ``before_proj``,
+``after_proj``, ``vace_patch_embedding``); it converts to diffusers' ``WanVACETransformer3DModel`` experts.
+
 wanexp loads only diffusers-format folders (see ``ModelSpec.check_folder``); :func:`convert_original` writes one, with
 ``transformer/`` = high-noise expert and ``transformer_2/`` = low-noise expert for A14B.
 
 Where the names come from:
-  * transformer: diffusers' own ``convert_wan_transformer_to_diffusers`` (diffusers.loaders.single_file_utils).
+  * transformer: diffusers' own ``convert_wan_transformer_to_diffusers`` (diffusers.loaders.single_file_utils; it
+    maps the control blocks' ``before_proj``/``after_proj`` to ``proj_in``/``proj_out``).
   * VAE: written here for both VAEs and any ``num_res_blocks`` (diffusers' packaged ``convert_wan_vae_to_diffusers``
     covers only the Wan2.1 VAE and hard-codes ``num_res_blocks=2``; the Wan2.2 rules exist only in diffusers'
     ``scripts/convert_wan_to_diffusers.py``, which is not installed). Names follow wan/modules/vae2_1.py and
@@ -81,7 +86,8 @@ def is_original_layout(path) -> bool:
 
 
 def detect_layout(path) -> str | None:
-    """The layout of an original-layout folder ("ti2v", "t2v_a14b", "i2v_a14b"), or None when it cannot tell."""
+    """The layout of an original-layout folder ("ti2v", "t2v_a14b", "i2v_a14b", "vace_a14b"), or None when it cannot
+    tell. VACE experts are told by their config's ``vace_layers`` (their model_type is T2V's)."""
     p = Path(path)
     cfg_path = p / EXPERT_DIRS["transformer"] / "config.json"
     if not cfg_path.is_file():
@@ -90,7 +96,14 @@ def detect_layout(path) -> str | None:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(cfg, dict):
+        return None
+    control = "vace_layers" in cfg
     for layout, lay in LAYOUTS.items():
+        if lay.control != control:
+            continue
+        if control:
+            return layout
         if cfg.get("model_type") == lay.model_type or (
                 "model_type" not in cfg and cfg.get("in_dim") == lay.in_channels):
             return layout
@@ -305,12 +318,20 @@ def _require_keys(orig, path) -> None:
         raise ConfigError(f"{path}: original Wan config.json lacks {', '.join(missing)}; re-download it")
 
 
-def transformer_config(orig: dict, sd: dict, path) -> dict:
-    """diffusers WanTransformer3DModel config from an original WanModel config.json (+ tensor shapes)."""
+def transformer_config(orig: dict, sd: dict, path, control: bool = False) -> dict:
+    """diffusers WanTransformer3DModel config from an original WanModel config.json (+ tensor shapes); ``control``:
+    a WanVACETransformer3DModel's, with the control blocks' layers and input channels."""
     _require_keys(orig, path)
     dim, heads = int(orig["dim"]), int(orig["num_heads"])
     text = sd.get("text_embedding.0.weight")
-    return {
+    extra = {}
+    if control:
+        layers, channels = orig.get("vace_layers"), orig.get("vace_in_dim")
+        if not isinstance(layers, list) or not layers or not isinstance(channels, int):
+            raise ConfigError(f"{path}: a VACE config.json needs vace_layers (a list of block indexes) and vace_in_dim "
+                              f"(got {layers!r}, {channels!r}); re-download it")
+        extra = {"vace_layers": [int(i) for i in layers], "vace_in_channels": channels}
+    return {**extra,
         "patch_size": list(orig.get("patch_size", (1, 2, 2))),
         "num_attention_heads": heads,
         "attention_head_dim": dim // heads,
@@ -341,9 +362,10 @@ def load_transformer_state_dict(folder: Path) -> dict:
 
 
 def convert_transformer(folder, layout: str):
-    """The original DiT in ``folder`` as a diffusers WanTransformer3DModel (weights assigned, not copied)."""
+    """The original DiT in ``folder`` as a diffusers WanTransformer3DModel (a VACE layout's:
+    WanVACETransformer3DModel), weights assigned, not copied."""
+    import diffusers
     import torch
-    from diffusers import WanTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     folder = Path(folder)
@@ -356,7 +378,12 @@ def convert_transformer(folder, layout: str):
     lay = LAYOUTS[layout]
     model = MODEL_OF_LAYOUT[layout]
     mt = orig.get("model_type")
-    if mt is not None and mt != lay.model_type:
+    if ("vace_layers" in orig) != lay.control:
+        other = "vace14b" if "vace_layers" in orig else "t2v14b"
+        raise ConfigError(f"{cfg_path}: {'has' if 'vace_layers' in orig else 'lacks'} vace_layers, so this is "
+                          f"{'a VACE' if 'vace_layers' in orig else 'not a VACE'} expert; run with --model {other}")
+    accepted = {lay.model_type, "t2v"} if lay.control else {lay.model_type}  # VideoX-Fun writes "t2v" for VACE
+    if mt is not None and mt not in accepted:
         raise ConfigError(f"{cfg_path}: model_type={mt!r}, but --model {model} needs {lay.model_type!r}; "
                           "pick the --model that matches this download")
     if orig.get("in_dim") != lay.in_channels or orig.get("out_dim") != lay.latent_channels:
@@ -364,11 +391,12 @@ def convert_transformer(folder, layout: str):
                           f"{model} needs {lay.in_channels} -> {lay.latent_channels}; "
                           "pick the matching --model")
     sd = load_transformer_state_dict(folder)
-    config = transformer_config(orig, sd, cfg_path)
+    config = transformer_config(orig, sd, cfg_path, control=lay.control)
     sd = convert_wan_transformer_to_diffusers(sd)
+    name = "WanVACETransformer3DModel" if lay.control else "WanTransformer3DModel"
     with torch.device("meta"):
-        dit = WanTransformer3DModel(**config)
-    _load_into("WanTransformer3DModel", dit, sd, folder)
+        dit = getattr(diffusers, name)(**config)
+    _load_into(name, dit, sd, folder)
     return dit
 
 

@@ -15,8 +15,8 @@ import torch
 from wanexp.models.wan22.layouts import EXPERT_FOLDERS, MODELS
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
-# the layouts whose DiT input is the latents alone: the plain loop builds no conditioning channels
-LAYOUT = {model: lay for model, lay in MODELS.items() if lay.in_channels == lay.latent_channels}
+# the layouts whose DiT input is the latents alone: the plain loop builds no conditioning channels (nor a control)
+LAYOUT = {model: lay for model, lay in MODELS.items() if lay.in_channels == lay.latent_channels and not lay.control}
 
 
 def supports(model: str) -> bool:

@@ -279,13 +279,13 @@ class VaceRunner(WanPipelineRunner):
 # ---- the spec ---------------------------------------------------------------------------------------------------
 class VaceA14BSpec(T2VA14BSpec):
     """Wan2.2-VACE-Fun-A14B: T2V-A14B's two experts, each a WanVACETransformer3DModel, trained and sampled on a
-    control video (and optional mask and reference image). Loaded from a diffusers-format folder."""
+    control video (and optional mask and reference image). Loaded from a diffusers-format folder; the release
+    (VideoX-Fun's layout of the Wan-AI release) converts to one."""
 
     layout = "vace_a14b"
     transformer_class = "diffusers.WanVACETransformer3DModel"
     pipeline_class = "WanVACEPipeline"
-    component_files = False  # a diffusers-format folder only (the release's VideoX-Fun layout is not read yet)
-    converters: dict = {}
+    component_files = False  # a diffusers-format folder (the release converts to one: python -m wanexp.cli.convert)
     cfg_parallel = None
     pads_sequence = False
     adapter_naming = VACE_NAMING
