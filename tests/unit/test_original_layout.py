@@ -414,3 +414,16 @@ def test_the_control_blocks_keep_their_original_names_apart():
                          "vace_blocks.1.self_attn.q.weight", "vace_blocks.0.norm3.weight",
                          "vace_patch_embedding.weight", "blocks.3.cross_attn.o.bias"}
     assert set(convert_wan_transformer_to_diffusers(orig)) == set(names)
+
+
+def test_a_vace_config_with_null_control_settings_takes_videox_funs_defaults(vace, tmp_path):
+    """VideoX-Fun writes vace_layers/vace_in_dim null when built with its defaults: every second block, and the
+    control patch embedding's input channels."""
+    cfg = json.loads((vace.src / "high_noise_model" / "config.json").read_text())
+    sd = {"vace_patch_embedding.weight": torch.zeros(8, 96, 1, 2, 2)}
+    nulled = dict(cfg, vace_layers=None, vace_in_dim=None, num_layers=6)
+    got = original.transformer_config(nulled, sd, tmp_path / "config.json", control=True)
+    assert got["vace_layers"] == [0, 2, 4] and got["vace_in_channels"] == 96
+    with pytest.raises(ConfigError) as e:
+        original.transformer_config(dict(cfg, vace_layers="all"), sd, tmp_path / "config.json", control=True)
+    assert "needs vace_layers" in one_line(e)

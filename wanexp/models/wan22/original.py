@@ -326,7 +326,14 @@ def transformer_config(orig: dict, sd: dict, path, control: bool = False) -> dic
     text = sd.get("text_embedding.0.weight")
     extra = {}
     if control:
+        # null in a VideoX-Fun config means its defaults: every second block, and the control's own input channels
+        # (the control patch embedding's, read off the weights)
         layers, channels = orig.get("vace_layers"), orig.get("vace_in_dim")
+        if layers is None:
+            layers = list(range(0, int(orig["num_layers"]), 2))
+        patch = sd.get("vace_patch_embedding.weight")
+        if channels is None and patch is not None:
+            channels = int(patch.shape[1])
         if not isinstance(layers, list) or not layers or not isinstance(channels, int):
             raise ConfigError(f"{path}: a VACE config.json needs vace_layers (a list of block indexes) and vace_in_dim "
                               f"(got {layers!r}, {channels!r}); re-download it")
