@@ -17,11 +17,12 @@ AUTO_HEADROOM = 0.9  # of a GPU's free memory, the share auto plans for (fast.bl
 
 
 def _tokens(data, spec, sp_size: int) -> int:
-    """The most DiT tokens one device's batch holds under the data settings (a sequence-parallel rank: its share)."""
+    """The most DiT tokens one device's batch holds under the data settings (a sequence-parallel rank: its share),
+    the family's extra latent frames (ModelSpec.extra_latent_frames) counted."""
     shapes = [list(b) for b in data.buckets] if data.get("buckets") else [[data.height, data.width]]
     ft, fh, fw = spec.vae_stride
     pt, ph, pw = spec.patch
-    frames = ((int(data.num_frames) - 1) // ft + 1) // pt
+    frames = ((int(data.num_frames) - 1) // ft + 1 + spec.extra_latent_frames) // pt
     per_sample = max(frames * (int(h) // (fh * ph)) * (int(w) // (fw * pw)) for h, w in shapes)
     tokens = int(data.token_budget) if data.get("token_budget") else per_sample * int(data.batch_size)
     return max(tokens, per_sample) // max(1, sp_size)

@@ -233,8 +233,8 @@ def a14b_spec():
     from wanexp.models.family import ModelSpec
 
     spec = SimpleNamespace(trained_experts=lambda boundary: ["high"], transformer_config=lambda e: dict(A14B),
-                           vae_stride=(4, 8, 8), patch=(1, 2, 2), dtype=torch.bfloat16, name="i2v14b",
-                           transformer_type=lambda: WanTransformer3DModel, memory_formula=WanMemory)
+                           vae_stride=(4, 8, 8), patch=(1, 2, 2), extra_latent_frames=0, dtype=torch.bfloat16,
+                           name="i2v14b", transformer_type=lambda: WanTransformer3DModel, memory_formula=WanMemory)
     spec.meta_transformers = lambda boundary: ModelSpec.meta_transformers(spec, boundary)
     return spec
 

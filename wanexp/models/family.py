@@ -147,6 +147,7 @@ class ModelSpec:
     in_channels: int = 16  # channels of the DiT's input (latents plus any conditioning channels)
     vae_stride: tuple[int, int, int] = (4, 8, 8)  # pixels per latent (frames, height, width)
     patch: tuple[int, int, int] = (1, 2, 2)  # latents per DiT token (frames, height, width)
+    extra_latent_frames: int = 0  # latent frames the DiT sees besides the clip's (Animate's reference slot)
     needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
     reference_image: bool = False  # samples from a reference image (wanexp-sample --image, optional): S2V

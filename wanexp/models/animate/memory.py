@@ -2,12 +2,17 @@
 Animate DiT has besides: the image cross-attention's added key/value projections in every block (swapped with it),
 and, always on the device, the face adapter blocks, the motion and face encoders, the CLIP image embedding and the
 pose patch embedding (for the released model: 2.1 B of its 17.3 B parameters outside Wan's formula, 0.84 B of them
-the face adapter). The activations are Wan's at the DiT's token count."""
+the face adapter). The activations are Wan's at the DiT's token count (the reference slot's latent frame counted:
+AnimateSpec.extra_latent_frames) plus the face adapter's: checkpointed (AnimateSpec checkpoints it with the blocks),
+each face block keeps its bf16 input; otherwise its input, the normed input, q, the normed q and the attention
+output (FACE_KEPT)."""
 from __future__ import annotations
 
 from functools import lru_cache
 
 from wanexp.models.wan22.memory import WanMemory, base_gib
+
+FACE_KEPT = 5  # bf16 (tokens x width) tensors a face block keeps for its backward without checkpointing
 
 
 @lru_cache(maxsize=8)
@@ -52,3 +57,10 @@ class AnimateMemory(WanMemory):
         per_block, other = extra_params(config)
         extra = (resident_blocks * per_block * weight_bytes + other * other_bytes) / 2**30
         return base_gib(config, weight_bytes, other_bytes, resident_blocks) + extra
+
+    def activations_gib(self, config: dict, tokens: int, checkpointing: bool, offloading: bool,
+                        compiled: bool, selective: bool = False) -> float:
+        face_blocks = config["num_layers"] // config.get("inject_face_latents_blocks", 5)
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        face = face_blocks * (1 if checkpointing else FACE_KEPT) * tokens * d * 2 / 2**30
+        return super().activations_gib(config, tokens, checkpointing, offloading, compiled, selective) + face

@@ -52,6 +52,7 @@ class AnimateSpec(ModelSpec):
     in_channels = 36  # the noisy latents, then the reference condition's 4 mask and 16 latent channels
     vae_stride = (4, 8, 8)
     patch = (1, 2, 2)
+    extra_latent_frames = 1  # the reference slot before the clip's latents
     transformer_class = "diffusers.WanAnimateTransformer3DModel"
     vae_class = "diffusers.AutoencoderKLWan"
     text_encoder_class = "transformers.UMT5EncoderModel"
