@@ -743,12 +743,14 @@ STRAT4_JOB = Case(
 
 
 def a14b_data(ctx: Ctx, height: int = 480, width: int = 832, boundary: str = "high") -> list[str]:
-    """I2V-A14B (one expert: boundary=high; both: full) at HxWx81 from the cache, eager blocks."""
+    """I2V-A14B (one expert: boundary=high; both: full) at HxWx81 from the cache, eager blocks; the clips generated at
+    the model's 16 fps (at the generator's default 24 fps, 81 frames are 54 at 16 fps: every clip refused)."""
     folder = "data14" if height == 480 else f"data14_{height}"
     return ["model=i2v14b", f"model.path={a14b_dir(ctx)}", "data=synthetic", f"paths.data_dir={ctx.work / folder}",
             f"data.height={height}", f"data.width={width}", "data.num_frames=81", "data.batch_size=1",
             "data.num_workers=2", f"data.generate.height={height}", f"data.generate.width={width}",
-            "data.generate.num_frames=81", f"data.generate.num_videos={8 if height == 480 else 4}",
+            "data.generate.num_frames=81", "data.generate.fps=16",
+            f"data.generate.num_videos={8 if height == 480 else 4}",
             "data.generate.num_images=0", f"paths.cache_dir={ctx.work / 'cache14'}", "trainer.precision=bf16-mixed",
             "model.compile=false", f"boundary={boundary}", "trainer.log_every_n_steps=1"]
 
@@ -759,7 +761,7 @@ def a14b_720(ctx: Ctx) -> list[str]:
 
 BUILD_A14B = Phase("build_a14b", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "i2v14b",
                                               "--entry", "i2v14b_light", "--path", str(a14b_dir(ctx))], minutes=8,
-                   fresh=lambda ctx: [light_dir(ctx), dit_dir(ctx)])  # the two experts take ~57 GB of disk
+                   fresh=lambda ctx: [light_dir(ctx), dit_dir(ctx), vace_dir(ctx), animate_dir(ctx)])  # ~57 GB
 CACHE_A14B = Phase("cache_a14b", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *a14b_data(ctx),
                                               f"paths.output_dir={ctx.run_dir('cache14')}"], minutes=4)
 STRAT_A14B = "strategy_a14b_2gpu"
@@ -1772,8 +1774,10 @@ CASES[SCALING] = Case(
 # The released DiT's shapes with random weights (17.3 B parameters, 32.2 GiB in bf16), the CLIP ViT-H/14 vision tower,
 # UMT5-XXL and the Wan2.1 VAE (real_sizes.yaml animate14b) as the diffusers folder; two generated 77-frame 480x832
 # clips with pose and face videos. The family's DiT runs diffusers' forward: no offloaded activations, so the
-# reference's 77-frame segment needs ~30 GiB even with every block swapped (the planner's estimate); under the cap it
-# trains 49-frame clips (13 + 1 latent frames), and the 77-frame segment trains on one uncapped GPU.
+# reference's 77-frame segment needs ~35 GiB even with every block swapped (the planner's estimate: 1 + 20 latent
+# frames, the face adapter's inputs kept); under the cap it trains 41-frame clips (1 + 11 latent frames, the most that
+# fit 90 % of 28 GiB; 49 frames ran out of memory at 37 swapped blocks), and the 77-frame segment trains on one
+# uncapped GPU.
 def animate_dir(ctx: Ctx) -> Path:
     return ctx.work / "animate14b"
 
@@ -1796,26 +1800,29 @@ def animate_shape(ctx: Ctx) -> list[str]:
 
 
 ANIMATE = "animate_14b"
+CAPPED_FRAMES = 41
 ANIMATE_PLAN = ("adapter.rank=32", "model.gradient_checkpointing=true", "model.blocks_to_swap=auto",
                 "trainer.log_every_n_steps=1")
 CASES[ANIMATE] = Case(
     name=ANIMATE, gpus=1, model="animate14b",
     about="Wan2.2-Animate-14B at real size (random weights; real CLIP ViT-H/14, UMT5-XXL, Wan2.1 VAE): LoRA r32 on "
-          f"480x832x49 clips with their pose and face videos on one GPU capped at {CAP_GIB} GiB (the plan sizes block "
-          "swap to the capped GPU, every block and face adapter checkpointed), 4 steps from the cache; the reference's "
-          "77-frame segment, 4 steps on the uncapped GPU; one 77-frame 480x832 sample through WanAnimatePipeline "
-          "with the capped run's LoRA",
+          f"480x832x{CAPPED_FRAMES} clips with their pose and face videos on one GPU capped at {CAP_GIB} GiB (the plan "
+          "sizes block swap to the capped GPU, every block and face adapter checkpointed), 4 steps from the cache; "
+          "the reference's 77-frame segment, 4 steps on the uncapped GPU; one 77-frame 480x832 sample through "
+          "WanAnimatePipeline with the capped run's LoRA",
     phases=(Phase("build_animate", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model",
                                                 "animate14b", "--entry", "animate14b", "--path", str(animate_dir(ctx))],
-                  minutes=6, fresh=lambda ctx: [animate_dir(ctx)]),
+                  minutes=6, fresh=lambda ctx: [animate_dir(ctx), light_dir(ctx), dit_dir(ctx), a14b_dir(ctx),
+                                                _a14b_dir(ctx), a14b_gen_dir(ctx), s2v_dir(ctx), vace_dir(ctx)]),
+            # ~45 GB of disk: the other cases' builds go first (the one-GPU machine has 64 GiB)
             Phase("clips_animate", lambda ctx: [ctx.python, "tests/gpu/animate_clips.py",
                                                 str(ctx.work / "animate_data")], minutes=0.5),
             *(Phase(f"cache_animate_{f}", lambda ctx, f=f: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB),
                                                            "wanexp.cli.cache", *animate_data(f)(ctx),
                                                            f"paths.output_dir={ctx.run_dir(f'cache_animate_{f}')}"],
-                    minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}) for f in (49, 77)),
+                    minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}) for f in (CAPPED_FRAMES, 77)),
             Phase("train_animate", lambda ctx: [ctx.python, "tests/gpu/capped.py", str(CAP_GIB), "train.py",
-                                                *animate_data(49)(ctx), *ANIMATE_PLAN, "trainer.max_steps=4",
+                                                *animate_data(CAPPED_FRAMES)(ctx), *ANIMATE_PLAN, "trainer.max_steps=4",
                                                 "callbacks.progress=null", "callbacks.validation.every_n_steps=0",
                                                 f"paths.output_dir={ctx.run_dir('animate')}", "run_name=animate"],
                   minutes=4, fresh=lambda ctx: [ctx.run_dir("animate")],
@@ -1879,7 +1886,7 @@ CASES[VACE] = Case(
     phases=(Phase("build_vace", lambda ctx: [ctx.python, "tests/gpu/build_random_model.py", "--model", "vace14b",
                                              "--entry", "vace14b_high", "--path", str(vace_dir(ctx))], minutes=6,
                   fresh=lambda ctx: [light_dir(ctx), dit_dir(ctx), a14b_dir(ctx), _a14b_dir(ctx), a14b_gen_dir(ctx),
-                                     s2v_dir(ctx)]),  # ~35 GB of disk for the expert
+                                     s2v_dir(ctx), animate_dir(ctx)]),  # ~35 GB of disk for the expert
             Phase("data_vace", lambda ctx: [ctx.python, "-c", VACE_DATA, str(ctx.work / "data_vace"),
                                             str(VACE_CLIPS)], minutes=2),
             Phase("cache_vace", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *vace_data(ctx),
