@@ -249,3 +249,22 @@ def test_the_planners_estimate_is_the_measured_peak(tmp_path, frames, swapped, p
                    "data.height=480", "data.width=832", f"data.num_frames={frames}", "data.batch_size=1",
                    "trainer.precision=bf16-mixed", "adapter.rank=32", "model.gradient_checkpointing=true"])
     assert FitEstimate(cfg, build(cfg.model), None).need(swapped) == pytest.approx(peak, rel=0.03)
+
+
+def test_the_original_release_folder_is_refused_in_one_line_naming_the_diffusers_download(tmp_path):
+    """A model.path holding Wan's own Animate layout (its CLIP as a .pth, the relighting LoRA, no model_index.json)
+    is one line naming the diffusers download to use; another folder without model_index.json keeps the generic
+    line."""
+    from wanexp.composition import build
+    from wanexp.config import compose
+
+    for name in ("config.json", "Wan2.1_VAE.pth", "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth",
+                 "relighting_lora.ckpt"):
+        (tmp_path / "release" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "release" / name).write_text("{}")
+    (tmp_path / "other").mkdir()
+    for folder, expected in (("release", "Wan-AI/Wan2.2-Animate-14B-Diffusers"), ("other", "not a diffusers")):
+        spec = build(compose(["model=animate14b", f"model.path={tmp_path / folder}"]).model)
+        with pytest.raises(ConfigError) as err:
+            spec.check_folder(["dense"])
+        assert expected in str(err.value) and "\n" not in str(err.value)

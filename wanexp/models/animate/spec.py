@@ -85,6 +85,17 @@ class AnimateSpec(ModelSpec):
             return False
         return isinstance(config, dict) and config.get("_class_name") == cls.transformer_class.rpartition(".")[2]
 
+    def not_diffusers_hint(self, path: Path) -> str | None:
+        """The original Wan2.2-Animate-14B release (Wan's own layout: its CLIP and VAE as .pth files, the relighting
+        LoRA, the preprocessing checkpoints): the diffusers download to use instead (the same weights)."""
+        path = Path(path)
+        if not (any(path.glob("models_clip_*.pth")) or (path / "relighting_lora.ckpt").is_file()
+                or (path / "process_checkpoint").is_dir()):
+            return None
+        return ("this is the original Wan2.2-Animate-14B release (Wan's own layout), which wanexp does not convert; "
+                "download Wan-AI/Wan2.2-Animate-14B-Diffusers (the same weights in diffusers' layout) and point "
+                "model.path at it (this folder's process_checkpoint/ stays the preprocessing's --ckpt_path)")
+
     def check_folder(self, experts: list[str]) -> None:
         super().check_folder(experts)
         if not (self.path / "image_processor" / "preprocessor_config.json").is_file():
