@@ -268,3 +268,21 @@ def test_the_original_release_folder_is_refused_in_one_line_naming_the_diffusers
         with pytest.raises(ConfigError) as err:
             spec.check_folder(["dense"])
         assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("files,expected", [
+    (("Wan2.1_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth", "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"),
+     "download Wan-AI/Wan2.2-Animate-14B-Diffusers"),
+    (("Wan2.2_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth"), "python -m wanexp.cli.convert"),
+    ((), "none of the model groups'"),
+], ids=["animate-release", "wan-release", "unknown"])
+def test_wanexp_sample_gives_a_release_in_its_own_layout_its_familys_advice(tmp_path, files, expected):
+    """wanexp-sample --model-path on a folder without model_index.json: the Animate release names the diffusers
+    download, a Wan-AI release the conversion command, anything else the generic line; one line each."""
+    from wanexp.cli import sample
+
+    for name in files:
+        (tmp_path / name).write_text("")
+    with pytest.raises(ConfigError) as err:
+        sample._folder_model(tmp_path)
+    assert expected in str(err.value) and "\n" not in str(err.value) and "model.path" not in str(err.value)

@@ -342,6 +342,14 @@ def _folder_model(path: Path, last: bool = False):
             found.append((not own_folder, ("last_image" in spec.sample_inputs) != last, name))
     if found:
         return model_group(min(found)[-1], "--model-path")
+    if not (path / "model_index.json").is_file():  # a release in its own layout: its family's advice
+        from wanexp.composition import build
+        from wanexp.config import compose
+
+        for name in released:
+            advice = build(compose([f"model={name}", f"model.path={path}"]).model).not_diffusers_hint(path)
+            if advice:
+                raise ConfigError(f"--model-path {path}: {advice.replace('model.path', '--model-path')}")
     raise ConfigError(f"--model-path {path}: its transformer (in/out channels {channels[0]}/{channels[1]}) is none "
                       f"of the model groups' ({', '.join(released)}); pass a diffusers folder of one of them, or "
                       "--run with the run folder")
