@@ -58,6 +58,8 @@ class FitEstimate:
             shards = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
         self.shards, self.tokens = shards, _tokens(cfg.data, spec, self.sp)
         self.checkpointing = bool(m.get("gradient_checkpointing"))
+        # what the refusal may suggest: offloaded activations (wanexp's forward), sequence parallel
+        self.own_forward, self.sequence_parallel = spec.wanexp_forward(True), spec.sequence_parallel
         self.offloading = self.checkpointing and bool(m.get("offload_activations"))
         # selective checkpointing: a formula's keyword, passed only when on (a family without it refuses it)
         selective = {"selective": True} if self.checkpointing and m.get("selective_checkpointing") else {}
@@ -96,10 +98,11 @@ class FitEstimate:
         options = [f"model.blocks_to_swap={fits} (frozen weights in host memory)"] if fits is not None else []
         if not self.checkpointing:
             options.append("model.gradient_checkpointing=true")
-        elif not self.offloading:
+        elif not self.offloading and self.own_forward:
             options.append("model.offload_activations=true (the checkpointed blocks' inputs in host memory)")
-        options += [f"parallel.sp_size={2 * self.sp} (sequence parallel: each GPU holds a share of the tokens)",
-                    "parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
+        if self.sequence_parallel:
+            options.append(f"parallel.sp_size={2 * self.sp} (sequence parallel: each GPU holds a share of the tokens)")
+        options += ["parallel=fsdp on several GPUs (shards the weights)", "fewer frames or a smaller size"]
         base, ckpt = self.weights(n), "every block" if self.checkpointing else "no block"
         return ConfigError(f"{source}: this run needs at least {self.need(n):.1f} GiB per GPU ({base:.1f} GiB of "
                            f"weights, {self.activations:.1f} GiB of activations at {self.tokens} tokens with {ckpt} "

@@ -286,3 +286,53 @@ def test_wanexp_sample_gives_a_release_in_its_own_layout_its_familys_advice(tmp_
     with pytest.raises(ConfigError) as err:
         sample._folder_model(tmp_path)
     assert expected in str(err.value) and "\n" not in str(err.value) and "model.path" not in str(err.value)
+
+
+@pytest.mark.parametrize("model", ["tiny_animate", "tiny_vace"])
+def test_sequence_parallel_is_refused_by_the_rules_for_a_family_without_it(model):
+    """parallel.sp_size=2 with a family that does not split its tokens (Animate: diffusers' forward; VACE: its control
+    hints) is one line from the rules, before anything is built."""
+    from wanexp.config.rules import check_rules
+
+    sp = ["parallel=ddp", "parallel.sp_size=2", "trainer.devices=2", "trainer.accelerator=cpu"]
+    with pytest.raises(ConfigError, match=f"parallel.sp_size=2: model={model} has no sequence parallel"):
+        check_rules(compose_cfg([f"model={model}", *sp]))
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.fast_modulation=true"], "model.fast_modulation=true: model=tiny_animate's DiT runs diffusers' forward"),
+    (["model.offload_activations=true", "model.gradient_checkpointing=true"],
+     "needs wanexp's transformer forward, which model=tiny_animate does not have"),
+    (["model.memory_budget_gib=28", "model.gradient_checkpointing=true"],
+     "needs wanexp's transformer forward, which model=tiny_animate does not have"),
+], ids=["fast_modulation", "offload_activations", "memory_budget"])
+def test_the_settings_of_wanexps_forward_are_refused_for_animate(shared_dir, overrides, expected):
+    """Animate's DiT runs diffusers' forward: the settings that hook into wanexp's are one line each, never ignored."""
+    from wanexp.composition import build
+
+    with pytest.raises(ConfigError, match=expected):
+        build(compose_cfg(["model=tiny_animate", f"paths.tiny_model_dir={shared_dir}", *overrides]).model)
+
+
+def test_the_planners_refusal_suggests_only_what_animate_can_use(tmp_path, monkeypatch):
+    """A run that does not fit even with every block swapped: the refusal names fewer frames, not offloaded activations
+    or sequence parallel, which Animate does not have."""
+    import json
+
+    import wanexp.memory_plan as plan
+    from wanexp.composition import build
+    from wanexp.config import compose
+    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
+    from wanexp.models.animate.spec import AnimateSpec
+
+    (tmp_path / "transformer").mkdir()
+    config = {"_class_name": "WanAnimateTransformer3DModel", **transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280)}
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
+    cfg = compose(["model=animate14b", f"model.path={tmp_path}", "data=synthetic", "data.generate=null",
+                   "data.height=480", "data.width=832", "data.num_frames=77", "data.batch_size=1",
+                   "trainer.precision=bf16-mixed", "model.gradient_checkpointing=true", "model.blocks_to_swap=auto"])
+    monkeypatch.setattr(plan, "usable_gib", lambda cfg: 31.0)  # a 32 GB card
+    with pytest.raises(ConfigError) as err:
+        plan.resolve_blocks_to_swap(cfg, build(cfg.model), verbose=False)
+    line = str(err.value)
+    assert "fewer frames" in line and "offload_activations" not in line and "sp_size" not in line

@@ -234,7 +234,8 @@ def a14b_spec():
 
     spec = SimpleNamespace(trained_experts=lambda boundary: ["high"], transformer_config=lambda e: dict(A14B),
                            vae_stride=(4, 8, 8), patch=(1, 2, 2), extra_latent_frames=0, dtype=torch.bfloat16,
-                           name="i2v14b", transformer_type=lambda: WanTransformer3DModel, memory_formula=WanMemory)
+                           name="i2v14b", transformer_type=lambda: WanTransformer3DModel, memory_formula=WanMemory,
+                           wanexp_forward=lambda fast_modulation: True, sequence_parallel=True)
     spec.meta_transformers = lambda boundary: ModelSpec.meta_transformers(spec, boundary)
     return spec
 

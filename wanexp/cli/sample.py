@@ -204,9 +204,7 @@ def _layout(args, spec, s):
     if os.environ.get("WORLD_SIZE") and args.gpus > 1 and world != args.gpus:
         raise ConfigError(f"--gpus {args.gpus} under a launcher of {world} processes: leave out --gpus when "
                           "torchrun starts the processes")
-    from wanexp.models.family import ModelSpec
-
-    split = spec.enable_sequence_parallel is not ModelSpec.enable_sequence_parallel  # the family splits tokens
+    split = spec.sequence_parallel  # the family splits tokens
     cfg = args.cfg_parallel
     if cfg is None:  # both halves of every CFG step at once: no communication inside the step (its best split)
         cfg = (args.sp is None and world > 1 and world % 2 == 0 and spec.cfg_parallel is not None

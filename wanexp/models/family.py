@@ -148,6 +148,8 @@ class ModelSpec:
     vae_stride: tuple[int, int, int] = (4, 8, 8)  # pixels per latent (frames, height, width)
     patch: tuple[int, int, int] = (1, 2, 2)  # latents per DiT token (frames, height, width)
     extra_latent_frames: int = 0  # latent frames the DiT sees besides the clip's (Animate's reference slot)
+    # the family splits a forward's tokens over parallel.sp_size / wanexp-sample --sp ranks (enable_sequence_parallel)
+    sequence_parallel: bool = False
     needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
     reference_image: bool = False  # samples from a reference image (wanexp-sample --image, optional): S2V
@@ -244,9 +246,14 @@ class ModelSpec:
         self.animate_mode = animate_mode  # a family with modes reads it (Wan2.2-Animate); others refuse one
         if animate_mode is not None and not self.modes:
             raise ConfigError(f"model.animate_mode={animate_mode}: model={name} has no modes; leave it null")
+        if fast_modulation and not self.wanexp_forward(True):
+            raise ConfigError(f"model.fast_modulation=true: model={name}'s DiT runs diffusers' forward, which has no "
+                              "per-frame modulation; set model.fast_modulation=false")
         own = self.wanexp_forward(fast_modulation)
         needs = " and ".join(["model.gradient_checkpointing=true"] * (not gradient_checkpointing)
                              + ["model.fast_modulation=true"] * (not own))
+        if not self.wanexp_forward(True):  # no setting gives this family wanexp's forward
+            needs = f"wanexp's transformer forward, which model={name} does not have (its DiT runs diffusers')"
         if offload_activations and needs:
             raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
                               f"needs {needs}")
@@ -484,7 +491,8 @@ class ModelSpec:
     @classmethod
     def wanexp_forward(cls, fast_modulation: bool) -> bool:
         """Whether the DiT runs wanexp's own forward (what sequence parallel, offloaded activations and the memory
-        budget hook into): for Wan2.2, ``model.fast_modulation``'s forward (models/wan22/fast.py)."""
+        budget hook into): for Wan2.2, ``model.fast_modulation``'s forward (models/wan22/fast.py). False for every
+        setting: the family's DiT runs diffusers' forward (model.fast_modulation=true is refused)."""
         return fast_modulation
 
     def enable_sequence_parallel(self, transformer, sp, gradient_free: bool = False) -> None:

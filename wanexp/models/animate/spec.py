@@ -85,6 +85,10 @@ class AnimateSpec(ModelSpec):
             return False
         return isinstance(config, dict) and config.get("_class_name") == cls.transformer_class.rpartition(".")[2]
 
+    @classmethod
+    def wanexp_forward(cls, fast_modulation: bool) -> bool:
+        return False  # diffusers' WanAnimateTransformer3DModel forward
+
     def not_diffusers_hint(self, path: Path) -> str | None:
         """The original Wan2.2-Animate-14B release (Wan's own layout: its CLIP and VAE as .pth files, the relighting
         LoRA, the preprocessing checkpoints): the diffusers download to use instead (the same weights)."""

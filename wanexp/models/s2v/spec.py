@@ -159,6 +159,7 @@ class S2VSpec(ModelSpec):
 
         sequence.set_active(transformer, active)
 
+    sequence_parallel = True
     pads_sequence = True  # sequence parallel pads the tokens: only the heads must divide
 
     def memory_formula(self):

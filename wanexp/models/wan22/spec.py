@@ -19,6 +19,7 @@ class WanSpec(ModelSpec):
     """Wan2.2's common behaviour; each subclass names its layout in LAYOUTS and sets its conditioning."""
 
     transformer_class = "diffusers.WanTransformer3DModel"
+    sequence_parallel = True  # wanexp's forward (models/wan22/fast.py) splits the tokens
     pads_sequence = True  # wanexp's forward (models/wan22/fast.py) pads the tokens under sequence parallel
     selective_checkpointing_supported = True  # fast.KeepAttentionAndUpProjection
     vae_class = "diffusers.AutoencoderKLWan"

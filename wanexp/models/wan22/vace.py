@@ -287,6 +287,7 @@ class VaceA14BSpec(T2VA14BSpec):
     pipeline_class = "WanVACEPipeline"
     component_files = False  # a diffusers-format folder (the release converts to one: python -m wanexp.cli.convert)
     cfg_parallel = None
+    sequence_parallel = False  # the control branch's hints are not split
     pads_sequence = False
     adapter_naming = VACE_NAMING
     sample_inputs = {
