@@ -303,9 +303,7 @@ def test_sequence_parallel_is_refused_by_the_rules_for_a_family_without_it(model
     (["model.fast_modulation=true"], "model.fast_modulation=true: model=tiny_animate's DiT runs diffusers' forward"),
     (["model.offload_activations=true", "model.gradient_checkpointing=true"],
      "needs wanexp's transformer forward, which model=tiny_animate does not have"),
-    (["model.memory_budget_gib=28", "model.gradient_checkpointing=true"],
-     "needs wanexp's transformer forward, which model=tiny_animate does not have"),
-], ids=["fast_modulation", "offload_activations", "memory_budget"])
+], ids=["fast_modulation", "offload_activations"])
 def test_the_settings_of_wanexps_forward_are_refused_for_animate(shared_dir, overrides, expected):
     """Animate's DiT runs diffusers' forward: the settings that hook into wanexp's are one line each, never ignored."""
     from wanexp.composition import build
@@ -336,3 +334,26 @@ def test_the_planners_refusal_suggests_only_what_animate_can_use(tmp_path, monke
         plan.resolve_blocks_to_swap(cfg, build(cfg.model), verbose=False)
     line = str(err.value)
     assert "fewer frames" in line and "offload_activations" not in line and "sp_size" not in line
+
+
+@pytest.mark.parametrize("hw", ["v100_32g", "h100_80g"])
+def test_the_hw_presets_size_animates_block_swap(tmp_path, hw):
+    """A card preset (model.memory_budget_gib, blocks_to_swap=auto) composes with Animate, every block checkpointed:
+    the budget sizes the swap. The 32 GB card's preset plans 480x832x41 for all of its 28 GiB (33 blocks swapped;
+    the capped GPU case, planning for 90 % of a 28 GiB GPU without a budget, swapped 37); the 80 GB card's swaps none."""
+    import json
+
+    from wanexp.composition import build
+    from wanexp.config import compose
+    from wanexp.memory_plan import resolve_blocks_to_swap
+    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
+    from wanexp.models.animate.spec import AnimateSpec
+
+    (tmp_path / "transformer").mkdir()
+    config = {"_class_name": "WanAnimateTransformer3DModel", **transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280)}
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
+    cfg = compose(["model=animate14b", f"model.path={tmp_path}", f"hw={hw}", "data=synthetic", "data.generate=null",
+                   "data.height=480", "data.width=832", "data.num_frames=41", "data.batch_size=1",
+                   "model.gradient_checkpointing=true"])
+    n = resolve_blocks_to_swap(cfg, build(cfg.model), verbose=False)
+    assert n == {"v100_32g": 33, "h100_80g": 0}[hw]

@@ -266,7 +266,9 @@ class ModelSpec:
         if selective_checkpointing and offload_activations:
             raise ConfigError("model.selective_checkpointing=true keeps outputs on the GPU that "
                               "model.offload_activations=true is there to move off it; set one of them to false")
-        if memory_budget_gib is not None and needs:
+        # a family without wanexp's forward checkpoints every block (gradient_checkpointing): its budget sizes
+        # model.blocks_to_swap=auto and checks the fit (memory_plan), as the hw presets set it
+        if memory_budget_gib is not None and needs and self.wanexp_forward(True):
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
                               f"needs {needs}")
         if attention_backend is not None:
