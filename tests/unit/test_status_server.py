@@ -247,9 +247,13 @@ def test_refusals_are_one_line_exit_2(outputs, tmp_path, capsys, monkeypatch):
     assert "70000" in err[6] and "give one" in err[7] and "--serve" in err[8]
 
 
-def test_the_command_serves_until_ctrl_c_and_stops_cleanly(outputs):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_the_command_serves_until_ctrl_c_and_stops_cleanly(outputs, sigint):
+    """Ctrl-C stops the server at its next poll, with SIGINT as Python sets it up and where the launcher left it
+    ignored (a background job: Python then raises no KeyboardInterrupt)."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
     proc = subprocess.Popen([sys.executable, "-m", "wanexp.cli.status", str(outputs), "--serve", "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
     try:
         line = proc.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:(\d+)/", line)

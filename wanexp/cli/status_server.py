@@ -445,16 +445,16 @@ def serve(folder: Path, host: str, port: int, token: str | None, every_s: float)
     print(f"wanexp-status: serving {server.tree.root} ({n_runs} run(s) now, new ones appear as they start) at "
           f"{server.url}  (Ctrl-C stops)", flush=True)
 
-    def stop(signum, frame) -> None:
+    def stop(signum, frame) -> None:  # Ctrl-C and SIGTERM alike: the loop ends at its next poll, never mid-request
         threading.Thread(target=server.shutdown, daemon=True).start()
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    # our own handler for both (also where the launcher left SIGINT ignored, as a background job's is)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         server.server_close()
     print("wanexp-status: stopped", flush=True)
     return 0
