@@ -493,8 +493,9 @@ class ModelSpec:
     @classmethod
     def wanexp_forward(cls, fast_modulation: bool) -> bool:
         """Whether the DiT runs wanexp's own forward (what sequence parallel, offloaded activations and the memory
-        budget hook into): for Wan2.2, ``model.fast_modulation``'s forward (models/wan22/fast.py). False for every
-        setting: the family's DiT runs diffusers' forward (model.fast_modulation=true is refused)."""
+        budget hook into): for Wan2.2, ``model.fast_modulation``'s forward (models/wan22/fast.py). A family whose DiT
+        always runs diffusers' forward returns False for both values: model.fast_modulation=true and offloaded
+        activations are then refused, and its memory budget only sizes block swap."""
         return fast_modulation
 
     def enable_sequence_parallel(self, transformer, sp, gradient_free: bool = False) -> None:
