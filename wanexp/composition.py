@@ -163,6 +163,14 @@ class Preflight:
     memory: dict | None = None
 
 
+def compile_notice(spec) -> str | None:
+    """The start line of a run whose model.compile=true (e.g. from an hw preset) the family does not apply, or None."""
+    if spec.compile and not spec.compiles_blocks:
+        return (f"wanexp: model.compile=true: model={spec.name}'s blocks run uncompiled (the family does not compile "
+                "them; set model.compile=false to silence this)")
+    return None
+
+
 def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
     """Checks -> model folder -> the model built once on the meta device -> memory plan: a bad run is refused in
     seconds, before Lightning, any weight or any write. ``verbose``: the memory plan's start line (rank 0)."""
@@ -177,6 +185,9 @@ def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
     from wanexp.models.fp8 import check_fp8  # model.fp8=true on a GPU without the FP8 GEMM
 
     check_fp8(spec)
+    notice = compile_notice(spec)
+    if notice and verbose:
+        print(notice, flush=True)
     prepare_model_folder(spec, cfg.boundary.name)  # its weight files' headers too (a truncated download)
     check_paths(cfg)
     if int(cfg.parallel.sp_size) > 1:  # sequence parallel splits the heads: checked before any weight loads

@@ -357,3 +357,16 @@ def test_the_hw_presets_size_animates_block_swap(tmp_path, hw):
                    "model.gradient_checkpointing=true"])
     n = resolve_blocks_to_swap(cfg, build(cfg.model), verbose=False)
     assert n == {"v100_32g": 33, "h100_80g": 0}[hw]
+
+
+@pytest.mark.parametrize("model,expected", [("tiny_animate", True), ("tiny_s2v", True), ("tiny", False)])
+def test_a_compile_the_family_does_not_apply_is_said_at_start(model, expected):
+    """model.compile=true (the hw presets set it) on a family that does not compile its blocks (Animate, S2V) gives
+    one start line saying so, never a silent no-op; Wan2.2's compiles and says nothing."""
+    from wanexp.composition import build, compile_notice
+
+    spec = build(compose_cfg([f"model={model}", "model.path=/m", "model.compile=true"]).model)
+    line = compile_notice(spec)
+    assert (line is not None) == expected
+    if expected:
+        assert f"model={model}'s blocks run uncompiled" in line and "\n" not in line

@@ -150,6 +150,7 @@ class ModelSpec:
     extra_latent_frames: int = 0  # latent frames the DiT sees besides the clip's (Animate's reference slot)
     # the family splits a forward's tokens over parallel.sp_size / wanexp-sample --sp ranks (enable_sequence_parallel)
     sequence_parallel: bool = False
+    compiles_blocks: bool = False  # model.compile compiles the family's blocks (prepare_transformer)
     needs_image_latent: bool = False  # every sample carries its first frame's latent (image-to-video)
     draws_first_frame: bool = False  # a fraction of samples keep a clean latent frame 0 (model.first_frame_cond)
     reference_image: bool = False  # samples from a reference image (wanexp-sample --image, optional): S2V

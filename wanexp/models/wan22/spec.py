@@ -20,6 +20,7 @@ class WanSpec(ModelSpec):
 
     transformer_class = "diffusers.WanTransformer3DModel"
     sequence_parallel = True  # wanexp's forward (models/wan22/fast.py) splits the tokens
+    compiles_blocks = True  # model.compile: each block compiled (prepare_transformer)
     pads_sequence = True  # wanexp's forward (models/wan22/fast.py) pads the tokens under sequence parallel
     selective_checkpointing_supported = True  # fast.KeepAttentionAndUpProjection
     vae_class = "diffusers.AutoencoderKLWan"
