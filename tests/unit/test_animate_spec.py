@@ -224,6 +224,23 @@ def test_the_planner_counts_the_dits_tokens_with_the_reference_slot(spec):
     assert _tokens(data, spec, 1) == dit_tokens
 
 
+def _released_cfg(folder, frames: int, *overrides):
+    """model=animate14b over a folder holding the released DiT's config.json alone (all the memory plan reads), at
+    480 x 832 x ``frames``, batch 1, every block checkpointed."""
+    import json
+
+    from wanexp.config import compose
+    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
+    from wanexp.models.animate.spec import AnimateSpec
+
+    (folder / "transformer").mkdir()
+    config = {"_class_name": "WanAnimateTransformer3DModel", **transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280)}
+    (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    return compose(["model=animate14b", f"model.path={folder}", "data=synthetic", "data.generate=null",
+                    "data.height=480", "data.width=832", f"data.num_frames={frames}", "data.batch_size=1",
+                    "model.gradient_checkpointing=true", *overrides])
+
+
 # The real-size Animate DiT's peak GPU memory, LoRA r32 with every block and face adapter checkpointed, from the GPU
 # case animate_14b (benchmarks/animate14b_h200_2026-11-29/animate_14b.json): (frames, blocks swapped, peak GiB)
 MEASURED_PEAKS = ((41, 37, 24.997), (77, 0, 63.844))
@@ -234,20 +251,10 @@ def test_the_planners_estimate_is_the_measured_peak(tmp_path, frames, swapped, p
     """The planner's estimate (weights at the swapped block count, the checkpointed blocks' and face adapter's kept
     inputs, one block's recompute, the LoRA's training state) of the released DiT at 480x832 is the peak the GPU case
     measured within 3 % (the tokens without the reference slot or the face adapter's inputs left out: 7-12 % under)."""
-    import json
-
     from wanexp.composition import build
-    from wanexp.config import compose
     from wanexp.memory_plan import FitEstimate
-    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
-    from wanexp.models.animate.spec import AnimateSpec
 
-    (tmp_path / "transformer").mkdir()
-    config = {"_class_name": "WanAnimateTransformer3DModel", **transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280)}
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
-    cfg = compose(["model=animate14b", f"model.path={tmp_path}", "data=synthetic", "data.generate=null",
-                   "data.height=480", "data.width=832", f"data.num_frames={frames}", "data.batch_size=1",
-                   "trainer.precision=bf16-mixed", "adapter.rank=32", "model.gradient_checkpointing=true"])
+    cfg = _released_cfg(tmp_path, frames, "trainer.precision=bf16-mixed", "adapter.rank=32")
     assert FitEstimate(cfg, build(cfg.model), None).need(swapped) == pytest.approx(peak, rel=0.03)
 
 
@@ -315,20 +322,10 @@ def test_the_settings_of_wanexps_forward_are_refused_for_animate(shared_dir, ove
 def test_the_planners_refusal_suggests_only_what_animate_can_use(tmp_path, monkeypatch):
     """A run that does not fit even with every block swapped: the refusal names fewer frames, not offloaded activations
     or sequence parallel, which Animate does not have."""
-    import json
-
     import wanexp.memory_plan as plan
     from wanexp.composition import build
-    from wanexp.config import compose
-    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
-    from wanexp.models.animate.spec import AnimateSpec
 
-    (tmp_path / "transformer").mkdir()
-    config = {"_class_name": "WanAnimateTransformer3DModel", **transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280)}
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
-    cfg = compose(["model=animate14b", f"model.path={tmp_path}", "data=synthetic", "data.generate=null",
-                   "data.height=480", "data.width=832", "data.num_frames=77", "data.batch_size=1",
-                   "trainer.precision=bf16-mixed", "model.gradient_checkpointing=true", "model.blocks_to_swap=auto"])
+    cfg = _released_cfg(tmp_path, 77, "trainer.precision=bf16-mixed", "model.blocks_to_swap=auto")
     monkeypatch.setattr(plan, "usable_gib", lambda cfg: 31.0)  # a 32 GB card
     with pytest.raises(ConfigError) as err:
         plan.resolve_blocks_to_swap(cfg, build(cfg.model), verbose=False)
@@ -341,20 +338,10 @@ def test_the_hw_presets_size_animates_block_swap(tmp_path, hw):
     """A card preset (model.memory_budget_gib, blocks_to_swap=auto) composes with Animate, every block checkpointed:
     the budget sizes the swap. The 32 GB card's preset plans 480x832x41 for all of its 28 GiB (33 blocks swapped;
     the capped GPU case, planning for 90 % of a 28 GiB GPU without a budget, swapped 37); the 80 GB card's swaps none."""
-    import json
-
     from wanexp.composition import build
-    from wanexp.config import compose
     from wanexp.memory_plan import resolve_blocks_to_swap
-    from wanexp.models.animate.build import REAL_TRANSFORMER, transformer_config
-    from wanexp.models.animate.spec import AnimateSpec
 
-    (tmp_path / "transformer").mkdir()
-    config = {"_class_name": "WanAnimateTransformer3DModel", **transformer_config(AnimateSpec, REAL_TRANSFORMER, 1280)}
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
-    cfg = compose(["model=animate14b", f"model.path={tmp_path}", f"hw={hw}", "data=synthetic", "data.generate=null",
-                   "data.height=480", "data.width=832", "data.num_frames=41", "data.batch_size=1",
-                   "model.gradient_checkpointing=true"])
+    cfg = _released_cfg(tmp_path, 41, f"hw={hw}")
     n = resolve_blocks_to_swap(cfg, build(cfg.model), verbose=False)
     assert n == {"v100_32g": 33, "h100_80g": 0}[hw]
 
