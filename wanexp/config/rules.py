@@ -119,10 +119,11 @@ def check_rules(cfg: DictConfig, model_folder: bool = False) -> None:
         if p.name not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel.sp_size={p.sp_size} with parallel={p.name}: sequence parallel runs under "
                               "parallel=ddp or parallel=fsdp")
-        if not model_class(cfg).sequence_parallel:
+        family = model_class(cfg)
+        if not family.sequence_parallel:
             raise ConfigError(f"parallel.sp_size={p.sp_size}: model={m.name} has no sequence parallel; set "
                               "parallel.sp_size=1")
-        if not model_class(cfg).wanexp_forward(bool(m.fast_modulation)):
+        if not family.wanexp_forward(bool(m.fast_modulation)):
             raise ConfigError(f"parallel.sp_size={p.sp_size} needs wanexp's transformer forward: set "
                               "model.fast_modulation=true")
         devices = t.devices if isinstance(t.devices, int) else None

@@ -247,14 +247,15 @@ class ModelSpec:
         self.animate_mode = animate_mode  # a family with modes reads it (Wan2.2-Animate); others refuse one
         if animate_mode is not None and not self.modes:
             raise ConfigError(f"model.animate_mode={animate_mode}: model={name} has no modes; leave it null")
-        if fast_modulation and not self.wanexp_forward(True):
+        diffusers_only = not self.wanexp_forward(True)  # no setting gives this family wanexp's forward
+        if fast_modulation and diffusers_only:
             raise ConfigError(f"model.fast_modulation=true: model={name}'s DiT runs diffusers' forward, which has no "
                               "per-frame modulation; set model.fast_modulation=false")
-        own = self.wanexp_forward(fast_modulation)
-        needs = " and ".join(["model.gradient_checkpointing=true"] * (not gradient_checkpointing)
-                             + ["model.fast_modulation=true"] * (not own))
-        if not self.wanexp_forward(True):  # no setting gives this family wanexp's forward
+        if diffusers_only:
             needs = f"wanexp's transformer forward, which model={name} does not have (its DiT runs diffusers')"
+        else:
+            needs = " and ".join(["model.gradient_checkpointing=true"] * (not gradient_checkpointing)
+                                 + ["model.fast_modulation=true"] * (not self.wanexp_forward(fast_modulation)))
         if offload_activations and needs:
             raise ConfigError("model.offload_activations=true keeps the checkpointed blocks' inputs in host memory: it "
                               f"needs {needs}")
@@ -269,7 +270,7 @@ class ModelSpec:
                               "model.offload_activations=true is there to move off it; set one of them to false")
         # a family without wanexp's forward checkpoints every block (gradient_checkpointing): its budget sizes
         # model.blocks_to_swap=auto and checks the fit (memory_plan), as the hw presets set it
-        if memory_budget_gib is not None and needs and self.wanexp_forward(True):
+        if memory_budget_gib is not None and needs and not diffusers_only:
             raise ConfigError(f"model.memory_budget_gib={memory_budget_gib:g} picks which blocks to checkpoint: it "
                               f"needs {needs}")
         if attention_backend is not None:
