@@ -337,7 +337,8 @@ def test_the_planners_refusal_suggests_only_what_animate_can_use(tmp_path, monke
 def test_the_hw_presets_size_animates_block_swap(tmp_path, hw):
     """A card preset (model.memory_budget_gib, blocks_to_swap=auto) composes with Animate, every block checkpointed:
     the budget sizes the swap. The 32 GB card's preset plans 480x832x41 for all of its 28 GiB (33 blocks swapped;
-    the capped GPU case, planning for 90 % of a 28 GiB GPU without a budget, swapped 37); the 80 GB card's swaps none."""
+    the capped GPU case, planning for 90 % of a 28 GiB GPU without a budget, swapped 37); the 80 GB card's swaps
+    none."""
     from wanexp.composition import build
     from wanexp.memory_plan import resolve_blocks_to_swap
 
