@@ -138,6 +138,8 @@ class DiffusionModule(L.LightningModule):
     # ---- the step -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int):
         encoded = cached_batch(batch) if "latents" in batch else self.encoders(batch)
+        if self.spec.cuda_graphs:  # model.cuda_graphs: this step's graph replays may overwrite the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         if not self.automatic_optimization:
             return self._manual_step(encoded)
         if getattr(self, "_expert_per_step", False):

@@ -535,6 +535,14 @@ FP8_VARIANT = "wanexp_model_fp8_true"
 FP8_VARIANT_PATH = "wanexp [model.fp8=true]"  # its label in the bench (what --profile names)
 SAC_VARIANT = "wanexp_model_selective_checkpointing_true"  # selective activation checkpointing (fast.py)
 SAC_VARIANT_PATH = "wanexp [model.selective_checkpointing=true]"
+GRAPHS = "model.cuda_graphs=true"  # the compiled blocks replayed as CUDA graphs (fast.compile_blocks)
+GRAPHS_VARIANT, GRAPHS_VARIANT_PATH = "wanexp_model_cuda_graphs_true", f"wanexp [{GRAPHS}]"
+SAC_GRAPHS = f"model.selective_checkpointing=true {GRAPHS}"
+SAC_GRAPHS_VARIANT = f"{SAC_VARIANT}_model_cuda_graphs_true"
+SAC_GRAPHS_VARIANT_PATH = f"wanexp [{SAC_GRAPHS}]"
+# the memory budget choosing which blocks to checkpoint, and how (fast.plan_blocks), with the graphs
+BUDGET_GRAPHS = {gib: f"model.memory_budget_gib={gib} {GRAPHS}" for gib in (20, 22)}
+BUDGET_GRAPHS_VARIANT = {gib: f"wanexp_model_memory_budget_gib_{gib}_model_cuda_graphs_true" for gib in BUDGET_GRAPHS}
 FP8_JOB = Case(
     name=FP8, gpus=1, model="ti2v5b",
     about="model.fp8=true against the default step on the real-size TI2V-5B DiT at 704x1280x17, without and with "
@@ -622,6 +630,37 @@ GAP_JOB = Case(
             Check("metrics.probe_ms.fit_default", "present", None, "probe", "train.py's loop in the probe"),
             Check("metrics.probe_ms.manual_fixed", "present", None, "probe", "the loop without Lightning")),
     collect=gap_metrics, record=("train_ms", "bench.wanexp.median_s", "train_over_bench", "probe_ms"),
+)
+
+# ---- model.cuda_graphs in python train.py (docs/performance.md, CUDA graphs) -------------------------------------
+GRAPHS_TRAIN = "graphs_train_5b"
+VAL_RUN = ["callbacks.validation.every_n_steps=41", "callbacks.validation.at_start=true",
+           "callbacks.validation.steps=3", "callbacks.validation.prompts=[a red fox runs through snow]"]
+
+
+def graphs_train_metrics(ctx: Ctx, phases: dict) -> dict:
+    out = {f"{p}_ms": log_value(ctx, GRAPHS_TRAIN, p, TIMER_MS) for p in ("train_default", "train_graphs")}
+    log = ctx.work / "logs" / GRAPHS_TRAIN / "train_graphs.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    out["validations"] = len(re.findall(r"wanexp: validation at step \d+: \d+ video", text))
+    out["graphs_over_default"] = (out["train_graphs_ms"] / out["train_default_ms"]
+                                  if out["train_graphs_ms"] and out["train_default_ms"] else None)
+    return out
+
+
+GRAPHS_TRAIN_JOB = Case(
+    name=GRAPHS_TRAIN, gpus=1, model="ti2v5b",
+    about="python train.py with model.cuda_graphs=true on the real-size TI2V-5B (light encoders) from the cache: "
+          "validation sampled at step 0 and at the end around 41 training steps (the graphs of sampling and of "
+          "training in one process), steps 21-40 timed against the default run's",
+    phases=(BUILD_LIGHT, CACHE_LIGHT,
+            train("train_graphs", 1, 41, light_data, *TIMER, *VAL_RUN, "model.cuda_graphs=true", minutes=4),
+            train("train_default", 1, 41, light_data, *TIMER, minutes=3)),
+    checks=(Check("phases.train_graphs.rc", "==", 0, "train_graphs", "trains and validates with the graphs"),
+            Check("metrics.validations", ">=", 2, "train_graphs", "validation videos at step 0 and at the end"),
+            Check("metrics.train_graphs_ms", "present", None, "train_graphs", "steps 21-40 timed"),
+            Check("metrics.train_default_ms", "present", None, "train_default", "the default run's steps 21-40")),
+    collect=graphs_train_metrics, record=("train_graphs_ms", "train_default_ms", "graphs_over_default", "validations"),
 )
 
 HOST = "host_gap_5b"
@@ -919,7 +958,7 @@ DISTILL_JOB = Case(
 )
 
 CASES: dict[str, Case] = {c.name: c for c in (
-    USER_JOB, V100_JOB, PCIE_JOB, LOADER_JOB, PERF_JOB, A14B_DIT_JOB, FP8_JOB, BUDGET_JOB, GAP_JOB, HOST_JOB,
+    USER_JOB, V100_JOB, PCIE_JOB, LOADER_JOB, PERF_JOB, A14B_DIT_JOB, FP8_JOB, BUDGET_JOB, GAP_JOB, GRAPHS_TRAIN_JOB, HOST_JOB,
     STRAT2_JOB, STRAT4_JOB, STRAT_A14B_JOB, STRAT_A14B4_JOB, SEAMS_JOB, DS_JOB, DS5_JOB, DISTILL_JOB)}
 
 
@@ -1193,11 +1232,14 @@ PERF_VS_COMPILED_JOB = Case(
           "(model.selective_checkpointing=true, in bench_ckpt and long) and 27,280 tokens with checkpointing (long) "
           "against the compiled per-token loop. One call, ~10 min",
     phases=(BUILD_DIT,
-            bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--variants", "model.fp8=true",
-                  "--warmup", "3", "--steps", "6", "--profile", f"{VS_PROFILE[1]},{FP8_VARIANT_PATH}", minutes=4.5),
+            bench("bench", VS_COMPILED, "--frames", "17", "--paths", VS_PATHS, "--variants",
+                  f"model.fp8=true;{GRAPHS}", "--warmup", "3", "--steps", "6", "--profile",
+                  f"{VS_PROFILE[1]},{FP8_VARIANT_PATH},{GRAPHS_VARIANT_PATH}", minutes=5.5),
             bench("bench_ckpt", VS_COMPILED, "--frames", "17", "--ckpt", "--paths", VS_PATHS, "--warmup", "3",
-                  "--steps", "6", "--variants", "model.selective_checkpointing=true", "--profile",
-                  f"{VS_PROFILE[1]},{SAC_VARIANT_PATH}", minutes=5),
+                  "--steps", "6", "--variants",
+                  ";".join(("model.selective_checkpointing=true", SAC_GRAPHS, *BUDGET_GRAPHS.values())), "--profile",
+                  f"{VS_PROFILE[1]},{SAC_VARIANT_PATH},{SAC_GRAPHS_VARIANT_PATH},wanexp [{BUDGET_GRAPHS[22]}]",
+                  minutes=7),
             bench("long", VS_COMPILED, "--frames", "121", "--ckpt", "--paths", "plain_tokens_compiled,wanexp",
                   "--variants", "model.selective_checkpointing=true", "--warmup", "1", "--steps", "3", "--no-check",
                   "--profile", f"wanexp,{SAC_VARIANT_PATH}", minutes=6)),
@@ -1227,7 +1269,10 @@ PERF_VS_COMPILED_JOB = Case(
             *(f"long.{k}" for k in ("plain_tokens_compiled.median_s", "wanexp.median_s", "wanexp.tflops",
                                     "wanexp.vs_strongest")),
             *(f"{p}.{SAC_VARIANT}.{k}" for p in ("bench_ckpt", "long")
-              for k in ("median_s", "peak_gib", "tflops", "out_rel_err", "grad_rel_err"))),
+              for k in ("median_s", "peak_gib", "tflops", "out_rel_err", "grad_rel_err")),
+            *(f"{p}.{v}.{k}" for p, v in (("bench", GRAPHS_VARIANT), ("bench_ckpt", SAC_GRAPHS_VARIANT),
+                                          *(("bench_ckpt", v) for v in BUDGET_GRAPHS_VARIANT.values()))
+              for k in ("median_s", "peak_gib", "vs_strongest", "out_rel_err", "grad_rel_err"))),
 )
 
 CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB

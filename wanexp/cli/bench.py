@@ -155,6 +155,8 @@ def wanexp_step(args, device, data, module_cfg=None):
     batch = EncodedBatch(*data)
 
     def step():
+        if module.spec.cuda_graphs:  # as DiffusionModule.training_step
+            torch.compiler.cudagraph_mark_step_begin()
         with _autocast(device):
             loss = module.objective(batch, module.denoiser).loss
         loss.backward()

@@ -190,6 +190,7 @@ class ModelSpec:
         memory_budget_gib: float | None,
         fp8: bool = False,
         compile_checkpoint: bool = True,
+        cuda_graphs: bool = False,
         fp8_storage: bool = False,
         blocks_to_swap: int | None = None,
         offload_activations: bool = False,
@@ -233,6 +234,7 @@ class ModelSpec:
         self.fast_modulation = fast_modulation  # time embedding + block modulation per latent frame (the family's)
         self.compile = compile  # torch.compile each transformer block (regional compilation)
         self.compile_checkpoint = compile_checkpoint  # the checkpoint inside the compiled graph
+        self.cuda_graphs = cuda_graphs  # the compiled blocks replayed as CUDA graphs (config.rules.check_cuda_graphs)
         self.memory_budget_gib = memory_budget_gib  # checkpoint only the blocks this budget needs
         self.fp8 = fp8  # frozen block linears in FP8 after the adapters are added (models/fp8.py)
         self.fp8_storage = fp8_storage  # the same, stored only: dequantized at use (models/fp8.py)

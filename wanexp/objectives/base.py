@@ -43,6 +43,8 @@ class Objective:
     manual: bool = False
     needs_negative_text: bool = False  # True: the module passes the embedding of ``negative_prompt`` (CFG)
     negative_prompt: str = ""
+    # One forward of one model per training step, then its backward: what model.cuda_graphs replays (config rules).
+    one_forward: bool = True
     # The dataclass (a subclass of wanexp.config.schema.ObjectiveConfig) that types the objective group's YAML: its
     # fields' types, ranges (knob(..., gt=...)) and defaults are checked before anything loads. None: untyped.
     schema: type | None = None

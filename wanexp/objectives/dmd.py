@@ -105,6 +105,7 @@ class DMD(Objective):
     adapters = ("gen", "critic")
     export = "gen"
     manual = True
+    one_forward = False  # the teacher's and the generator's or critic's forwards
     needs_negative_text = True
     schema = DMDConfig
 

@@ -41,6 +41,7 @@ def teacher_block_for(i: int, student_layers: int, teacher_layers: int) -> int:
 
 class KnowledgeDistillation(Objective):
     adapters: tuple[str, ...] = ()  # the teacher stays as loaded; the student is a separate, fully trained model
+    one_forward = False  # the teacher's and the student's forwards
     export = STUDENT
     schema = KDConfig
 

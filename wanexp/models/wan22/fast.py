@@ -106,6 +106,8 @@ def transformer_forward(self, hidden_states: torch.Tensor, timestep: torch.Tenso
         return type(self).forward(self, hidden_states, timestep, encoder_hidden_states,
                                   encoder_hidden_states_image=encoder_hidden_states_image, return_dict=return_dict,
                                   attention_kwargs=attention_kwargs, **control)
+    if getattr(self, "_wanexp_cuda_graphs", False) and not torch.is_grad_enabled():
+        torch.compiler.cudagraph_mark_step_begin()  # each sampling forward replays the graphs from the first block
     b, _, f, h, w = hidden_states.shape
     pt, ph, pw = self.config.patch_size
     frames, ph_, pw_ = f // pt, h // ph, w // pw
@@ -478,10 +480,17 @@ def checkpoint_function(transformer: nn.Module, sequence_parallel: bool):
 RECOMPILE_LIMIT = 64  # compiled entries per block code object (compile_blocks)
 
 
-def compile_blocks(transformer: nn.Module, checkpoint: bool = True, **kwargs) -> nn.Module:
+def compile_blocks(transformer: nn.Module, checkpoint: bool = True, cuda_graphs: bool = False,
+                   **kwargs) -> nn.Module:
     """``torch.compile`` each transformer block in place (regional compilation; parameter names unchanged), and a
     checkpointed block call with its checkpoint inside the compiled graph (:func:`checkpoint_function`; ``checkpoint``
     false: the eager checkpoint around the compiled block, ``model.compile_checkpoint=false``).
+
+    ``cuda_graphs`` (``model.cuda_graphs``): compiled in reduce-overhead mode, each compiled forward and backward is
+    recorded once as a CUDA graph and replayed, so the host issues one graph launch instead of the block's kernels.
+    The blocks share one compiled function; inductor's CUDA graph trees record one graph per call in a step's order
+    (block k's parameters are its recording's fixed inputs) and one set per input shape. A training step begins a new
+    replay (``DiffusionModule.training_step``); each gradient-free forward begins one itself (:func:`transformer_forward`).
 
     Where blocks cannot be compiled (see :func:`compile_supported`) it says so once and leaves them eager."""
     ok, why = compile_supported()
@@ -499,6 +508,9 @@ def compile_blocks(transformer: nn.Module, checkpoint: bool = True, **kwargs) ->
     # default limit of 8 on the tiny model, after which a call runs eagerly (slower, silently after one warning).
     # Each entry compiles once; the count is bounded by the run's configuration, not by its length.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if cuda_graphs:
+        kwargs["mode"] = "reduce-overhead"
+        transformer._wanexp_cuda_graphs = True
     for block in transformer.blocks:
         block.compile(**kwargs)
     if checkpoint:  # one graph for every block (dynamo guards on the block's class, its parameters are inputs)

@@ -200,7 +200,7 @@ class WanSpec(ModelSpec):
             model._wanexp_offload_activations = self.offload_activations
             fast.set_selective_checkpointing(model, self.selective_checkpointing)
         if self.compile:  # lazy: compiles at the first call, after the adapters are added (and FSDP2 has sharded)
-            fast.compile_blocks(model, checkpoint=self.compile_checkpoint)
+            fast.compile_blocks(model, checkpoint=self.compile_checkpoint, cuda_graphs=self.cuda_graphs)
         return model
 
     def compute_dtype(self, transformer) -> torch.dtype:
