@@ -57,20 +57,26 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
         assert argv[argv.index("--paths") + 1].split(",") == default_paths(True, compiled=True)
         assert ("--ckpt" in argv) == (p.name == "bench_ckpt") and argv[argv.index("--frames") + 1] == "17"
     # the FP8 base runs in the bench phase's process, as a variant of wanexp's step (no checkpointing)
-    fp8 = case.phases[1].argv(ctx)
-    assert fp8[fp8.index("--variants") + 1] == "model.fp8=true"
-    assert registry.FP8_VARIANT_PATH in fp8[fp8.index("--profile") + 1].split(",")
+    fp8 = case.phases[1].argv(ctx)  # and the CUDA graphs (model.cuda_graphs)
+    assert fp8[fp8.index("--variants") + 1].split(";") == ["model.fp8=true", registry.GRAPHS]
+    assert {registry.FP8_VARIANT_PATH, registry.GRAPHS_VARIANT_PATH} <= set(fp8[fp8.index("--profile") + 1].split(","))
     for p in (case.phases[2], case.phases[3]):  # selective checkpointing beside the checkpointed step and at length
         argv = p.argv(ctx)
-        assert argv[argv.index("--variants") + 1] == "model.selective_checkpointing=true"
+        assert argv[argv.index("--variants") + 1].split(";")[0] == "model.selective_checkpointing=true"
         assert registry.SAC_VARIANT_PATH in argv[argv.index("--profile") + 1].split(",")
+    ckpt = case.phases[2].argv(ctx)  # with the graphs: every block selective, and the budget choosing (20, 22 GiB)
+    assert ckpt[ckpt.index("--variants") + 1].split(";")[1:] == [registry.SAC_GRAPHS, *registry.BUDGET_GRAPHS.values()]
     times = {"bench": (392.9, 255.0, 420.0, 249.8, 255.8), "bench_ckpt": (568.0, 440.0, 683.8, 433.9, 344.8)}
     for name, ms in times.items():
         results = [_row(p, t) for p, t in zip(default_paths(True, compiled=True), ms)]
         if name == "bench":
-            results.append({**_row(registry.FP8_VARIANT_PATH, 243.8), "peak_gib": 26.7})
-        else:  # selective checkpointing, a variant of the checkpointed step
-            results.append({**_row(registry.SAC_VARIANT_PATH, 301.0), "peak_gib": 16.9})
+            results += [{**_row(registry.FP8_VARIANT_PATH, 243.8), "peak_gib": 26.7},
+                        _row(registry.GRAPHS_VARIANT_PATH, 244.0)]
+        else:  # selective checkpointing, a variant of the checkpointed step, and with the graphs
+            results += [{**_row(registry.SAC_VARIANT_PATH, 301.0), "peak_gib": 16.9},
+                        {**_row(registry.SAC_GRAPHS_VARIANT_PATH, 289.1), "peak_gib": 16.0},
+                        {**_row(f"wanexp [{registry.BUDGET_GRAPHS[20]}]", 287.5), "peak_gib": 16.4},
+                        {**_row(f"wanexp [{registry.BUDGET_GRAPHS[22]}]", 279.5), "peak_gib": 18.4}]
         strongest = speedups(results)
         path = registry.bench_json(ctx, registry.VS_COMPILED, name)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,6 +100,8 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     assert m["bench_ckpt"]["wanexp"]["vs_strongest"] == pytest.approx(433.9 / 344.8)
     assert m["bench_ckpt"][registry.SAC_VARIANT]["median_s"] == pytest.approx(0.301)
     assert m["long"][registry.SAC_VARIANT]["median_s"] == pytest.approx(3.3)
+    assert m["bench_ckpt"][registry.BUDGET_GRAPHS_VARIANT[22]]["vs_strongest"] == pytest.approx(433.9 / 279.5)
+    assert m["bench"][registry.GRAPHS_VARIANT]["median_s"] == pytest.approx(0.244)
     assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
     row = run.record_row(case, result, tmp_path / "bench").read_text()
     assert "bench.strongest_plain plain_tokens_compiled" in row and f"bench_ckpt.wanexp.vs_strongest " \
