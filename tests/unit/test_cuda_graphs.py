@@ -38,7 +38,10 @@ def test_the_blocks_compile_in_reduce_overhead_mode_with_graphs(graphs, monkeypa
 def test_each_gradient_free_forward_begins_a_replay_and_a_training_forward_does_not(step_marks):
     t = fast.use_frame_modulation(tiny_transformer())
     hidden, timestep, text = ti2v_batch(3, [True, False])
-    run = lambda: t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)  # noqa: E731
+
+    def run():
+        return t(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+
     with torch.no_grad():
         run()
     assert step_marks == []  # no graphs: no mark
@@ -89,3 +92,12 @@ def test_settings_a_replay_cannot_hold_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         check_config(compose_cfg([*GPU, *overrides]))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_sampling_leaves_the_graphs_to_training(tmp_path):
+    """wanexp-sample builds the run's model group without its model.cuda_graphs (compiled with --compile only)."""
+    from wanexp.cli.sample import _spec
+
+    group = compose_cfg(GPU).model
+    assert group.cuda_graphs is True
+    assert _spec({"model_group": group, "model_path": tmp_path}, None, compile=True).cuda_graphs is False

@@ -627,12 +627,13 @@ def _save_latents(path: Path, latents) -> None:
 
 def _spec(s, device, compile: bool = False):
     """The model group's spec for sampling the folder ``s["model_path"]`` (whatever the run's path): its dtypes on a
-    GPU, fp32 on the CPU; blocks compiled only with ``compile``."""
+    GPU, fp32 on the CPU; blocks compiled only with ``compile``, without the run's ``model.cuda_graphs`` (a training
+    setting: sampling on several GPUs runs collectives inside the blocks)."""
     from wanexp.composition import build
 
     cpu = {} if device is None or device.type == "cuda" else {"dtype": "fp32", "vae_dtype": "fp32",
                                                                 "text_encoder_dtype": "fp32"}
-    return build(s["model_group"], path=str(s["model_path"]), compile=compile, **cpu)
+    return build(s["model_group"], path=str(s["model_path"]), compile=compile, cuda_graphs=False, **cpu)
 
 
 def _embeddings(spec, prompts: list[str], s, device, grid) -> dict:

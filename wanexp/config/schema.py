@@ -72,9 +72,9 @@ class ModelConfig:
     fast_modulation: bool = knob(MISSING, doc="time embedding + block modulation once per latent frame (same values)")
     compile: bool = knob(MISSING, doc="torch.compile each transformer block (regional compilation)")
     compile_checkpoint: bool = knob(True, doc="with compile: a checkpointed block's recompute inside its compiled graph")
-    cuda_graphs: bool = knob(False, doc="with compile: the compiled blocks' forward and backward replayed as CUDA graphs "
-                             "(torch.compile's reduce-overhead mode), one recording per bucket shape: less host time "
-                             "per step, GPU only")
+    cuda_graphs: bool = knob(False, doc="with compile: the compiled blocks' forward and backward replayed as CUDA "
+                             "graphs (torch.compile's reduce-overhead mode), one recording per bucket shape: less host "
+                             "time per step, GPU only")
     memory_budget_gib: Optional[float] = knob(MISSING, gt=0.0, doc="checkpoint only the blocks this GPU budget needs")
     offload_activations: bool = knob(False, doc="the checkpointed blocks' inputs kept in pinned host memory between "
                                      "the forward and the backward (needs gradient_checkpointing)")

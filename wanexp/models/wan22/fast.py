@@ -490,7 +490,8 @@ def compile_blocks(transformer: nn.Module, checkpoint: bool = True, cuda_graphs:
     recorded once as a CUDA graph and replayed, so the host issues one graph launch instead of the block's kernels.
     The blocks share one compiled function; inductor's CUDA graph trees record one graph per call in a step's order
     (block k's parameters are its recording's fixed inputs) and one set per input shape. A training step begins a new
-    replay (``DiffusionModule.training_step``); each gradient-free forward begins one itself (:func:`transformer_forward`).
+    replay (``DiffusionModule.training_step``); each gradient-free forward begins one itself
+    (:func:`transformer_forward`).
 
     Where blocks cannot be compiled (see :func:`compile_supported`) it says so once and leaves them eager."""
     ok, why = compile_supported()
