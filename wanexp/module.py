@@ -423,10 +423,11 @@ def load_turns(module: DiffusionModule, what: str = "the base") -> tuple[int, in
     trainer = attached_trainer(module)
     if trainer is None or trainer.world_size == 1:
         return 1, 0
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
     strategy = trainer.strategy
-    if not hasattr(strategy, "parallelize_module") and type(strategy) is not DDPStrategy:
+    if not hasattr(strategy, "parallelize_module") and (not isinstance(strategy, DDPStrategy)
+                                                        or isinstance(strategy, DeepSpeedStrategy)):
         return 1, 0  # DeepSpeed (a DDPStrategy subclass) places the model itself
     per_node = max(1, trainer.num_devices)
     k = module.run_context.concurrent_loads

@@ -1,7 +1,7 @@
 """Lightning strategies for the `parallel` group; each option's ``parallel.strategy._target_`` names one of these.
 
     parallel=single    "auto" (Lightning picks the one device)
-    parallel=ddp       ddp(...)                       -> lightning DDPStrategy
+    parallel=ddp       ddp(...)                       -> Lightning's DDPStrategy, DDP built on the current stream
     parallel=fsdp      fsdp.BlockFSDPStrategy(...)      -> FSDP2 per transformer block
     parallel=deepspeed deepspeed(...)                 -> zero.ZeroStrategy (Lightning's DeepSpeedStrategy)
 """
@@ -13,7 +13,19 @@ from datetime import timedelta
 def ddp(*, timeout_s: int, **kwargs):
     from lightning.pytorch.strategies import DDPStrategy
 
-    return DDPStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)
+    class SameStreamDDPStrategy(DDPStrategy):
+        """Lightning's DDPStrategy (2.6) builds DistributedDataParallel inside a new CUDA stream, so the gradient
+        accumulators DDP's reducer holds belong to that stream while every backward runs on the default one: each
+        backward then syncs the two streams per parameter and warns ("The AccumulateGrad node's stream does not match
+        ..."). Built on the current stream, as PyTorch asks, they match."""
+
+        def _setup_model(self, model):
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(),
+                                           **self._ddp_kwargs)
+
+    return SameStreamDDPStrategy(timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
 def deepspeed(*, stage: int, offload_optimizer: bool = False, offload_parameters: bool = False, timeout_s: int,
