@@ -641,9 +641,9 @@ VAL_RUN = ["callbacks.validation.at_start=true",
 
 def graphs_train_metrics(ctx: Ctx, phases: dict) -> dict:
     out = {f"{p}_ms": log_value(ctx, GRAPHS_TRAIN, p, TIMER_MS) for p in ("train_default", "train_graphs")}
-    log = ctx.work / "logs" / GRAPHS_TRAIN / "train_graphs.log"
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    out["validations"] = len(re.findall(r"wanexp: validation at step \d+: \d+ video", text))
+    runs = {p: run_metrics(ctx.run_dir(p)) for p in ("train_default", "train_graphs")}
+    out["validations"] = runs["train_graphs"]["validations"]  # validation/step_*/metrics.json: videos written
+    out.update({f"{p}_peak_gib": r["peak_mem_gib"] for p, r in runs.items()})
     out["graphs_over_default"] = (out["train_graphs_ms"] / out["train_default_ms"]
                                   if out["train_graphs_ms"] and out["train_default_ms"] else None)
     return out
@@ -662,7 +662,8 @@ GRAPHS_TRAIN_JOB = Case(
             Check("metrics.validations", ">=", 2, "train_graphs", "validation videos at step 0 and at the end"),
             Check("metrics.train_graphs_ms", "present", None, "train_graphs", "steps 21-40 timed"),
             Check("metrics.train_default_ms", "present", None, "train_default", "the default run's steps 21-40")),
-    collect=graphs_train_metrics, record=("train_graphs_ms", "train_default_ms", "graphs_over_default", "validations"),
+    collect=graphs_train_metrics, record=("train_graphs_ms", "train_default_ms", "graphs_over_default", "validations",
+                                          "train_graphs_peak_gib", "train_default_peak_gib"),
 )
 
 HOST = "host_gap_5b"

@@ -458,32 +458,42 @@ def _check_low_vram(m, p) -> None:
 
 def check_cuda_graphs(cfg: DictConfig) -> None:
     """model.cuda_graphs=true (wanexp/models/wan22/fast.py, compile_blocks): a recorded graph replays fixed addresses
-    and one step's order of block calls, which these settings change from step to step or call into."""
+    and one step's order of block calls, which these settings change from step to step or call into. Each refusal
+    names its fix, and model.cuda_graphs=false as the other way out where there is one."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     if not m.get("cuda_graphs"):
         return
-    knob, off = "model.cuda_graphs=true", "or model.cuda_graphs=false"  # the other way out of each refusal
     swap = blocks_to_swap_setting(m.get("blocks_to_swap"))
-    problem = (
-        "replays the compiled blocks: set model.compile=true" if not m.compile else
-        "records CUDA graphs, and trainer.accelerator=cpu runs on the CPU; set trainer.accelerator=gpu"
-        if t.accelerator == "cpu" else
-        f"replays compiled blocks, and model={m.name} does not compile its blocks; set model.cuda_graphs=false"
-        if not model_class(cfg).compiles_blocks else
-        f"with parallel={p.name}: sharded parameters are gathered to new addresses each step; use parallel=ddp"
-        if p.name in ("fsdp", "deepspeed") else
-        f"with parallel.sp_size={p.sp_size}: sequence parallel's collectives run in the blocks' checkpoint; set "
-        "parallel.sp_size=1" if p.sp_size > 1 else
-        f"with model.blocks_to_swap={swap}: swapped weights move every step; set model.blocks_to_swap=0"
-        if swap else
-        "with model.offload_activations=true: the offloaded checkpoint copies to host memory in the block call; set "
-        "model.offload_activations=false" if m.get("offload_activations") else
-        f"with trainer.accumulate_grad_batches={t.accumulate_grad_batches}: the next replay overwrites the "
-        "gradients being accumulated; set trainer.accumulate_grad_batches=1" if t.accumulate_grad_batches != 1 else
-        f"with objective={cfg.objective.get('name')}: its step runs more than one forward; set "
-        "model.cuda_graphs=false" if not objective_class(cfg.objective).one_forward else None)
-    if problem:
-        raise ConfigError(f"{knob} {problem}" + ("" if "cuda_graphs=false" in problem else f" ({off})"))
+    other_way = True
+    if not m.compile:
+        problem = "replays the compiled blocks: set model.compile=true"
+    elif t.accelerator == "cpu":
+        problem = "records CUDA graphs, and trainer.accelerator=cpu runs on the CPU; set trainer.accelerator=gpu"
+    elif not model_class(cfg).compiles_blocks:
+        problem = (f"replays compiled blocks, and model={m.name} does not compile its blocks; set "
+                   "model.cuda_graphs=false")
+        other_way = False
+    elif p.name in ("fsdp", "deepspeed"):
+        problem = (f"with parallel={p.name}: sharded parameters are gathered to new addresses each step; use "
+                   "parallel=ddp")
+    elif p.sp_size > 1:
+        problem = (f"with parallel.sp_size={p.sp_size}: sequence parallel's collectives run in the blocks' checkpoint; "
+                   "set parallel.sp_size=1")
+    elif swap:
+        problem = f"with model.blocks_to_swap={swap}: swapped weights move every step; set model.blocks_to_swap=0"
+    elif m.get("offload_activations"):
+        problem = ("with model.offload_activations=true: the offloaded checkpoint copies to host memory in the block "
+                   "call; set model.offload_activations=false")
+    elif t.accumulate_grad_batches != 1:
+        problem = (f"with trainer.accumulate_grad_batches={t.accumulate_grad_batches}: the next replay overwrites the "
+                   "gradients being accumulated; set trainer.accumulate_grad_batches=1")
+    elif not objective_class(cfg.objective).one_forward:
+        problem = (f"with objective={cfg.objective.get('name')}: its step runs more than one forward; set "
+                   "model.cuda_graphs=false")
+        other_way = False
+    else:
+        return
+    raise ConfigError(f"model.cuda_graphs=true {problem}" + (" (or model.cuda_graphs=false)" if other_way else ""))
 
 
 def check_dora(cfg: DictConfig) -> None:
