@@ -76,3 +76,65 @@ def runtime_calls(events, steps: int, names=None, top: int = 8) -> dict:
             row[0] += 1 / steps
             row[1] += e.time_range.elapsed_us() / 1e3 / steps
     return dict(sorted(out.items(), key=lambda kv: -kv[1][1])[:top])
+
+
+# ---- the card's clock and power while a step runs (nvidia-smi) ----------------------------------------------------
+SMI_QUERY = "clocks.sm,power.draw"
+
+
+class CardTelemetry:
+    """The SM clock (MHz) and board power (W) of one GPU, sampled every ``period_ms`` by ``nvidia-smi`` in a
+    background process while the bench times its paths; :meth:`window` averages a span. A step that keeps the GPU
+    busy draws up to the card's power limit and the driver lowers the SM clock to stay under it, so the same kernels
+    take longer: the clock says whether a path's GPU time grew because its kernels did more or ran slower.
+    ``command``: what prints ``MHz, W`` lines (tests give a stand-in); without nvidia-smi nothing is sampled."""
+
+    def __init__(self, command: list[str] | None = None, period_ms: int = 100, gpu: str | None = None):
+        import shutil
+        import subprocess
+        import threading
+        import time
+
+        self.samples: list[tuple[float, float, float]] = []  # (Unix time, MHz, W)
+        self.limit_w = None
+        self._proc = None
+        if command is None:
+            if shutil.which("nvidia-smi") is None:
+                return
+            sel = ["-i", gpu] if gpu else []
+            command = ["nvidia-smi", *sel, f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
+                       f"-lms={period_ms}"]
+            try:
+                limit = subprocess.run(["nvidia-smi", *sel, "--query-gpu=power.limit", "--format=csv,noheader,nounits"],
+                                       capture_output=True, text=True, timeout=20).stdout.split()
+                self.limit_w = float(limit[0]) if limit else None
+            except (OSError, subprocess.SubprocessError, ValueError):
+                self.limit_w = None
+        try:
+            self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+
+        def read():
+            for line in self._proc.stdout:
+                try:
+                    mhz, watts = (float(x) for x in line.split(",")[:2])
+                except ValueError:
+                    continue  # "[N/A]" or a partial line
+                self.samples.append((time.time(), mhz, watts))
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def window(self, start: float, end: float) -> dict | None:
+        """Mean SM clock and power over [start, end] (Unix seconds), with the highest power and the sample count;
+        None without samples there."""
+        inside = [(m, w) for t, m, w in list(self.samples) if start <= t <= end]
+        if not inside:
+            return None
+        return {"sm_mhz": sum(m for m, _ in inside) / len(inside), "power_w": sum(w for _, w in inside) / len(inside),
+                "max_power_w": max(w for _, w in inside), "samples": len(inside)}
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)

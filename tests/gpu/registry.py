@@ -424,19 +424,22 @@ def _slug(label: str) -> str:
 def bench_metrics(path: Path) -> dict:
     """One bench JSON (its last run): per path (slugged) the median and back-to-back seconds, peak GiB, the speedup
     against the plain per-token loop and ``vs_wanexp`` (wanexp's default step time / this path's), the numerics
-    verdict and, per path, the largest output and LoRA-gradient errors against the plain loop."""
+    verdict and, per path, the largest output and LoRA-gradient errors against the plain loop, and the card's mean
+    SM clock and power while the path's steps ran (``sm_mhz``, ``power_w``; the run's ``power_limit_w``)."""
     runs = json.loads(path.read_text()) if path.is_file() else []
     if not runs:
         return {}
     run = runs[-1]
     rows = {_slug(r["path"]): r for r in run.get("results", [])}
     base = rows.get("wanexp", {}).get("median_s")
-    out: dict = {"numerics_ok": run.get("numerics_ok"), "tokens": run.get("tokens"), "device": run.get("device")}
+    out: dict = {"numerics_ok": run.get("numerics_ok"), "tokens": run.get("tokens"), "device": run.get("device"),
+                 "power_limit_w": run.get("power_limit_w")}
     for key, r in rows.items():
         out[key] = {"median_s": r.get("median_s"), "back_to_back_s": r.get("back_to_back_s"),
                     "peak_gib": r.get("peak_gib"), "tflops": r.get("tflops"),
                     "speedup": r.get("speedup_vs_plain_tokens"),
-                    "vs_wanexp": base / r["median_s"] if base and r.get("median_s") else None}
+                    "vs_wanexp": base / r["median_s"] if base and r.get("median_s") else None,
+                    "sm_mhz": r.get("card", {}).get("sm_mhz"), "power_w": r.get("card", {}).get("power_w")}
     for c in run.get("numerics", []):
         row = out.setdefault(_slug(c["path"]), {})
         row["out_rel_err"] = max(row.get("out_rel_err", 0.0), c["out_rel_err"])
@@ -1280,9 +1283,11 @@ PERF_VS_COMPILED_JOB = Case(
                                     "wanexp.vs_strongest")),
             *(f"{p}.{SAC_VARIANT}.{k}" for p in ("bench_ckpt", "long")
               for k in ("median_s", "peak_gib", "tflops", "out_rel_err", "grad_rel_err")),
+            *(f"{p}.{path}.{k}" for p in VS_RUNS for path in ("plain_tokens_compiled", "wanexp")
+              for k in ("sm_mhz", "power_w")),
             *(f"{p}.{v}.{k}" for p, v in (("bench", GRAPHS_VARIANT), ("bench_ckpt", SAC_GRAPHS_VARIANT),
                                           *(("bench_ckpt", v) for v in BUDGET_GRAPHS_VARIANT.values()))
-              for k in ("median_s", "peak_gib", "vs_strongest", "out_rel_err", "grad_rel_err"))),
+              for k in ("median_s", "peak_gib", "vs_strongest", "out_rel_err", "grad_rel_err", "sm_mhz", "power_w"))),
 )
 
 CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB

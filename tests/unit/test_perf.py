@@ -46,3 +46,36 @@ def test_the_numerics_verdict_passes_a_path_near_the_plain_loop_or_as_near_the_f
     assert verdict(dict(off, **floor, out_vs_fp32=2.5e-2, grad_vs_fp32=5.6e-3), 1e-2)["ok"] is False
     assert verdict(dict(off, **floor, out_vs_fp32=1.2e-2, grad_vs_fp32=9e-3), 1e-2)["ok"] is False
     assert verdict(dict(near, input_max_abs_diff=1e-3), 1e-2)["ok"] is False  # other sigma/noise draws
+
+
+def test_card_telemetry_averages_the_clock_and_power_of_a_window():
+    """The bench's card telemetry (wanexp.perf.CardTelemetry) reads `MHz, W` lines as nvidia-smi prints them, skips
+    what is not a number, and averages the samples inside a window."""
+    import sys
+    import time
+
+    from wanexp.perf import CardTelemetry
+
+    script = ("import sys, time\n"
+              "for line in ['1980, 120.5', '[N/A], [N/A]', '1750, 690.0', '1710, 700.0']:\n"
+              "    print(line, flush=True); time.sleep(0.3)\n")
+    t = CardTelemetry(command=[sys.executable, "-c", script])
+    deadline = time.time() + 30
+    while len(t.samples) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    t.close()
+    assert [(m, w) for _, m, w in t.samples] == [(1980.0, 120.5), (1750.0, 690.0), (1710.0, 700.0)]
+    hot = t.window(t.samples[1][0], t.samples[2][0])
+    assert hot == {"sm_mhz": 1730.0, "power_w": 695.0, "max_power_w": 700.0, "samples": 2}
+    assert t.window(0.0, 1.0) is None
+
+
+def test_card_telemetry_without_nvidia_smi_samples_nothing(monkeypatch):
+    import shutil
+
+    from wanexp.perf import CardTelemetry
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    t = CardTelemetry()
+    assert t.samples == [] and t.window(0.0, 2e9) is None and t.limit_w is None
+    t.close()

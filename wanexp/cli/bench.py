@@ -42,6 +42,7 @@ loop runs them; the table's steps are each synchronized so that each can be time
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import gc
 import json
@@ -372,6 +373,19 @@ def profile_kinds(step, steps: int = 2) -> dict:
     return kinds
 
 
+def card_telemetry(device):
+    """The card's SM clock and power, sampled while the bench runs (:class:`wanexp.perf.CardTelemetry`); None on
+    the CPU."""
+    if device.type != "cuda":
+        return None
+    from wanexp.perf import CardTelemetry
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    telemetry = CardTelemetry(gpu=f"GPU-{uuid}" if uuid is not None else None)
+    atexit.register(telemetry.close)
+    return telemetry
+
+
 def measure(name, make, args, device, data, flops) -> dict:
     _free()
     # each path compiles its own graphs: another path's shapes would make dynamo recompile them dynamic in shape
@@ -380,16 +394,26 @@ def measure(name, make, args, device, data, flops) -> dict:
     model, step, info = make()
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    times = _time_steps(step, args.warmup, args.steps)
+    _time_steps(step, args.warmup, 0)
+    started = time.time()  # after the warm-up (and its compilation): the card's telemetry window
+    times = _time_steps(step, 0, args.steps)
     back_to_back = _time_back_to_back(step, args.steps)
-    total_s = time.perf_counter() - t0
+    total_s, ended = time.perf_counter() - t0, time.time()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     med = statistics.median(times)
+    telemetry = getattr(args, "telemetry", None)
+    if telemetry is not None and (card := telemetry.window(started, ended)):
+        info["card"] = card  # the SM clock and power while its steps ran
     if args.profile and device.type == "cuda" and (name == "wanexp" or name in args.profile.split(",")):
         info["profile_ms"] = profile_kinds(step)
     del model, step
     _free()
-    return {"path": name, "median_s": med, "times_s": times, "back_to_back_s": back_to_back, "peak_gib": peak,
+    card = (f", SM {info['card']['sm_mhz']:.0f} MHz at {info['card']['power_w']:.0f} W" if "card" in info else "")
+    print(f"wanexp-bench: {name}: {1000 * med:.1f} ms/step, peak {peak:.1f} GiB{card} (built in {build_s:.0f} s)",
+          flush=True)
+    # timed_at: the timed steps' wall-clock span (Unix seconds; after the warm-up), to line up with telemetry
+    return {"path": name, "median_s": med, "timed_at": [started, ended], "times_s": times,
+            "back_to_back_s": back_to_back, "peak_gib": peak,
             "tflops": flops / med / 1e12, "pct_of_peak": 100 * flops / med / 1e12 / PEAK_TFLOPS, "build_s": build_s,
             "warmup_and_steps_s": total_s, **info}
 
@@ -446,6 +470,7 @@ def main(argv=None) -> list[dict]:
     if loop.dense(args.model):
         args.boundary = "full"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.telemetry = card_telemetry(device)
     geo = loop.geometry(args.model, args.model_path)
     ft, fh, fw = geo["vae_stride"]
     per_token = geo["per_token"]
@@ -526,6 +551,10 @@ def main(argv=None) -> list[dict]:
     for r in results:
         print(f"  {r['path']}: {r.get('optimizer')}; times ms {[round(1000 * t, 1) for t in r['times_s']]}; "
               f"back to back (no sync between steps) {1000 * r['back_to_back_s']:.1f} ms/step")
+        if "card" in r:
+            c, limit = r["card"], args.telemetry.limit_w
+            print(f"    the card while they ran: SM clock {c['sm_mhz']:.0f} MHz, power {c['power_w']:.0f} W (highest "
+                  f"{c['max_power_w']:.0f} W" + (f", limit {limit:.0f} W)" if limit else ")"))
     for r in results:
         if "profile_ms" in r:
             print(f"  {r['path']}: GPU ms/step by kernel kind: "
@@ -556,7 +585,8 @@ def main(argv=None) -> list[dict]:
                "tokens": tokens, "ckpt": args.ckpt, "rank": args.rank, "flops_per_step": flops,
                "results": results, "numerics": checks, "numerics_ok": ok, "fp32_plan": plan,
                "check_latent_frames": check_data[0].shape[2], "strongest_plain": strongest,
-               "compile_backend": args.compile_backend}
+               "compile_backend": args.compile_backend,
+               "power_limit_w": args.telemetry.limit_w if args.telemetry is not None else None}
         path.write_text(json.dumps(old + [run], indent=2))
     if not ok:
         unsettled = "" if floor is not None else (" within --tol, and the fp32 function that could settle it did "
