@@ -83,3 +83,32 @@ def test_the_page_follows_a_training_run_and_shows_its_status(shared_dir, tmp_pa
         log.close()
         server.shutdown()
         server.server_close()
+
+
+def test_the_page_shows_each_gpus_power_and_clock(tmp_path):
+    """The per-GPU table: each rank's power (of the card's limit) and SM clock as status.json holds them, '-' where
+    NVML reported none."""
+    import os
+    import socket
+
+    from tests.unit.test_status_cli import _run
+
+    ranks = [{"rank": 0, "step": 40, "mem_gib": 12.5, "peak_mem_gib": 14.0, "gpu_util": 97.0, "gpu_power_w": 684.0,
+              "gpu_power_limit_w": 700.0, "gpu_clock_mhz": 1752.0, "rejected_online": 0},
+             {"rank": 1, "step": 40, "mem_gib": 12.5, "peak_mem_gib": 14.0, "gpu_util": 96.0, "rejected_online": 0}]
+    _run(tmp_path / "outputs" / "live", state="running", step=40, total_steps=100, pid=os.getpid(),
+         host=socket.gethostname(), world_size=2, mem_gib=12.5, gpu_util=97.0, ranks=ranks)
+    server = make_server(tmp_path / "outputs", port=0, every_s=0.25)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    card = "section.run[data-run='live']"
+    try:
+        with browser.page() as p:
+            p.goto(server.url)
+            p.wait_for_selector(f"{card} tr[data-rank='1'] td[data-col=gpu_clock_mhz]", timeout=60_000)
+            cells = p.eval_on_selector_all(f"{card} tr[data-rank]", "rows => rows.map(r => [r.dataset.rank, "
+                                           "r.querySelector('[data-col=gpu_power_w]').textContent, "
+                                           "r.querySelector('[data-col=gpu_clock_mhz]').textContent])")
+            assert cells == [["0", "684 W of 700", "1752 MHz"], ["1", "-", "-"]]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 from wanexp.callbacks.progress import total_optimizer_steps
@@ -45,17 +46,43 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, follow):
 
 def test_status_command_prints_a_run_with_its_ranks(tmp_path, capsys):
     ranks = [{"rank": r, "step": 40, "loss": 0.1 + r, "samples_per_s": 3.0, "mem_gib": 12.5, "peak_mem_gib": 13.0,
-              "gpu_util": 97.0, "rejected_online": r} for r in range(2)]
+              "gpu_util": 97.0, "gpu_power_w": 684.0 - r, "gpu_power_limit_w": 700.0, "gpu_clock_mhz": 1752.0 + r,
+              "rejected_online": r} for r in range(2)]
     run = _run(tmp_path / "run", state="running", step=40, total_steps=100, eta_s=3725, loss=0.123, lr=1e-4,
                samples_per_s=6.0, tokens_per_s=26400.0, tflops=300.0, pct_of_peak=38.0, mem_gib=12.5,
-               peak_mem_gib=13.0, gpu_util=97.0, last_checkpoint="/x/step_000040.ckpt", rejected_online=1,
-               data={"rejected": 2}, host="elsewhere", pid=1, world_size=2, ranks=ranks)
+               peak_mem_gib=13.0, gpu_util=97.0, gpu_power_w=684.0, gpu_power_limit_w=700.0, gpu_clock_mhz=1752.0,
+               last_checkpoint="/x/step_000040.ckpt", rejected_online=1, data={"rejected": 2}, host="elsewhere",
+               pid=1, world_size=2, ranks=ranks)
     assert status_cli.main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "40 / 100 (40.0 %)" in out and "1:02:05" in out and "38.0 % of peak" in out and "step_000040" in out
     assert "2 before training, 1 during" in out
+    assert "GPU 97 %   684 W of 700   SM 1752 MHz" in out
     rows = [ln.split() for ln in out.split("per rank")[1].splitlines()[3:]]
     assert [r[:3] for r in rows] == [["0", "40", "0.1"], ["1", "40", "1.1"]]
+    assert [r[7:9] for r in rows] == [["684", "1752"], ["683", "1753"]]  # W, SM MHz
+
+
+def test_the_status_file_reads_what_nvml_reports_of_the_gpu(monkeypatch):
+    """status.json's GPU fields (wanexp.callbacks.status_file._gpu): memory always on a GPU; utilisation, power, its
+    limit and the SM clock where NVML reports them; a reading NVML refuses is left out, not a failure."""
+    from wanexp.callbacks import status_file
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda: 97)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 684_000)  # mW
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1752)
+    monkeypatch.setattr(status_file, "_power_limit_w", lambda: 700.0)
+    assert status_file._gpu() == {"mem_gib": 3.0, "peak_mem_gib": 5.0, "gpu_util": 97.0, "gpu_power_w": 684.0,
+                                  "gpu_power_limit_w": 700.0, "gpu_clock_mhz": 1752.0}
+
+    def refused():
+        raise RuntimeError("NVML: not supported")
+
+    monkeypatch.setattr(torch.cuda, "power_draw", refused)
+    assert "gpu_power_w" not in status_file._gpu() and status_file._gpu()["gpu_clock_mhz"] == 1752.0
 
 
 def test_status_command_shows_a_sweep_and_dead_or_stale_runs(tmp_path, capsys):

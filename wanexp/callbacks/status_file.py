@@ -67,7 +67,8 @@ class LoaderWait(Profiler):
         return ""
 
 
-RANK_FIELDS = ("step", "loss", "samples_per_s", "mem_gib", "peak_mem_gib", "gpu_util", "rejected_online")
+RANK_FIELDS = ("step", "loss", "samples_per_s", "mem_gib", "peak_mem_gib", "gpu_util", "gpu_power_w",
+               "gpu_power_limit_w", "gpu_clock_mhz", "rejected_online")
 
 
 def _number(x) -> float | None:
@@ -94,15 +95,30 @@ def batch_tokens(batch: dict, spec) -> int:
     return b * (f // patch[0]) * (h // patch[1]) * (w // patch[2])
 
 
+def _power_limit_w() -> float:
+    """The power limit the driver enforces on this process's GPU (W), from NVML."""
+    import pynvml
+
+    return pynvml.nvmlDeviceGetEnforcedPowerLimit(torch.cuda._get_pynvml_handler()) / 1000
+
+
+# what NVML says of this process's GPU: utilisation (%), board power and its limit (W), SM clock (MHz). A card at its
+# power limit lowers its clock: the same kernels take longer (docs/performance.md, the power limit).
+NVML_READS = (("gpu_util", lambda: torch.cuda.utilization()), ("gpu_power_w", lambda: torch.cuda.power_draw() / 1000),
+              ("gpu_power_limit_w", lambda: _power_limit_w()), ("gpu_clock_mhz", lambda: torch.cuda.clock_rate()))
+
+
 def _gpu() -> dict:
-    """This process's GPU memory (GiB) and utilisation (%, where NVML is available); empty on CPU."""
+    """This process's GPU memory (GiB) and, where NVML is available, its utilisation, power, power limit and SM
+    clock (:data:`NVML_READS`); empty on CPU."""
     if not torch.cuda.is_available():
         return {}
     out = {"mem_gib": torch.cuda.memory_allocated() / 2**30, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-    try:
-        out["gpu_util"] = float(torch.cuda.utilization())
-    except Exception:  # no pynvml / NVML: utilisation is not reported
-        pass
+    for key, read in NVML_READS:
+        try:
+            out[key] = float(read())
+        except Exception:  # no pynvml / NVML, or this reading unsupported on the card: not reported
+            pass
     return out
 
 

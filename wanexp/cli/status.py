@@ -74,7 +74,7 @@ def run_view(run: Path, s: dict) -> str:
                        (f" ({s['pct_of_peak']:.1f} % of peak)" if s.get("pct_of_peak") is not None else "")),
         ("memory", "- (no GPU)" if s.get("mem_gib") is None else
                    f"{s['mem_gib']:.1f} GiB   peak {_num(s.get('peak_mem_gib'), '.1f')} GiB" +
-                   (f"   GPU {s['gpu_util']:.0f} %" if s.get("gpu_util") is not None else "")),
+                   (f"   GPU {s['gpu_util']:.0f} %" if s.get("gpu_util") is not None else "") + card(s)),
         ("checkpoint", str(ckpt or "-")),
         ("rejects", f"{_num((s.get('data') or {}).get('rejected'))} before training, "
                     f"{_num(s.get('rejected_online'))} during   skipped steps {_num(s.get('skipped_steps'))}"),
@@ -88,9 +88,22 @@ def run_view(run: Path, s: dict) -> str:
     if len(ranks) > 1 or any(r.get("mem_gib") is not None for r in ranks):
         rows = [[r.get("rank"), _num(r.get("step")), _num(r.get("loss")), _num(r.get("samples_per_s"), ".3g"),
                  _num(r.get("mem_gib"), ".1f"), _num(r.get("peak_mem_gib"), ".1f"), _num(r.get("gpu_util"), ".0f"),
+                 _num(r.get("gpu_power_w"), ".0f"), _num(r.get("gpu_clock_mhz"), ".0f"),
                  _num(r.get("rejected_online"))] for r in ranks]
         out += "\n\nper rank (at the last logged step)\n" + table(
-            rows, ["rank", "step", "train loss", "samples/s", "mem GiB", "peak GiB", "GPU %", "rejects"])
+            rows, ["rank", "step", "train loss", "samples/s", "mem GiB", "peak GiB", "GPU %", "W", "SM MHz", "rejects"])
+    return out
+
+
+def card(s: dict) -> str:
+    """The GPU's power (of its limit) and SM clock, where NVML reported them: a card at its power limit runs at a
+    lower clock."""
+    out = ""
+    if s.get("gpu_power_w") is not None:
+        limit = s.get("gpu_power_limit_w")
+        out += f"   {s['gpu_power_w']:.0f} W" + (f" of {limit:.0f}" if limit else "")
+    if s.get("gpu_clock_mhz") is not None:
+        out += f"   SM {s['gpu_clock_mhz']:.0f} MHz"
     return out
 
 

@@ -286,14 +286,20 @@ function gpus(d) {
     h("td", {}, r.rank), h("td", {}, fmt(r.step)), h("td", {}, fmt(r.loss)), h("td", {}, fmt(r.samples_per_s, 3)),
     h("td", {"data-col": "gpu_util"}, h("div", {class: "bar"}, h("div", {style: "width:" + (r.gpu_util || 0) + "%"}),
                                         h("span", {}, r.gpu_util == null ? "-" : fmt(r.gpu_util, 3) + " %"))),
+    h("td", {"data-col": "gpu_power_w"}, h("div", {class: "bar"},
+                                           h("div", {style: "width:" + 100 * (r.gpu_power_w || 0) /
+                                                            (r.gpu_power_limit_w || r.gpu_power_w || 1) + "%"}),
+                                           h("span", {}, r.gpu_power_w == null ? "-" : fmt(r.gpu_power_w, 3) + " W" +
+                                             (r.gpu_power_limit_w == null ? "" : " of " + fmt(r.gpu_power_limit_w, 3))))),
+    h("td", {"data-col": "gpu_clock_mhz"}, r.gpu_clock_mhz == null ? "-" : fmt(r.gpu_clock_mhz, 4) + " MHz"),
     h("td", {"data-col": "mem_gib"}, h("div", {class: "bar"},
                                        h("div", {style: "width:" + 100 * (r.mem_gib || 0) / peak + "%"}),
                                        h("span", {}, fmt(r.mem_gib, 3) + " GiB"))),
     h("td", {}, fmt(r.peak_mem_gib, 3) + " GiB"), h("td", {}, fmt(r.rejected_online))));
   return [h("h3", {}, "per GPU (at the last logged step; rank 0 now: " + fmt(st.mem_gib, 3) + " GiB, " +
             (st.gpu_util == null ? "-" : fmt(st.gpu_util, 3) + " %") + ")"),
-          h("table", {}, h("tr", {}, ["rank", "step", "train loss", "samples/s", "utilisation", "memory", "peak",
-                                      "rejects"].map(x => h("th", {}, x))), rows)];
+          h("table", {}, h("tr", {}, ["rank", "step", "train loss", "samples/s", "utilisation", "power", "SM clock",
+                                      "memory", "peak", "rejects"].map(x => h("th", {}, x))), rows)];
 }
 function curves(history) {
   const pick = k => history.filter(e => e[k] != null).map(e => [e.step, e[k]]);
