@@ -87,9 +87,9 @@ class CardTelemetry:
     background process while the bench times its paths; :meth:`window` averages a span. A step that keeps the GPU
     busy draws up to the card's power limit and the driver lowers the SM clock to stay under it, so the same kernels
     take longer: the clock says whether a path's GPU time grew because its kernels did more or ran slower.
-    ``command``: what prints ``MHz, W`` lines (tests give a stand-in); without nvidia-smi nothing is sampled. A
-    separate process samples, not NVML in this one: a sampling thread here would take the GIL from the host-bound
-    steps it measures (status.json reads NVML once per update instead: wanexp/callbacks/status_file.py)."""
+    ``command``: what prints ``MHz, W`` lines (tests give a stand-in); without nvidia-smi nothing is sampled.
+    These are the readings a user sees in ``nvidia-smi``; status.json reads the same sensors through NVML once per
+    update (wanexp/callbacks/status_file.py)."""
 
     def __init__(self, command: list[str] | None = None, period_ms: int = 100, gpu: str | None = None):
         import shutil
