@@ -57,9 +57,10 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
         assert argv[argv.index("--paths") + 1].split(",") == default_paths(True, compiled=True)
         assert ("--ckpt" in argv) == (p.name == "bench_ckpt") and argv[argv.index("--frames") + 1] == "17"
     # the FP8 base runs in the bench phase's process, as a variant of wanexp's step (no checkpointing)
-    fp8 = case.phases[1].argv(ctx)  # and the CUDA graphs (model.cuda_graphs)
-    assert fp8[fp8.index("--variants") + 1].split(";") == ["model.fp8=true", registry.GRAPHS]
-    assert {registry.FP8_VARIANT_PATH, registry.GRAPHS_VARIANT_PATH} <= set(fp8[fp8.index("--profile") + 1].split(","))
+    fp8 = case.phases[1].argv(ctx)  # and the CUDA graphs (model.cuda_graphs), alone and with FP8
+    assert fp8[fp8.index("--variants") + 1].split(";") == ["model.fp8=true", registry.GRAPHS, registry.FP8_GRAPHS]
+    assert {registry.FP8_VARIANT_PATH, registry.GRAPHS_VARIANT_PATH, registry.FP8_GRAPHS_VARIANT_PATH} <= set(
+        fp8[fp8.index("--profile") + 1].split(","))
     for p in (case.phases[2], case.phases[3]):  # selective checkpointing beside the checkpointed step and at length
         argv = p.argv(ctx)
         assert argv[argv.index("--variants") + 1].split(";")[0] == "model.selective_checkpointing=true"
@@ -71,7 +72,9 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
         results = [_row(p, t) for p, t in zip(default_paths(True, compiled=True), ms)]
         if name == "bench":
             results += [{**_row(registry.FP8_VARIANT_PATH, 243.8), "peak_gib": 26.7},
-                        _row(registry.GRAPHS_VARIANT_PATH, 244.0)]
+                        _row(registry.GRAPHS_VARIANT_PATH, 244.0),
+                        {**_row(registry.FP8_GRAPHS_VARIANT_PATH, 205.0),
+                         "card": {"sm_mhz": 1890.0, "power_w": 655.0, "max_power_w": 690.0, "samples": 20}}]
         else:  # selective checkpointing, a variant of the checkpointed step, and with the graphs
             results += [{**_row(registry.SAC_VARIANT_PATH, 301.0), "peak_gib": 16.9},
                         {**_row(registry.SAC_GRAPHS_VARIANT_PATH, 289.1), "peak_gib": 16.0},
@@ -102,6 +105,9 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     assert m["long"][registry.SAC_VARIANT]["median_s"] == pytest.approx(3.3)
     assert m["bench_ckpt"][registry.BUDGET_GRAPHS_VARIANT[22]]["vs_strongest"] == pytest.approx(433.9 / 279.5)
     assert m["bench"][registry.GRAPHS_VARIANT]["median_s"] == pytest.approx(0.244)
+    assert (m["bench"][registry.FP8_GRAPHS_VARIANT]["sm_mhz"], m["bench"][registry.FP8_GRAPHS_VARIANT]["power_w"]) == \
+        (1890.0, 655.0)  # the card's clock and power while the path ran
+    assert m["bench"][registry.GRAPHS_VARIANT]["sm_mhz"] is None  # none sampled (a CPU run, or no nvidia-smi)
     assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
     row = run.record_row(case, result, tmp_path / "bench").read_text()
     assert "bench.strongest_plain plain_tokens_compiled" in row and f"bench_ckpt.wanexp.vs_strongest " \
