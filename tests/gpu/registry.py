@@ -535,20 +535,23 @@ A14B_DIT_JOB = Case(
 )
 
 FP8 = "fp8_5b"
-FP8_VARIANT = "wanexp_model_fp8_true"
-FP8_VARIANT_PATH = "wanexp [model.fp8=true]"  # its label in the bench (what --profile names)
+# each wanexp variant's label in the bench (what --profile names) and its key among the metrics (_slug of the label)
+FP8_VARIANT_PATH = "wanexp [model.fp8=true]"
+FP8_VARIANT = _slug(FP8_VARIANT_PATH)
 FP8_GRAPHS = "model.fp8=true model.cuda_graphs=true"  # FP8 runs below the power limit: the host's time is left
-FP8_GRAPHS_VARIANT, FP8_GRAPHS_VARIANT_PATH = "wanexp_model_fp8_true_model_cuda_graphs_true", f"wanexp [{FP8_GRAPHS}]"
-SAC_VARIANT = "wanexp_model_selective_checkpointing_true"  # selective activation checkpointing (fast.py)
-SAC_VARIANT_PATH = "wanexp [model.selective_checkpointing=true]"
+FP8_GRAPHS_VARIANT_PATH = f"wanexp [{FP8_GRAPHS}]"
+FP8_GRAPHS_VARIANT = _slug(FP8_GRAPHS_VARIANT_PATH)
+SAC_VARIANT_PATH = "wanexp [model.selective_checkpointing=true]"  # selective activation checkpointing (fast.py)
+SAC_VARIANT = _slug(SAC_VARIANT_PATH)
 GRAPHS = "model.cuda_graphs=true"  # the compiled blocks replayed as CUDA graphs (fast.compile_blocks)
-GRAPHS_VARIANT, GRAPHS_VARIANT_PATH = "wanexp_model_cuda_graphs_true", f"wanexp [{GRAPHS}]"
+GRAPHS_VARIANT_PATH = f"wanexp [{GRAPHS}]"
+GRAPHS_VARIANT = _slug(GRAPHS_VARIANT_PATH)
 SAC_GRAPHS = f"model.selective_checkpointing=true {GRAPHS}"
-SAC_GRAPHS_VARIANT = f"{SAC_VARIANT}_model_cuda_graphs_true"
 SAC_GRAPHS_VARIANT_PATH = f"wanexp [{SAC_GRAPHS}]"
+SAC_GRAPHS_VARIANT = _slug(SAC_GRAPHS_VARIANT_PATH)
 # the memory budget choosing which blocks to checkpoint, and how (fast.plan_blocks), with the graphs
 BUDGET_GRAPHS = {gib: f"model.memory_budget_gib={gib} {GRAPHS}" for gib in (20, 22)}
-BUDGET_GRAPHS_VARIANT = {gib: f"wanexp_model_memory_budget_gib_{gib}_model_cuda_graphs_true" for gib in BUDGET_GRAPHS}
+BUDGET_GRAPHS_VARIANT = {gib: _slug(f"wanexp [{v}]") for gib, v in BUDGET_GRAPHS.items()}
 FP8_JOB = Case(
     name=FP8, gpus=1, model="ti2v5b",
     about="model.fp8=true against the default step on the real-size TI2V-5B DiT at 704x1280x17, without and with "
