@@ -358,16 +358,23 @@ ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(torch.ops.aten, name))
-# the frozen linear with its bias (addmm); the LoRA's bias-free products (mm) are recomputed (rank-wide: cheap)
-MATMUL_OPS = (torch.ops.aten.addmm.default,)
+# the frozen linear: bf16 with its bias (addmm), or the FP8 base's scaled GEMM (models/fp8.py: its bias is added
+# after, recomputed); the LoRA's bias-free products (mm) are recomputed (rank-wide: cheap)
+MATMUL_OPS = (torch.ops.aten.addmm.default, torch.ops.aten._scaled_mm.default)
+
+
+def gemm_width(op, args) -> int:
+    """The output width of a frozen GEMM of :data:`MATMUL_OPS` from its arguments: addmm(bias, x, w^T) or
+    _scaled_mm(x, w^T, ...)."""
+    return args[2].shape[-1] if op is torch.ops.aten.addmm.default else args[1].shape[-1]
 
 
 class KeepAttentionAndUpProjection:
     """The save policy of a selectively checkpointed block (``torch.utils.checkpoint``'s ``context_fn``): keep the
     outputs of the self-attention kernel (queries and keys of one length) and of the FFN's up-projection (the frozen
-    GEMM whose output is ``ffn_dim`` wide, ``ffn.0``), recompute everything else (norms, modulation, projections,
-    cross-attention, LoRA products, GELU). Per block and token that keeps dim + ffn_dim bf16 values (plus the
-    attention's log-sum-exp) besides the block's input."""
+    GEMM whose output is ``ffn_dim`` wide, ``ffn.0``, bf16 or the FP8 base's), recompute everything else (norms,
+    modulation, projections, cross-attention, LoRA products, GELU). Per block and token that keeps dim + ffn_dim bf16
+    values (plus the attention's log-sum-exp) besides the block's input."""
 
     def __init__(self, ffn_dim: int):
         self.ffn_dim = ffn_dim
@@ -377,7 +384,7 @@ class KeepAttentionAndUpProjection:
 
         if op in ATTENTION_OPS and args[1].shape[-2] == args[0].shape[-2]:
             return CheckpointPolicy.MUST_SAVE
-        if op in MATMUL_OPS and args[-1].shape[-1] == self.ffn_dim:
+        if op in MATMUL_OPS and gemm_width(op, args) == self.ffn_dim:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
