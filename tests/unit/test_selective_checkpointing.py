@@ -14,15 +14,20 @@ from tests.unit.test_perf_fast import TINY, output_and_grads, ti2v_batch, tiny_t
 from wanexp.models.wan22 import fast
 
 
-def _checkpointed(selective: bool):
+def _checkpointed(selective: bool, fp8: bool = False):
     t = fast.use_frame_modulation(tiny_transformer())
+    if fp8:  # model.fp8=true: the frozen linears as FP8 GEMMs (torch._scaled_mm, bias added after)
+        from wanexp.models.fp8 import convert_blocks
+
+        assert convert_blocks(t.blocks) == 10 * TINY["num_layers"]
     t.enable_gradient_checkpointing()
     fast.set_selective_checkpointing(t, selective)
     return t
 
 
-def test_selective_checkpointing_keeps_the_attention_and_the_up_projection_and_computes_the_same():
-    full, selective = _checkpointed(False), _checkpointed(True)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-base", "fp8-base"])
+def test_selective_checkpointing_keeps_the_attention_and_the_up_projection_and_computes_the_same(fp8):
+    full, selective = _checkpointed(False, fp8), _checkpointed(True, fp8)
     selective.load_state_dict(full.state_dict())
     decisions = []
     policy = selective.blocks[0]._wanexp_keep
@@ -44,6 +49,8 @@ def test_selective_checkpointing_keeps_the_attention_and_the_up_projection_and_c
     assert sum(op in fast.ATTENTION_OPS for op in kept) == layers  # self-attention; cross-attention is recomputed
     assert sum(op in fast.ATTENTION_OPS for op, _ in decisions) == 2 * layers
     assert len(kept) == 2 * layers and len(decisions) > 10 * len(kept)  # the up-projection; the rest recomputed
+    gemm = torch.ops.aten._scaled_mm.default if fp8 else torch.ops.aten.addmm.default
+    assert sum(op is gemm for op in kept) == layers
 
 
 def test_the_up_projection_is_the_gemm_as_wide_as_the_ffn():
@@ -55,6 +62,9 @@ def test_the_up_projection_is_the_gemm_as_wide_as_the_ffn():
     lora_b = torch.ops.aten.mm.default, torch.zeros(5, 4), torch.zeros(4, 64)  # a LoRA product as wide as the FFN
     assert policy(ctx, *lora_b).name == "PREFER_RECOMPUTE"
     assert policy(ctx, torch.ops.aten.gelu.default, torch.zeros(5, 64)).name == "PREFER_RECOMPUTE"
+    scaled = torch.ops.aten._scaled_mm.default  # the FP8 base's GEMM: (x, w^T, scales...), its bias added after
+    assert policy(ctx, scaled, x, torch.zeros(32, 64), torch.ones(5, 1), torch.ones(1, 64)).name == "MUST_SAVE"
+    assert policy(ctx, scaled, x, torch.zeros(32, 32), torch.ones(5, 1), torch.ones(1, 32)).name == "PREFER_RECOMPUTE"
     attention = fast.ATTENTION_OPS[0]
     q, text = torch.zeros(1, 2, 40, 16), torch.zeros(1, 2, 7, 16)
     assert policy(ctx, attention, q, q, q).name == "MUST_SAVE"
@@ -131,3 +141,30 @@ def test_a_budget_with_room_for_one_selective_block_keeps_its_outputs_and_comput
     fast.set_memory_budget(auto, None)  # no budget: every block checkpointed, none selectively
     output_and_grads(auto, hidden, timestep, text)
     assert all(block._wanexp_keep is None for block in auto.blocks)
+
+
+@pytest.mark.parametrize("overrides, resolved", [
+    ([], None),  # the budget chooses (none without one)
+    (["model.fp8=true"], True),  # the FP8 base: every checkpointed block selective
+    (["model.fp8=true", "model.selective_checkpointing=false"], False),
+    (["model.fp8=true", "model.offload_activations=true"], None),  # the offloaded checkpoint keeps nothing
+    (["model.fp8=true", "model.gradient_checkpointing=false"], None),
+])
+def test_the_fp8_base_checkpoints_selectively_unless_told_otherwise(overrides, resolved, shared_dir):
+    from tests.conftest import compose_cfg
+    from wanexp.composition import build
+    from wanexp.memory_plan import FitEstimate
+    from wanexp.models.tiny import ensure_tiny_model
+
+    def composed(more):
+        cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
+                           "model.gradient_checkpointing=true", *more])
+        spec = build(cfg.model)
+        ensure_tiny_model(spec)
+        return cfg, spec
+
+    cfg, spec = composed(overrides)
+    assert spec.selective_checkpointing is resolved
+    # the fit estimate counts what the blocks keep as the run will: as with the setting written out
+    told = FitEstimate(*composed([*overrides, f"model.selective_checkpointing={str(bool(resolved)).lower()}"]))
+    assert FitEstimate(cfg, spec).activations == told.activations
