@@ -65,8 +65,11 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
         argv = p.argv(ctx)
         assert argv[argv.index("--variants") + 1].split(";")[0] == "model.selective_checkpointing=true"
         assert registry.SAC_VARIANT_PATH in argv[argv.index("--profile") + 1].split(",")
-    ckpt = case.phases[2].argv(ctx)  # with the graphs: every block selective, and the budget choosing (20, 22 GiB)
-    assert ckpt[ckpt.index("--variants") + 1].split(";")[1:] == [registry.SAC_GRAPHS, *registry.BUDGET_GRAPHS.values()]
+    ckpt = case.phases[2].argv(ctx)  # with the graphs: every block selective, and the budget choosing (22 GiB; the
+    # FP8 base at the targets' 20 and 13 GiB)
+    assert ckpt[ckpt.index("--variants") + 1].split(";")[1:] == [
+        registry.SAC_GRAPHS, *registry.BUDGET_GRAPHS.values(), *registry.FP8_BUDGET_GRAPHS.values()]
+    assert registry.FP8_BUDGET_GRAPHS[13] == "model.fp8=true model.memory_budget_gib=13 model.cuda_graphs=true"
     times = {"bench": (392.9, 255.0, 420.0, 249.8, 255.8), "bench_ckpt": (568.0, 440.0, 683.8, 433.9, 344.8)}
     for name, ms in times.items():
         results = [_row(p, t) for p, t in zip(default_paths(True, compiled=True), ms)]
@@ -78,8 +81,9 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
         else:  # selective checkpointing, a variant of the checkpointed step, and with the graphs
             results += [{**_row(registry.SAC_VARIANT_PATH, 301.0), "peak_gib": 16.9},
                         {**_row(registry.SAC_GRAPHS_VARIANT_PATH, 289.1), "peak_gib": 16.0},
-                        {**_row(f"wanexp [{registry.BUDGET_GRAPHS[20]}]", 287.5), "peak_gib": 16.4},
-                        {**_row(f"wanexp [{registry.BUDGET_GRAPHS[22]}]", 279.5), "peak_gib": 18.4}]
+                        {**_row(f"wanexp [{registry.BUDGET_GRAPHS[22]}]", 279.5), "peak_gib": 18.4},
+                        {**_row(f"wanexp [{registry.FP8_BUDGET_GRAPHS[20]}]", 235.0), "peak_gib": 16.6},
+                        {**_row(f"wanexp [{registry.FP8_BUDGET_GRAPHS[13]}]", 249.2), "peak_gib": 11.6}]
         strongest = speedups(results)
         path = registry.bench_json(ctx, registry.VS_COMPILED, name)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,11 +108,21 @@ def test_the_gpu_case_times_every_path_and_reads_the_ratio_to_the_strongest(tmp_
     assert m["bench_ckpt"][registry.SAC_VARIANT]["median_s"] == pytest.approx(0.301)
     assert m["long"][registry.SAC_VARIANT]["median_s"] == pytest.approx(3.3)
     assert m["bench_ckpt"][registry.BUDGET_GRAPHS_VARIANT[22]]["vs_strongest"] == pytest.approx(433.9 / 279.5)
+    assert m["bench_ckpt"][registry.FP8_BUDGET_GRAPHS_VARIANT[20]]["vs_strongest"] == pytest.approx(433.9 / 235.0)
+    assert m["bench_ckpt"][registry.FP8_BUDGET_GRAPHS_VARIANT[13]]["peak_gib"] == 11.6
     assert m["bench"][registry.GRAPHS_VARIANT]["median_s"] == pytest.approx(0.244)
     assert (m["bench"][registry.FP8_GRAPHS_VARIANT]["sm_mhz"], m["bench"][registry.FP8_GRAPHS_VARIANT]["power_w"]) == \
         (1890.0, 655.0)  # the card's clock and power while the path ran
     assert m["bench"][registry.GRAPHS_VARIANT]["sm_mhz"] is None  # none sampled (a CPU run, or no nvidia-smi)
     assert result["verdict"] == "PASS", [c for c in result["checks"] if c["status"] != "pass"]
+    fp8_13 = f"bench_ckpt.{registry.FP8_BUDGET_GRAPHS_VARIANT[13]}"
+    over = json.loads(path.read_text())  # the low-memory setting over its 13 GiB: the case fails
+    over[0]["results"][-1]["peak_gib"] = 13.4
+    path.write_text(json.dumps(over))
+    failed = run.judge(case, ctx, {p.name: {"ok": True, "rc": 0} for p in case.phases}, ["NVIDIA H100 80GB HBM3"])
+    assert [c["key"] for c in failed["checks"] if c["status"] != "pass"] == [f"metrics.{fp8_13}.peak_gib"]
+    path.write_text(json.dumps([{**over[0], "results": [*over[0]["results"][:-1], {**over[0]["results"][-1],
+                                                                                  "peak_gib": 11.6}]}]))
     row = run.record_row(case, result, tmp_path / "bench").read_text()
     assert "bench.strongest_plain plain_tokens_compiled" in row and f"bench_ckpt.wanexp.vs_strongest " \
         f"{433.9 / 344.8:.4g}" in row
