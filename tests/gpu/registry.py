@@ -1244,7 +1244,8 @@ PERF_VS_COMPILED_JOB = Case(
           "the plain loops (scalar and per-token timesteps, eager and with each block compiled) and wanexp's step, "
           "without (bench) and with checkpointing (bench_ckpt); each path's speed-up against the strongest (fastest) "
           "plain loop; the opt-in FP8 base (model.fp8=true, in bench, alone and with the graphs), selective "
-          "checkpointing (model.selective_checkpointing=true, in bench_ckpt and long) and 27,280 tokens with "
+          "checkpointing (model.selective_checkpointing=true, in bench_ckpt and long), the memory budget with the "
+          "graphs (bench_ckpt: bf16 in 22 GiB, the FP8 base in 20 and 13 GiB) and 27,280 tokens with "
           "checkpointing (long) against the compiled per-token loop; the card's clock and power per path. One call "
           "per phase after build_dit",
     phases=(BUILD_DIT,
