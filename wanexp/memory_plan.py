@@ -62,8 +62,7 @@ class FitEstimate:
         self.own_forward, self.sequence_parallel = spec.wanexp_forward(True), spec.sequence_parallel
         self.offloading = self.checkpointing and bool(m.get("offload_activations"))
         # selective checkpointing: a formula's keyword, passed only when on (a family without it refuses it)
-        # (the family's resolved setting: model.fp8=true turns null into true)
-        selective = {"selective": True} if self.checkpointing and spec.selective_checkpointing else {}
+        selective = {"selective": True} if self.checkpointing and m.get("selective_checkpointing") else {}
         self._dtype_bytes = spec.dtype.itemsize
         self._weight_bytes = 1 if (m.get("fp8") or m.get("fp8_storage")) else self._dtype_bytes
         self._configs = [spec.transformer_config(e) for e in spec.trained_experts(cfg.boundary.name)]

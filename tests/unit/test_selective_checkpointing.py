@@ -142,29 +142,3 @@ def test_a_budget_with_room_for_one_selective_block_keeps_its_outputs_and_comput
     output_and_grads(auto, hidden, timestep, text)
     assert all(block._wanexp_keep is None for block in auto.blocks)
 
-
-@pytest.mark.parametrize("overrides, resolved", [
-    ([], None),  # the budget chooses (none without one)
-    (["model.fp8=true"], True),  # the FP8 base: every checkpointed block selective
-    (["model.fp8=true", "model.selective_checkpointing=false"], False),
-    (["model.fp8=true", "model.offload_activations=true"], None),  # the offloaded checkpoint keeps nothing
-    (["model.fp8=true", "model.gradient_checkpointing=false"], None),
-])
-def test_the_fp8_base_checkpoints_selectively_unless_told_otherwise(overrides, resolved, shared_dir):
-    from tests.conftest import compose_cfg
-    from wanexp.composition import build
-    from wanexp.memory_plan import FitEstimate
-    from wanexp.models.tiny import ensure_tiny_model
-
-    def composed(more):
-        cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models",
-                           "model.gradient_checkpointing=true", *more])
-        spec = build(cfg.model)
-        ensure_tiny_model(spec)
-        return cfg, spec
-
-    cfg, spec = composed(overrides)
-    assert spec.selective_checkpointing is resolved
-    # the fit estimate counts what the blocks keep as the run will: as with the setting written out
-    told = FitEstimate(*composed([*overrides, f"model.selective_checkpointing={str(bool(resolved)).lower()}"]))
-    assert FitEstimate(cfg, spec).activations == told.activations

@@ -82,8 +82,7 @@ class ModelConfig:
                                                    "FFN up-projection for the backward and recomputes the rest (more "
                                                    "memory, less recompute; needs gradient_checkpointing): true every "
                                                    "checkpointed block, false none, null the blocks "
-                                                   "model.memory_budget_gib has room for (with model.fp8=true: "
-                                                   "every checkpointed block)")
+                                                   "model.memory_budget_gib has room for")
     fp8: bool = knob(False, doc="frozen block linears in FP8 (per-row scales), LoRA unchanged; changes the numerics")
     fp8_storage: bool = knob(False, doc="frozen block linears stored in FP8 (per-row scales), dequantized at use: "
                              "any GPU; changes the numerics")

@@ -270,11 +270,6 @@ class ModelSpec:
         if selective_checkpointing and offload_activations:
             raise ConfigError("model.selective_checkpointing=true keeps outputs on the GPU that "
                               "model.offload_activations=true is there to move off it; set one of them to false")
-        if selective_checkpointing is None and fp8 and self.selective_checkpointing_supported and not needs \
-                and not offload_activations:
-            # the FP8 base's fully checkpointed block held more memory and ran slower than a selective one (5B,
-            # 704x1280x17, one H200: 15.8 GiB and 357 ms against 12.0 GiB and 280 ms; docs/performance.md)
-            self.selective_checkpointing = True
         # a family without wanexp's forward checkpoints every block (gradient_checkpointing): its budget sizes
         # model.blocks_to_swap=auto and checks the fit (memory_plan), as the hw presets set it
         if memory_budget_gib is not None and needs and not diffusers_only:
