@@ -94,7 +94,8 @@ class DiffusionModule(L.LightningModule):
             if self.spec.fp8:  # after the adapters: their base layers are what becomes FP8
                 n = fp8.convert_blocks(self.spec.blocks(t))
                 if self.global_rank == 0:
-                    print(f"wanexp: model.fp8: {n} frozen linears of the {e} transformer in FP8", flush=True)
+                    print(f"wanexp: model.fp8: {n} frozen linears of the {e} transformer in FP8{fp8_hint(self.spec)}",
+                          flush=True)
             self.transformers[e] = t
         for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
             self.students[name] = m  # e.g. KD's student: trained in full
@@ -403,6 +404,17 @@ class DiffusionModule(L.LightningModule):
                 "written by a run with other model/boundary/adapter settings: resume with those"
             )
 
+
+def fp8_hint(spec) -> str:
+    """What the FP8 base's load line adds where every block is fully checkpointed by default (no budget, no
+    ``model.selective_checkpointing``): that setting was the FP8 base's slowest (docs/memory.md)."""
+    if not (spec.gradient_checkpointing and spec.memory_budget_gib is None and spec.selective_checkpointing is None
+            and spec.selective_checkpointing_supported and spec.wanexp_forward(spec.fast_modulation)
+            and not spec.offload_activations):
+        return ""
+    return ("; every block fully checkpointed, the FP8 base's slowest setting (5B at 704x1280x17 on an H200: 357 ms "
+            "and 15.8 GiB, against 280 ms and 12.0 GiB selective): set model.memory_budget_gib, or "
+            "model.selective_checkpointing=true for short clips")
 
 
 def _readable(spec: ModelSpec, what: str, load, *args):

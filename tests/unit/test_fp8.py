@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -210,3 +211,22 @@ def test_fp8_storage_keeps_the_lora_and_it_trains():
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("overrides, hinted", [
+    (["model.gradient_checkpointing=true"], True),  # every block fully checkpointed: the FP8 base's slowest
+    (["model.gradient_checkpointing=true", "model.memory_budget_gib=20"], False),  # the budget plans selective blocks
+    (["model.gradient_checkpointing=true", "model.selective_checkpointing=false"], False),  # said so
+    (["model.gradient_checkpointing=true", "model.selective_checkpointing=true"], False),
+    (["model.gradient_checkpointing=false"], False),
+])
+def test_the_fp8_load_line_names_the_setting_that_pays_where_every_block_is_fully_checkpointed(overrides, hinted):
+    from tests.conftest import compose_cfg
+    from wanexp.composition import build
+    from wanexp.module import fp8_hint
+
+    hint = fp8_hint(build(compose_cfg(["experiment=demo", "model.fp8=true", *overrides]).model))
+    assert bool(hint) is hinted
+    if hinted:
+        assert hint.startswith("; every block fully checkpointed") and "set model.memory_budget_gib, or " \
+            "model.selective_checkpointing=true" in hint and "\n" not in hint
