@@ -552,7 +552,7 @@ SAC_GRAPHS_VARIANT = _slug(SAC_GRAPHS_VARIANT_PATH)
 # the memory budget choosing which blocks to checkpoint, and how (fast.plan_blocks), with the graphs
 BUDGET_GRAPHS = {gib: f"model.memory_budget_gib={gib} {GRAPHS}" for gib in (22,)}
 BUDGET_GRAPHS_VARIANT = {gib: _slug(f"wanexp [{v}]") for gib, v in BUDGET_GRAPHS.items()}
-# the same with the FP8 base (every checkpointed block selective): the targets' 20 GiB and low-memory 13 GiB settings
+# the same with the FP8 base (half the frozen weights' memory): the targets' 20 GiB and low-memory 13 GiB settings
 FP8_BUDGET_GRAPHS = {gib: f"model.fp8=true model.memory_budget_gib={gib} {GRAPHS}" for gib in (20, 13)}
 FP8_BUDGET_GRAPHS_VARIANT = {gib: _slug(f"wanexp [{v}]") for gib, v in FP8_BUDGET_GRAPHS.items()}
 FP8_JOB = Case(

@@ -141,4 +141,3 @@ def test_a_budget_with_room_for_one_selective_block_keeps_its_outputs_and_comput
     fast.set_memory_budget(auto, None)  # no budget: every block checkpointed, none selectively
     output_and_grads(auto, hidden, timestep, text)
     assert all(block._wanexp_keep is None for block in auto.blocks)
-
