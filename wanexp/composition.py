@@ -185,6 +185,9 @@ def preflight(cfg: DictConfig, verbose: bool = True) -> Preflight:
     from wanexp.models.fp8 import check_fp8  # model.fp8=true on a GPU without the FP8 GEMM
 
     check_fp8(spec)
+    from wanexp.models.attention import check_attention_kernel  # model.attention_backend=fa4 where it cannot run
+
+    check_attention_kernel(spec.attention_backend, cfg.trainer.accelerator)
     notice = compile_notice(spec)
     if notice and verbose:
         print(notice, flush=True)

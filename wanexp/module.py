@@ -18,6 +18,7 @@ from wanexp.errors import DivergedError
 from wanexp.lightning_compat import attached_trainer, mend_epoch_progress, open_next_epoch_after_resume
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encoders import cached_batch
+from wanexp.models.attention import check_attention_kernel
 from wanexp.models.family import ModelSpec, unreadable_weights
 from wanexp.models.fp8 import check_fp8
 from wanexp.objectives.base import Objective
@@ -64,6 +65,7 @@ class DiffusionModule(L.LightningModule):
         if len(self.transformers):
             return
         check_fp8(self.spec)  # every rank, before any loads (not inside one rank's turn); the run checked it at start
+        check_attention_kernel(self.spec.attention_backend)  # as check_fp8
         sp_size = self.run_context.sp_size
         group = None
         if sp_size > 1:  # a collective: every rank makes the groups, before (not inside) its loading turn

@@ -31,6 +31,8 @@ PARTS = {
     "setup_env.sh": "installs the carried wheels once per machine (run.py's prepare_env)",
     "ab_bench.sh": "the step of two source trees on one card in one call (a change's before and after: "
                    "benchmarks/ti2v5b_h200_2026-11-28.md)",
+    "fa4_parts.sh": "FlashAttention-4's wheels split for the device machine's carry (attention_fa4)",
+    "setup_fa4.sh": "installs them there from the staged parts (attention_fa4)",
 }
 CAP_GIB = 28  # the user's 32 GB cards, less what the driver, CUDA context and other processes take
 
@@ -1314,6 +1316,77 @@ PERF_VS_COMPILED_JOB = Case(
 )
 
 CASES[VS_COMPILED] = PERF_VS_COMPILED_JOB
+
+
+# ---- FlashAttention-4 against cuDNN's SDPA: the kernels alone and in the step (one Hopper GPU) --------------------
+FA4_CASE = "attention_fa4"
+FA4_SET = "model.attention_backend=fa4"
+FA4_VARIANT = _slug(f"wanexp [{FA4_SET}]")
+FA4_STEP = {  # label -> variant: without checkpointing, where the graphs take the host's launch time away
+    "graphs": GRAPHS, "graphs_fa4": f"{GRAPHS} {FA4_SET}", "fp8_graphs": FP8_GRAPHS,
+    "fp8_graphs_fa4": f"{FP8_GRAPHS} {FA4_SET}"}
+FA4_STEP_VARIANT = {k: _slug(f"wanexp [{v}]") for k, v in FA4_STEP.items()}
+FA4_CKPT = f"{FP8_BUDGET_GRAPHS[20]} {FA4_SET}"
+FA4_CKPT_VARIANT = _slug(f"wanexp [{FA4_CKPT}]")
+
+
+def fa4_metrics(ctx: Ctx, phases: dict) -> dict:
+    """The kernels' JSON and the benches', and FA4's step over cuDNN's in each pair that differs only in it."""
+    out = strongest_metrics(FA4_CASE, "short", "ckpt", "long")(ctx, phases)
+    out["kernels"] = _json(ctx.results(FA4_CASE) / "kernels.json").get("shapes", {})
+    s, long = out.get("short", {}), out.get("long", {})
+
+    def ratio(m: dict, fa4: str, base: str):
+        a, b = m.get(fa4, {}).get("median_s"), m.get(base, {}).get("median_s")
+        return a / b if a and b else None
+
+    out["fa4_over_cudnn"] = {"short": ratio(s, FA4_VARIANT, "wanexp"),
+                             "graphs": ratio(s, FA4_STEP_VARIANT["graphs_fa4"], FA4_STEP_VARIANT["graphs"]),
+                             "fp8_graphs": ratio(s, FA4_STEP_VARIANT["fp8_graphs_fa4"], FA4_STEP_VARIANT["fp8_graphs"]),
+                             "long": ratio(long, FA4_VARIANT, "wanexp")}
+    return out
+
+
+ATTENTION_FA4_JOB = Case(
+    name=FA4_CASE, gpus=1, model="ti2v5b",
+    about="model.attention_backend=fa4 (FlashAttention-4; install: tests/gpu/fa4_parts.sh here, then source "
+          "tests/gpu/setup_fa4.sh after setup_env.sh in each device call) against cuDNN's SDPA on a Hopper GPU: the "
+          "kernels alone at the Wan2.2 shapes (tests/gpu/attention_ab.py), then the real-size TI2V-5B step at 4,400 "
+          "tokens without checkpointing (bf16 and FP8, with the graphs), with the compiled checkpoint (the FP8 base in "
+          "a 20 GiB budget with the graphs) and at 27,280 tokens with checkpointing. One call per phase after "
+          "build_dit",
+    phases=(BUILD_DIT,
+            Phase("kernels", lambda ctx: [ctx.python, "tests/gpu/attention_ab.py", "--json",
+                                          str(ctx.results(FA4_CASE) / "kernels.json")], minutes=1.5),
+            bench("short", FA4_CASE, "--frames", "17", "--paths", "plain_compiled,wanexp", "--variants",
+                  ";".join((FA4_SET, *FA4_STEP.values())), "--warmup", "3", "--steps", "6", "--fp32-floor", "off",
+                  "--profile", f"wanexp,wanexp [{FA4_SET}]", minutes=7),
+            bench("ckpt", FA4_CASE, "--frames", "17", "--ckpt", "--paths", "plain_tokens_compiled,wanexp",
+                  "--variants", f"{FA4_SET};{FP8_BUDGET_GRAPHS[20]};{FA4_CKPT}", "--warmup", "3", "--steps", "6",
+                  "--fp32-floor", "off", minutes=6),
+            bench("long", FA4_CASE, "--frames", "121", "--ckpt", "--paths", "wanexp", "--variants", FA4_SET,
+                  "--warmup", "1", "--steps", "2", "--no-check", minutes=4)),
+    checks=(
+        Check("metrics.kernels.5b_self_27280.fa4.fwd_bwd_tflops", ">=", 580, "kernels",
+              "FA4 at 27,280 tokens, forward + backward (622 TFLOP/s measured 2026-11-29 on an H200; cuDNN 544)"),
+        Check("metrics.kernels.5b_self_4400.fa4.grad_rel_err", "<=", 5e-3, "kernels",
+              "its gradients against fp32 (2.4e-3, as cuDNN's)"),
+        Check("metrics.short.numerics_ok", "==", True, "short", "every path computes the plain loop's function"),
+        Check("metrics.fa4_over_cudnn.fp8_graphs", "<=", 0.97, "short",
+              "FP8 with the graphs, FA4 over cuDNN (198.4 / 211.2 ms = 0.94 measured 2026-11-29)"),
+        Check("metrics.fa4_over_cudnn.long", "<=", 0.95, "long",
+              "27,280 tokens, FA4 over cuDNN (0.91 measured with the eager checkpoint, 2026-11-29)"),
+        Check("metrics.ckpt.numerics_ok", "==", True, "ckpt", "FA4 in the compiled checkpoint's recompute"),
+        Check(f"metrics.ckpt.{FA4_CKPT_VARIANT}.vs_strongest", "present", None, "ckpt",
+              "the checkpointed target's setting with FA4 (not measured yet)"),
+    ),
+    collect=fa4_metrics,
+    record=("fa4_over_cudnn.short", "fa4_over_cudnn.graphs", "fa4_over_cudnn.fp8_graphs", "fa4_over_cudnn.long",
+            *(f"short.{FA4_STEP_VARIANT['fp8_graphs_fa4']}.{k}" for k in ("median_s", "vs_strongest")),
+            f"long.{FA4_VARIANT}.tflops",
+            *(f"ckpt.{FA4_CKPT_VARIANT}.{k}" for k in ("median_s", "vs_strongest", "peak_gib"))),
+)
+CASES[FA4_CASE] = ATTENTION_FA4_JOB
 
 
 # ---- the cache at the VAE's speed: the real-size TI2V-5B VAE and UMT5-XXL on 48 generated clips (one H100) --------

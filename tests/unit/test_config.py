@@ -239,6 +239,8 @@ CLI_BAD = [
     (["experiment=demo", "resume=/nowhere/step_000010.ckpt"], "resume=/nowhere/step_000010.ckpt: checkpoint file "
                                                               "not found"),
     (["experiment=demo", "model.fp8_storage=2"], "model.fp8_storage=2: must be true or false"),
+    (["experiment=demo", "model.attention_backend=fa4"],
+     "model.attention_backend=fa4: the flash-attn-4 package is not installed: pip install flash-attn-4"),
 ]
 
 

@@ -66,7 +66,7 @@ class ModelConfig:
     fps: int = knob(MISSING, ge=1, doc="native frame rate: training clips are resampled to it (data.fps: null) and "
                     "generated videos are written at it")
     gradient_checkpointing: bool = MISSING
-    attention_backend: Optional[str] = MISSING  # checked against diffusers' dispatcher by the spec
+    attention_backend: Optional[str] = MISSING  # fa4 or a diffusers backend (models/attention.py)
     first_frame_cond: float = knob(MISSING, ge=0.0, le=1.0, doc="share trained image-to-video (optional first frame)")
     build: Optional[Dict[str, Any]] = MISSING  # tiny models only: the architecture to build into `path`
     fast_modulation: bool = knob(MISSING, doc="time embedding + block modulation once per latent frame (same values)")

@@ -32,6 +32,7 @@ import torch
 from wanexp.config.rules import missing_model_folder
 from wanexp.config.schema import DTYPES
 from wanexp.errors import ConfigError
+from wanexp.models.attention import check_attention_backend, set_attention_backend
 
 @dataclass(frozen=True)
 class EncoderInfo:
@@ -364,8 +365,7 @@ class ModelSpec:
         own forward)."""
         model = self.read_transformer(expert)
         model.requires_grad_(False)
-        if self.attention_backend:
-            model.set_attention_backend(self.attention_backend)
+        set_attention_backend(model, self.attention_backend)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return self.prepare_transformer(model)
@@ -594,16 +594,3 @@ class ModelSpec:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, path={str(self.path)!r})"
-
-
-def check_attention_backend(name: str) -> None:
-    """model.attention_backend must be one of diffusers' installed backends (no *_hub kernel downloads)."""
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
-    names = [a.value for a in AttentionBackendName]
-    if name not in names:
-        raise ConfigError(f"model.attention_backend={name}: allowed values are null (default), "
-                          + ", ".join(n for n in names if not n.endswith("_hub")))
-    if name.endswith("_hub"):
-        raise ConfigError(f"model.attention_backend={name}: *_hub backends download kernels from a hub; use the "
-                          "installed equivalent (e.g. flash, _flash_3, native)")

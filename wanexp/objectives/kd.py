@@ -26,6 +26,7 @@ from torch import nn
 
 from wanexp.config.schema import KDConfig
 from wanexp.errors import ConfigError
+from wanexp.models.attention import set_attention_backend
 from wanexp.objectives.base import Objective, ObjectiveOutput
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 
@@ -97,8 +98,7 @@ class KnowledgeDistillation(Objective):
         student.requires_grad_(True)
         if spec.gradient_checkpointing:
             student.enable_gradient_checkpointing()
-        if spec.attention_backend:
-            student.set_attention_backend(spec.attention_backend)
+        set_attention_backend(student, spec.attention_backend)
         self.student = student
         if self.feature_weight > 0:
             self._hook_features(student, teacher, spec)

@@ -27,6 +27,7 @@ import torch
 
 from wanexp.config.rules import missing_model_folder
 from wanexp.errors import ConfigError
+from wanexp.models.attention import set_attention_backend
 from wanexp.models.family import (EncoderInfo, ModelSpec, require_frame_stride_one, safetensors_problem,
                                    unreadable_weights)
 from wanexp.models.s2v.adapter_naming import S2V_NAMING
@@ -129,8 +130,7 @@ class S2VSpec(ModelSpec):
         from wanexp.models.s2v.original import load_s2v_transformer
 
         model = load_s2v_transformer(self.path, self.dtype).requires_grad_(False)
-        if self.attention_backend:
-            model.set_attention_backend(self.attention_backend)
+        set_attention_backend(model, self.attention_backend)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return self.prepare_transformer(model)
