@@ -84,7 +84,10 @@ def test_torchs_fa4_calls_run_through_the_adapter_on_zero_stride_inputs(monkeypa
     from torch.nn.attention import _fa4
 
     calls: list = []
-    monkeypatch.setitem(sys.modules, attention.FA4_KERNELS, _stand_in(calls))
+    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    package.cute, cute.interface = cute, _stand_in(calls)
+    for module in (package, cute, cute.interface):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(_fa4, "_FA4_MODULE_PATH", attention.__name__)
     q, k, v = (_batch_stride_zero(i) for i in range(3))
     out_bhsd = torch.empty_like(q.transpose(1, 2))  # as torch's SDPA forward allocates its output

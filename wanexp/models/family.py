@@ -360,12 +360,16 @@ class ModelSpec:
         loads one)."""
         return load_class(self.transformer_class)
 
+    def set_attention_backend(self, model) -> None:
+        """``model`` (this family's transformer) on model.attention_backend's kernel (models/attention.py)."""
+        set_attention_backend(model, self.attention_backend)
+
     def load_transformer(self, expert: str):
         """The frozen transformer of ``expert``, ready for the run (attention backend, checkpointing, the family's
         own forward)."""
         model = self.read_transformer(expert)
         model.requires_grad_(False)
-        set_attention_backend(model, self.attention_backend)
+        self.set_attention_backend(model)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return self.prepare_transformer(model)

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError
-from wanexp.models.attention import set_attention_backend
 
 
 def safetensors_index(folder: Path) -> dict[str, Path]:
@@ -54,7 +53,7 @@ def load_sharded(spec, expert: str, device, mesh, source=diffusers_folder):
     model, files, folder = source(spec, expert)
     model.requires_grad_(False)
     cast(model, spec.dtype, getattr(type(model), "_keep_in_fp32_modules", None) or [])
-    set_attention_backend(model, spec.attention_backend)
+    spec.set_attention_backend(model)
     model = spec.prepare_transformer(model)
     buffers = {n: b.to(device) for n, b in model.named_buffers()}
     for block in spec.blocks(model):

@@ -26,7 +26,6 @@ from torch import nn
 
 from wanexp.config.schema import KDConfig
 from wanexp.errors import ConfigError
-from wanexp.models.attention import set_attention_backend
 from wanexp.objectives.base import Objective, ObjectiveOutput
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 
@@ -98,7 +97,7 @@ class KnowledgeDistillation(Objective):
         student.requires_grad_(True)
         if spec.gradient_checkpointing:
             student.enable_gradient_checkpointing()
-        set_attention_backend(student, spec.attention_backend)
+        spec.set_attention_backend(student)
         self.student = student
         if self.feature_weight > 0:
             self._hook_features(student, teacher, spec)

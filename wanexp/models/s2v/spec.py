@@ -27,7 +27,6 @@ import torch
 
 from wanexp.config.rules import missing_model_folder
 from wanexp.errors import ConfigError
-from wanexp.models.attention import set_attention_backend
 from wanexp.models.family import (EncoderInfo, ModelSpec, require_frame_stride_one, safetensors_problem,
                                    unreadable_weights)
 from wanexp.models.s2v.adapter_naming import S2V_NAMING
@@ -130,7 +129,7 @@ class S2VSpec(ModelSpec):
         from wanexp.models.s2v.original import load_s2v_transformer
 
         model = load_s2v_transformer(self.path, self.dtype).requires_grad_(False)
-        set_attention_backend(model, self.attention_backend)
+        self.set_attention_backend(model)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return self.prepare_transformer(model)
