@@ -10,7 +10,8 @@ between torch's call and the package's functions:
 
 - torch 2.11-2.13 unpack ``(out, lse)`` from the package's forward, which returns ``(out, lse, p, row_max, o_lo)``;
 - a compiled backward passes q, k and v with stride 0 on their batch dimension of size 1 (inductor's layout; the
-  addresses are the same for any stride there), and the package refuses a zero stride in an input or output layout.
+  addresses are the same for any stride there), and the package refuses a zero stride in an output, which torch's
+  call code and the package allocate like q.
   :func:`dense` gives such a tensor a nonzero stride on its size-1 dimensions: the same storage, the same elements.
 
 Measured in docs/performance.md (Attention kernels)."""
