@@ -16,9 +16,9 @@ from torch import nn
 from wanexp.context import RunContext
 from wanexp.errors import DivergedError
 from wanexp.lightning_compat import attached_trainer, mend_epoch_progress, open_next_epoch_after_resume
+from wanexp.models.attention import check_attention_kernel
 from wanexp.models.denoiser import Denoiser
 from wanexp.models.encoders import cached_batch
-from wanexp.models.attention import check_attention_kernel
 from wanexp.models.family import ModelSpec, unreadable_weights
 from wanexp.models.fp8 import check_fp8
 from wanexp.objectives.base import Objective

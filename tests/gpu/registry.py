@@ -153,6 +153,11 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def ratio(a: float | None, b: float | None, scale: float = 1) -> float | None:
+    """``scale * a / b``, or None when either is missing (a phase that did not run) or zero."""
+    return scale * a / b if a and b else None
+
+
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -440,7 +445,7 @@ def bench_metrics(path: Path) -> dict:
         out[key] = {"median_s": r.get("median_s"), "back_to_back_s": r.get("back_to_back_s"),
                     "peak_gib": r.get("peak_gib"), "tflops": r.get("tflops"),
                     "speedup": r.get("speedup_vs_plain_tokens"),
-                    "vs_wanexp": base / r["median_s"] if base and r.get("median_s") else None,
+                    "vs_wanexp": ratio(base, r.get("median_s")),
                     "sm_mhz": r.get("card", {}).get("sm_mhz"), "power_w": r.get("card", {}).get("power_w")}
     for c in run.get("numerics", []):
         row = out.setdefault(_slug(c["path"]), {})
@@ -735,7 +740,7 @@ def strategy_metrics(folders: dict, scale: tuple[tuple[str, str, int], ...] = ()
         m = runs(**folders)(ctx, phases)
         for key, base, n in scale:
             a, b = m.get(base, {}).get("median_step_s"), m.get(key, {}).get("median_step_s")
-            m[f"{key}_scaling"] = n * a / b if a and b else None
+            m[f"{key}_scaling"] = ratio(a, b, scale=n)
         if sp_json:
             m["sp_numerics"] = _json(ctx.results(STRAT2) / "sp_numerics.json")
             m["bench"] = bench_metrics(bench_json(ctx, STRAT2, "bench"))
@@ -1001,8 +1006,7 @@ def step_ratio(case: str, pairs: dict[str, tuple[str, str]]) -> Callable[[Ctx, d
         out = {n: bench_metrics(bench_json(ctx, case, n)) for n in names}
         for key, (capped, base) in pairs.items():
             c, b = (out[capped].get("wanexp", {}), out[base].get("wanexp", {}))
-            ok = c.get("median_s") and b.get("median_s")
-            out[f"{key}_ratio"] = c["median_s"] / b["median_s"] if ok else None
+            out[f"{key}_ratio"] = ratio(c.get("median_s"), b.get("median_s"))
             out[f"{key}_peak_gib"] = c.get("peak_gib")
         return out
     return collect
@@ -1336,14 +1340,13 @@ def fa4_metrics(ctx: Ctx, phases: dict) -> dict:
     out["kernels"] = _json(ctx.results(FA4_CASE) / "kernels.json").get("shapes", {})
     s, long = out.get("short", {}), out.get("long", {})
 
-    def ratio(m: dict, fa4: str, base: str):
-        a, b = m.get(fa4, {}).get("median_s"), m.get(base, {}).get("median_s")
-        return a / b if a and b else None
+    def over(m: dict, fa4: str, base: str) -> float | None:
+        return ratio(m.get(fa4, {}).get("median_s"), m.get(base, {}).get("median_s"))
 
-    out["fa4_over_cudnn"] = {"short": ratio(s, FA4_VARIANT, "wanexp"),
-                             "graphs": ratio(s, FA4_STEP_VARIANT["graphs_fa4"], FA4_STEP_VARIANT["graphs"]),
-                             "fp8_graphs": ratio(s, FA4_STEP_VARIANT["fp8_graphs_fa4"], FA4_STEP_VARIANT["fp8_graphs"]),
-                             "long": ratio(long, FA4_VARIANT, "wanexp")}
+    out["fa4_over_cudnn"] = {"short": over(s, FA4_VARIANT, "wanexp"),
+                             "graphs": over(s, FA4_STEP_VARIANT["graphs_fa4"], FA4_STEP_VARIANT["graphs"]),
+                             "fp8_graphs": over(s, FA4_STEP_VARIANT["fp8_graphs_fa4"], FA4_STEP_VARIANT["fp8_graphs"]),
+                             "long": over(long, FA4_VARIANT, "wanexp")}
     return out
 
 
@@ -1705,7 +1708,7 @@ def optim_metrics(ctx: Ctx, phases: dict) -> dict:
     m = runs(**{k: f"5b_optim_{k}" for k in OPTIM_RUNS})(ctx, phases)
     base = m.get("adamw", {}).get("median_step_s")
     for v in m.values():
-        v["step_vs_adamw"] = v["median_step_s"] / base if base and v.get("median_step_s") else None
+        v["step_vs_adamw"] = ratio(v.get("median_step_s"), base)
     return m
 
 
