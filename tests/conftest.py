@@ -42,6 +42,21 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
     return compose(overrides)
 
 
+def module_from(cfg: DictConfig):
+    """The DiffusionModule ``cfg`` makes, as train.py builds it but without encoders, on its model folder (the tiny
+    model written there first where it is missing); not configured yet (``configure_model`` loads the transformers)."""
+    from wanexp.composition import build
+    from wanexp.models.tiny import ensure_tiny_model
+    from wanexp.module import DiffusionModule
+
+    spec = build(cfg.model)
+    ensure_tiny_model(spec)
+    o = cfg.optim
+    return DiffusionModule(spec, build(cfg.adapter), build(cfg.objective), cfg.boundary, optimizer=build(o.optimizer),
+                           lr=o.lr, schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
+                           load_encoders=False)
+
+
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory) -> Path:
     """Tiny models and generated clips, built once per test session (never in the repo) for every xdist worker: the

@@ -89,6 +89,7 @@ class DiffusionModule(L.LightningModule):
         """``group``: the sequence-parallel group (None without); ``place_now``: move to the GPU inside this turn."""
         from wanexp.models import fp8
 
+        hint = fp8_hint(self.spec) if self.spec.fp8 else ""  # said once, with the first expert
         for e in self.expert_names:
             t = _readable(self.spec, f"the {e} transformer", self.spec.load_transformer, e)
             for name in self.objective.adapters:
@@ -96,8 +97,8 @@ class DiffusionModule(L.LightningModule):
             if self.spec.fp8:  # after the adapters: their base layers are what becomes FP8
                 n = fp8.convert_blocks(self.spec.blocks(t))
                 if self.global_rank == 0:
-                    print(f"wanexp: model.fp8: {n} frozen linears of the {e} transformer in FP8{fp8_hint(self.spec)}",
-                          flush=True)
+                    print(f"wanexp: model.fp8: {n} frozen linears of the {e} transformer in FP8{hint}", flush=True)
+                hint = ""
             self.transformers[e] = t
         for name, m in self.objective.build_trainable(dict(self.transformers), self.spec).items():
             self.students[name] = m  # e.g. KD's student: trained in full

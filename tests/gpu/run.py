@@ -31,6 +31,7 @@ from tests.gpu.registry import (CASES, REPO, Case, Ctx, Phase, evaluate, lookup,
                                  share_at_default)
 
 SITE = os.environ.get("WANEXP_SITE", "/tmp/site")  # where setup_env.sh installs the carried wheels
+FA4_SITE = os.environ.get("WANEXP_FA4_SITE", "/tmp/fa4site")  # where setup_fa4.sh installs FlashAttention-4
 LOG_TAIL = 400  # lines of each phase's log copied to <out>/<case>/
 
 
@@ -82,8 +83,17 @@ def prepare_env() -> dict:
         subprocess.run(["bash", "-c", "source tests/gpu/setup_env.sh"], cwd=REPO, check=True,
                        env=dict(env, OUT=env.get("OUT", "/tmp/wanexp_out")))
         paths.insert(0, SITE)
+    paths[:0] = fa4_paths(Path(FA4_SITE))
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+def fa4_paths(site: Path) -> list[str]:
+    """FlashAttention-4's import paths where tests/gpu/setup_fa4.sh finished installing it on this machine (its
+    ``.done``): the phases find it even where the shell that sourced the script did not keep its PYTHONPATH."""
+    if not (site / ".done").is_file():
+        return []
+    return [str(site / "nvidia_cutlass_dsl" / "dsl_packages"), str(site)]
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -3,7 +3,7 @@
 # machine keeps while it stays warm; once both parts are there it installs them into /tmp/fa4site (once) and puts
 # that on PYTHONPATH (the wheels' .pth file is not read from there: its dsl_packages folder is added by hand).
 STAGE=/tmp/fa4stage
-FA=/tmp/fa4site
+FA=${WANEXP_FA4_SITE:-/tmp/fa4site}  # tests/gpu/run.py puts it on its phases' PYTHONPATH once installed
 mkdir -p "$STAGE"
 for d in .fa4a .fa4b; do
   if [ -d "$d" ]; then cp -n "$d"/* "$STAGE"/; fi

@@ -8,28 +8,20 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, module_from
 from tests.integration.conftest import tiny_run
 from wanexp.adapters import use_adapter
-from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.denoiser import Prediction
 from wanexp.models.encoders import EncodedBatch
 from wanexp.objectives.dmd import DMD
-from wanexp.composition import build
 
 DMD_FAST = ["objective=dmd", "objective.generator_every=1", "objective.generator.lr=1e-3", "objective.critic.lr=1e-3",
             "objective.student_timesteps=[1000,500]"]
 
 
 def _module(shared_dir, extra=()):
-    from wanexp.module import DiffusionModule
-
-    cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", *DMD_FAST, *extra])
-    spec, adapter, objective = build(cfg.model), build(cfg.adapter), build(cfg.objective)
-    ensure_tiny_model(spec)
-    o = cfg.optim
-    module = DiffusionModule(spec, adapter, objective, cfg.boundary, optimizer=build(o.optimizer), lr=o.lr,
-                       schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")}, load_encoders=False)
+    module = module_from(compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", *DMD_FAST,
+                                      *extra]))
     torch.manual_seed(0)  # the LoRA A matrices are drawn at random
     module.configure_model()
     return module

@@ -5,12 +5,10 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, module_from
 from tests.integration.conftest import tiny_run
-from wanexp.models.tiny import ensure_tiny_model
 from wanexp.models.encoders import EncodedBatch
 from wanexp.objectives.kd import teacher_block_for
-from wanexp.composition import build
 
 
 def test_student_blocks_are_spread_over_the_teacher():
@@ -20,17 +18,10 @@ def test_student_blocks_are_spread_over_the_teacher():
 
 def _kd_module(shared_dir, extra=()):
     """A DiffusionModule with objective=kd on the tiny model (configured: teacher loaded, student built), and its spec."""
-    from wanexp.module import DiffusionModule
-
-    cfg = compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd", *extra])
-    spec = build(cfg.model)
-    ensure_tiny_model(spec)
-    o = cfg.optim
-    module = DiffusionModule(spec, build(cfg.adapter), build(cfg.objective), cfg.boundary, optimizer=build(o.optimizer),
-                       lr=o.lr, schedule={k: o[k] for k in ("scheduler", "warmup_steps", "min_lr_ratio")},
-                       load_encoders=False)
+    module = module_from(compose_cfg(["experiment=demo", f"paths.tiny_model_dir={shared_dir}/models", "objective=kd",
+                                      *extra]))
     module.configure_model()
-    return module, spec
+    return module, module.spec
 
 
 def test_the_student_loss_falls_on_a_fixed_batch_and_only_the_student_trains(shared_dir):

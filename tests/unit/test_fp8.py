@@ -230,3 +230,15 @@ def test_the_fp8_load_line_names_the_setting_that_pays_where_every_block_is_full
     if hinted:
         assert hint.startswith("; every block fully checkpointed") and "set model.memory_budget_gib, or " \
             "model.selective_checkpointing=true" in hint and "\n" not in hint
+
+
+def test_a_two_expert_fp8_load_says_the_hint_once(tmp_path, capsys):
+    """The FP8 base's load line, one per expert: the checkpointing hint rides on the first only."""
+    from tests.conftest import compose_cfg, module_from
+
+    module = module_from(compose_cfg(["experiment=demo", "model=tiny_t2v14b", f"paths.tiny_model_dir={tmp_path}",
+                                      "model.fp8=true", "model.gradient_checkpointing=true",
+                                      "trainer.precision=bf16-mixed"]))
+    module.configure_model()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("wanexp: model.fp8: ")]
+    assert len(lines) == 2 and [("fully checkpointed" in ln) for ln in lines] == [True, False], lines
