@@ -122,6 +122,27 @@ def test_activation_registers_torchs_fa4_on_the_adapter(monkeypatch):
         attn.restore_flash_attention_impl()
 
 
+def test_a_model_without_fa4_gives_torchs_flash_kernels_back(monkeypatch):
+    """The bench's variants in one process: a model set to another backend (or the default) after one set to fa4 runs
+    torch's own flash kernels again; fa4 again takes them again."""
+    import torch.nn.attention as attn
+    from torch.nn.attention import _fa4
+
+    monkeypatch.setattr(_fa4, "_FA4_MODULE_PATH", _fa4._FA4_MODULE_PATH)
+    monkeypatch.setattr(attention, "_active", False)
+    monkeypatch.setattr(_fa4, "_fa4_register_kernels", lambda: None)
+    monkeypatch.setattr(attention, "check_attention_kernel", lambda name, accelerator="auto": None)
+    set_to = []
+    model = types.SimpleNamespace(set_attention_backend=set_to.append)
+    try:
+        for name, impl in (("fa4", "FA4"), (None, None), ("fa4", "FA4"), ("_native_flash", None), ("fa4", "FA4")):
+            attention.set_attention_backend(model, name)
+            assert attn.current_flash_attention_impl() == impl, name
+        assert set_to == ["_native_flash"] * 4
+    finally:
+        attn.restore_flash_attention_impl(_raise_warn=False)
+
+
 def test_fa4_without_its_package_is_one_line(monkeypatch):
     real = attention.importlib.util.find_spec
     monkeypatch.setattr(attention.importlib.util, "find_spec",

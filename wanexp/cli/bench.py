@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from wanexp.errors import ConfigError, UserError, refuse
+from wanexp.models.attention import deactivate_fa4
 
 PEAK_TFLOPS = 790.0  # a large bf16 matmul on one H100 (docs/performance.md)
 CHECK_SEED = 1234
@@ -515,6 +516,7 @@ def main(argv=None) -> list[dict]:
     for name in paths:
         if name in PLAIN_PATHS:
             def make_plain(name=name):
+                deactivate_fa4()  # a plain loop runs torch's own kernels, whatever a variant before it set
                 tokens_t, compiled = plain_kind(name)
                 model = loop.plain_model(args, device, compiled=compiled)
                 if refs is not None and name in checked:  # before timing: warms the compiled blocks up too

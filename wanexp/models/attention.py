@@ -89,7 +89,11 @@ def check_attention_kernel(backend: str | None, accelerator: str = "auto") -> No
 
 
 def set_attention_backend(model, name: str | None) -> None:
-    """``model.set_attention_backend`` for a value of model.attention_backend (null: the model's default)."""
+    """``model.set_attention_backend`` for a value of model.attention_backend (null: the model's default). Any value
+    but fa4 gives torch's flash-attention kernels back where an earlier model of the process took them for FA4 (the
+    bench's variants; a run's models all share one value)."""
+    if name != FA4:
+        deactivate_fa4()
     if not name:
         return
     if name == FA4:
@@ -111,6 +115,18 @@ def activate_fa4() -> None:
         "FA4", register_fn=functools.partial(_fa4.register_flash_attention_fa4, module_path=__name__))
     attention.activate_flash_attention_impl("FA4")
     _active = True
+
+
+def deactivate_fa4() -> None:
+    """torch's own flash-attention kernels back, where :func:`activate_fa4` replaced them in this process."""
+    global _active
+    if not _active:
+        return
+    import torch.nn.attention as attention
+
+    if attention.current_flash_attention_impl() == "FA4":
+        attention.restore_flash_attention_impl(_raise_warn=False)
+    _active = False
 
 
 # ---- what torch's FA4 registration calls (module_path=this module) ---------------------------------------------
