@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from wanexp.models.attention import activate_fa4, fa4_missing
+from wanexp.models.attention import activate_fa4, deactivate_fa4, fa4_missing
 
 # name: (heads, query tokens, key tokens, head dim); the layout a diffusers attention processor passes (B, S, H, D)
 SHAPES = {
@@ -129,19 +129,10 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
 
-    import torch.nn.attention as attn
-
-    def builtin():
-        if getattr(attn, "current_flash_attention_impl", lambda: None)() is not None:
-            attn.restore_flash_attention_impl()
-
-    def fa4():
-        if attn.current_flash_attention_impl() != "FA4":
-            activate_fa4()
-
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "capability": list(torch.cuda.get_device_capability())}
-    kernels = {"cudnn": (SDPBackend.CUDNN_ATTENTION, builtin), "flash_builtin": (SDPBackend.FLASH_ATTENTION, builtin)}
+    kernels = {"cudnn": (SDPBackend.CUDNN_ATTENTION, deactivate_fa4),
+               "flash_builtin": (SDPBackend.FLASH_ATTENTION, deactivate_fa4)}
     missing = fa4_missing()
     if missing:  # recorded: the A/B then runs without it
         info["fa4_unavailable"] = missing
@@ -150,13 +141,13 @@ def main() -> None:
         from importlib.metadata import version
 
         info["flash_attn_4"] = version("flash-attn-4")
-        kernels["fa4"] = (SDPBackend.FLASH_ATTENTION, fa4)
+        kernels["fa4"] = (SDPBackend.FLASH_ATTENTION, activate_fa4)
     results = {"info": info, "shapes": {}}
     for name in args.shapes.split(","):
         iters = args.iters if SHAPES[name][1] <= 8192 else max(3, args.iters // 4)
         results["shapes"][name] = run_shape(name, kernels, iters, args.warmup)
         torch.cuda.empty_cache()
-    builtin()
+    deactivate_fa4()
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 
