@@ -43,6 +43,8 @@ class DiffusionModule(L.LightningModule):
         self.max_bad_steps = max_bad_steps  # non-finite steps in a row that stop the run
         self.seed = seed
         self._skipped = torch.zeros((), dtype=torch.long)  # steps skipped for a non-finite loss or gradient (device)
+        self._host_values: tuple[dict, int] | None = None  # the step's host numbers, logged after its optimizer step
+        self._check_bad_steps = False  # a log step's run-stopping check, made after its optimizer step
         self._bad_in_row = torch.zeros((), dtype=torch.long)
         self._loss_finite: torch.Tensor | None = None  # every loss of the current optimizer step was finite
         self._rng_to_restore: dict | None = None  # from a resumed checkpoint, put back before the first step
@@ -177,22 +179,43 @@ class DiffusionModule(L.LightningModule):
         opt.step()  # on_before_optimizer_step skips it if the loss or a gradient is not finite
         sched.step()
         self._log_step(out.loss, out.metrics, {f"train/lr_{phase}": sched.get_last_lr()[0]}, out.batch_size)
+        self._after_optimizer_step()
         return {"loss": out.loss.detach(), "flops": out.flops}
 
     def _log_step(self, loss: torch.Tensor, metrics: dict, host_values: dict, batch_size: int) -> None:
         """The step's logging without a host sync on a GPU. The loss is logged as a device tensor every step (no
-        ``prog_bar``: Lightning reads progress-bar metrics to the host at every step); numbers from the host (the lr)
-        only at log steps, since ``self.log`` turns a number into a device tensor with a blocking copy."""
+        ``prog_bar``: Lightning reads progress-bar metrics to the host at every step); the objective's metrics are
+        summed on the device; what needs the host (the window's counts, the lr: ``self.log`` turns a number into a
+        device tensor with a blocking copy) waits for :meth:`_after_optimizer_step` at log steps."""
         self.log("train/loss", loss.detach(), batch_size=batch_size)
-        self._log_metrics(metrics)
-        if self.run_context.logs_this_step(attached_trainer(self)):
-            for name, value in host_values.items():
+        self._add_metrics(metrics)
+        self._host_values = (host_values, batch_size)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self._after_optimizer_step()
+
+    def _after_optimizer_step(self) -> None:
+        """At a log step, once the step's forward, backward and optimizer step are issued: the reads of the device
+        (the metrics' counts, the run-stopping count of skipped steps) and the host numbers logged. Read in the middle
+        of the step, each would leave the GPU idle while the host issues the rest of it (with model.cuda_graphs,
+        logging every step then cost 16 % of the step: docs/performance.md)."""
+        if not self.run_context.logs_this_step(attached_trainer(self)):
+            self._host_values = None
+            return
+        if self._check_bad_steps:
+            self._check_bad_steps = False
+            self._stop_if_diverged(self.global_step)  # the optimizer step is counted once it is taken
+        self._flush_metrics()
+        if self._host_values is not None:
+            values, batch_size = self._host_values
+            self._host_values = None
+            for name, value in values.items():
                 self.log(name, value, batch_size=batch_size)
 
-    def _log_metrics(self, metrics: dict) -> None:
+    def _add_metrics(self, metrics: dict) -> None:
         """An objective's metrics, ``name -> (mean, samples)`` (tensors or numbers), summed on the device over the
-        log window and logged as the window's sample-weighted mean at each log step: one host sync per log step, not
-        one per step and metric; a group with no sample in the window (e.g. a sigma quarter) is left out."""
+        log window (logged by :meth:`_flush_metrics`)."""
         acc = self._metric_sums
         for name, (value, n) in metrics.items():
             if isinstance(n, torch.Tensor):  # counted on the device (e.g. samples per sigma quarter)
@@ -204,17 +227,23 @@ class DiffusionModule(L.LightningModule):
             if name in acc:
                 total, n = acc[name][0] + total, acc[name][1] + n
             acc[name] = (total, n)
-        if acc and self.run_context.logs_this_step(attached_trainer(self)):
-            names = list(acc)
-            on_device = [k for k in names if isinstance(acc[k][1], torch.Tensor)]
-            read = torch.stack([acc[k][1].to(self.device) for k in on_device]).tolist() if on_device else []
-            counts = [acc[k][1] for k in names]  # the device counts in one host read per log step
-            for k, c in zip(on_device, read):
-                counts[names.index(k)] = c
-            for k, c in zip(names, counts):
-                if c > 0:
-                    self.log(k, acc[k][0] / c, batch_size=int(c))
-            acc.clear()
+
+    def _flush_metrics(self) -> None:
+        """The window's metrics logged as their sample-weighted means: one host read per log step, not one per step and
+        metric; a group with no sample in the window (e.g. a sigma quarter) is left out."""
+        acc = self._metric_sums
+        if not acc:
+            return
+        names = list(acc)
+        on_device = [k for k in names if isinstance(acc[k][1], torch.Tensor)]
+        read = torch.stack([acc[k][1].to(self.device) for k in on_device]).tolist() if on_device else []
+        counts = [acc[k][1] for k in names]  # the device counts in one host read per log step
+        for k, c in zip(on_device, read):
+            counts[names.index(k)] = c
+        for k, c in zip(names, counts):
+            if c > 0:
+                self.log(k, acc[k][0] / c, batch_size=int(c))
+        acc.clear()
 
     def negative_text(self) -> torch.Tensor | None:
         """The negative prompt's text embedding (1, text_len, D), encoded once on this device (objectives with CFG);
@@ -271,17 +300,24 @@ class DiffusionModule(L.LightningModule):
             optimizer.grad_scale, optimizer.found_inf = None, bad.float()
         elif bool(bad):
             optimizer.zero_grad(set_to_none=True)
-        if not on_device or self.run_context.logs_this_step(self.trainer):
-            in_row = int(self._bad_in_row)
-            if in_row and self.global_rank == 0:
-                print(f"wanexp: step {self.global_step + 1}: non-finite loss or gradient; step skipped "
-                      f"({in_row} in a row, {self.skipped_steps} in the run)", flush=True)
-            if in_row >= self.max_bad_steps:
-                raise DivergedError(
-                    f"{in_row} optimizer steps in a row had a non-finite loss or gradient (up to step "
-                    f"{self.global_step + 1}); the run diverged and stopped with its last checkpoint intact: lower "
-                    "optim.lr, or use trainer.precision=bf16-mixed, then resume=last (guard.max_bad_steps sets the limit)")
+        if not on_device:  # the flag was read already: the count too
+            self._stop_if_diverged(self.global_step + 1)
+        elif self.run_context.logs_this_step(self.trainer):  # read once the step is issued (_after_optimizer_step)
+            self._check_bad_steps = True
         self.log("train/skipped_steps", self._skipped.float(), on_step=True, on_epoch=False, batch_size=1)
+
+    def _stop_if_diverged(self, step: int) -> None:
+        """Print a skipped step (rank 0) and stop the run after ``max_bad_steps`` of them in a row. A step skipped on
+        the device changed no weight, so reading this after its optimizer step stops at the same point."""
+        in_row = int(self._bad_in_row)
+        if in_row and self.global_rank == 0:
+            print(f"wanexp: step {step}: non-finite loss or gradient; step skipped "
+                  f"({in_row} in a row, {self.skipped_steps} in the run)", flush=True)
+        if in_row >= self.max_bad_steps:
+            raise DivergedError(
+                f"{in_row} optimizer steps in a row had a non-finite loss or gradient (up to step "
+                f"{step}); the run diverged and stopped with its last checkpoint intact: lower "
+                "optim.lr, or use trainer.precision=bf16-mixed, then resume=last (guard.max_bad_steps sets the limit)")
 
     @property
     def skipped_steps(self) -> int:

@@ -482,8 +482,9 @@ def finished(key: str, steps: int, after: str | None = None) -> tuple[Check, ...
             Check(f"metrics.{key}.lora_final_files", ">=", 1, after or key, f"{key}: LoRA files in lora/final"))
 
 
-def in_sync(key: str) -> Check:
-    return Check(f"metrics.{key}.replicas_in_sync", "==", True, key, f"{key}: every rank holds the same LoRA weights")
+def in_sync(key: str, after: str | None = None) -> Check:
+    return Check(f"metrics.{key}.replicas_in_sync", "==", True, after or key,
+                 f"{key}: every rank holds the same LoRA weights")
 
 
 def log_value(ctx: Ctx, case: str, phase: str, pattern: str) -> float | None:
@@ -1899,16 +1900,35 @@ def whole_run_metrics(run: Path, batch: int = 1, skip: int = SCALING_SKIP) -> di
             "boundary_mean_s": statistics.mean(boundary) if boundary else None}
 
 
-def scaling_metrics(ctx: Ctx, phases: dict) -> dict:
+def scaling_metrics(ctx: Ctx, phases: dict, runs: str = "scale") -> dict:
     """Per run: run_metrics (state, losses, replicas in sync, LoRA files) with the whole-run numbers over it; and the
-    two-GPU runs' whole-run samples/s over the one-GPU run's (``<run>_scaling``)."""
-    m = {key: {**run_metrics(ctx.run_dir(f"scale_{key}"), skip=SCALING_SKIP),
-               **whole_run_metrics(ctx.run_dir(f"scale_{key}"))} for key in SCALING_RUNS}
+    two-GPU runs' whole-run samples/s over the one-GPU run's (``<run>_scaling``). ``runs``: the run folders' prefix."""
+    m = {key: {**run_metrics(ctx.run_dir(f"{runs}_{key}"), skip=SCALING_SKIP),
+               **whole_run_metrics(ctx.run_dir(f"{runs}_{key}"))} for key in SCALING_RUNS}
     one = m["gpu1"].get("samples_per_s")
     for key in ("gpu2", "gpu2_nop2p"):
         two = m[key].get("samples_per_s")
         m[f"{key}_scaling"] = two / one if one and two else None
     return m
+
+
+def scaling_checks(after: str = "") -> tuple[Check, ...]:
+    """Every run finished with its LoRA files, the two-GPU runs' replicas in sync, >= 1.95x one GPU's whole-run
+    samples/s with and without peer-to-peer, and no epoch boundary over 0.2 s. ``after``: the phases' name prefix."""
+    return (*(c for key, (gpus, _) in SCALING_RUNS.items()
+              for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus, after=after + key if after else None)),
+            *(in_sync(key, after + key if after else None) for key in ("gpu2", "gpu2_nop2p")),
+            Check("metrics.gpu2_scaling", ">=", 1.95, after + "gpu2",
+                  "whole-run samples/s on 2 GPUs over 1, epoch boundaries included"),
+            Check("metrics.gpu2_nop2p_scaling", ">=", 1.95, after + "gpu2_nop2p",
+                  "the same without peer-to-peer (NCCL_P2P_DISABLE=1)"),
+            *(Check(f"metrics.{key}.boundary_max_s", "<=", 0.2, after + key,
+                    f"{key}: the costliest of its {SCALING_EPOCHS - 1} epoch boundaries, over the median step")
+              for key in SCALING_RUNS))
+
+
+SCALING_RECORD = (*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
+                  "gpu2_scaling", "gpu2_nop2p_scaling")
 
 
 CASES[SCALING] = Case(
@@ -1926,19 +1946,75 @@ CASES[SCALING] = Case(
             *(train(f"scale_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
                     "trainer.log_every_n_steps=1", phase=key, minutes=3.5, env=env)
               for key, (gpus, env) in SCALING_RUNS.items())),
-    checks=(*(c for key, (gpus, _) in SCALING_RUNS.items()
-              for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus)),
-            in_sync("gpu2"), in_sync("gpu2_nop2p"),
-            Check("metrics.gpu2_scaling", ">=", 1.95, "gpu2",
-                  "whole-run samples/s on 2 GPUs over 1, epoch boundaries included"),
-            Check("metrics.gpu2_nop2p_scaling", ">=", 1.95, "gpu2_nop2p",
-                  "the same without peer-to-peer (NCCL_P2P_DISABLE=1)"),
-            *(Check(f"metrics.{key}.boundary_max_s", "<=", 0.2, key,
-                    f"{key}: the costliest of its {SCALING_EPOCHS - 1} epoch boundaries, over the median step")
-              for key in SCALING_RUNS)),
+    checks=scaling_checks(),
     collect=scaling_metrics,
-    record=(*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
-            "gpu2_scaling", "gpu2_nop2p_scaling"),
+    record=SCALING_RECORD,
+)
+
+# The same whole runs with the fast step (docs/performance.md, CUDA graphs): the compiled blocks replayed as CUDA graphs
+# under DDP (the LoRA gradients all-reduced by DDP's hooks outside the graphs) in a 22 GiB memory budget.
+SCALING_FAST = "scaling_fast_5b_2gpu"
+FAST_STEP = ("model.cuda_graphs=true", "model.memory_budget_gib=22")
+
+CASES[SCALING_FAST] = Case(
+    name=SCALING_FAST, gpus=2, model="ti2v5b",
+    about=f"{SCALING}'s whole runs (one GPU, two, two without peer-to-peer) with {' '.join(FAST_STEP)}: CUDA graphs "
+          "under DDP",
+    phases=(BUILD_LIGHT,
+            Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
+                                          f"paths.output_dir={ctx.run_dir('cache24')}"],
+                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            *(train(f"fast_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
+                    "trainer.log_every_n_steps=1", *FAST_STEP, phase=f"fast_{key}", minutes=3.5, env=env)
+              for key, (gpus, env) in SCALING_RUNS.items())),
+    checks=scaling_checks(after="fast_"),
+    collect=lambda ctx, phases: scaling_metrics(ctx, phases, runs="fast"),
+    record=SCALING_RECORD,
+)
+
+# python train.py against the bench's step, re-measured with the default step and with the fast one, at the default
+# logging (every 10 steps) and logging every step; and what the status file's GPU readings cost (tests/gpu/nvml_probe.py)
+GAP_FAST = "gap_fast_5b"
+TIMER_LOG1 = [x if not x.startswith("trainer.log_every_n_steps=") else "trainer.log_every_n_steps=1" for x in TIMER]
+GAP_RUNS = {"gap_default": TIMER, "gap_fast": [*TIMER, *FAST_STEP], "gap_fast_log1": [*TIMER_LOG1, *FAST_STEP]}
+
+
+def gap_fast_metrics(ctx: Ctx, phases: dict) -> dict:
+    b = bench_metrics(bench_json(ctx, GAP_FAST, "bench"))
+    fast = _slug(f"wanexp [{' '.join(FAST_STEP)}]")
+    m = {"bench": b, **{f"{p}_ms": log_value(ctx, GAP_FAST, p, TIMER_MS) for p in GAP_RUNS}}
+    for p, path in (("gap_default", "wanexp"), ("gap_fast", fast), ("gap_fast_log1", fast)):
+        step = b.get(path, {}).get("median_s")
+        m[f"{p}_over_bench"] = m[f"{p}_ms"] / (1000 * step) if m[f"{p}_ms"] and step else None
+    m["nvml_ms"] = {k: log_value(ctx, GAP_FAST, "nvml", rf"nvml: {k} ([\d.]+) ms")
+                    for k in ("torch_reads_all", "wanexp_gpu")}
+    return m
+
+
+CASES[GAP_FAST] = Case(
+    name=GAP_FAST, gpus=1, model="ti2v5b",
+    about="python train.py (DDP on one GPU, every default callback, 4 workers) from the cache of 24 704x1280x17 clips "
+          "on the real-size TI2V-5B (light encoders), steps 21-40 timed by tests.helpers.StepTimer (one epoch boundary "
+          f"inside), with the default step and with {' '.join(FAST_STEP)} (logging every 10 steps, and every step), "
+          "against the bench's step with the same settings in the same call; the status file's NVML reads timed",
+    phases=(BUILD_LIGHT,
+            Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
+                                          f"paths.output_dir={ctx.run_dir('cache24')}"],
+                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            Phase("nvml", lambda ctx: [ctx.python, "tests/gpu/nvml_probe.py"], minutes=1,
+                  env={"CUDA_VISIBLE_DEVICES": "0"}),
+            bench("bench", GAP_FAST, "--frames", "17", "--ckpt", "--paths", "wanexp", "--no-check", "--warmup", "3",
+                  "--steps", "10", "--variants", " ".join(FAST_STEP), model=light_dir, minutes=3),
+            *(train(p, 1, 41, scaling_data, "parallel=ddp", *extra, minutes=3)
+              for p, extra in GAP_RUNS.items())),
+    checks=(Check("metrics.gap_default_over_bench", "<=", 1.03, "gap_default",
+                  "train.py's default step within 3 % of the bench's"),
+            Check("metrics.gap_fast_over_bench", "<=", 1.03, "gap_fast",
+                  "train.py with the fast step within 3 % of the bench's with the same settings"),
+            Check("metrics.gap_fast_log1_ms", "present", None, "gap_fast_log1", "logging every step, timed")),
+    collect=gap_fast_metrics,
+    record=("gap_default_ms", "gap_fast_ms", "gap_fast_log1_ms", "bench.wanexp.median_s",
+            "gap_default_over_bench", "gap_fast_over_bench", "gap_fast_log1_over_bench", "nvml_ms"),
 )
 
 

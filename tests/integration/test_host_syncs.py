@@ -5,7 +5,9 @@ device tensor with a blocking copy; a barrier): the host waits for the GPU, so t
 loop, the loader, callbacks) stops overlapping the GPU's. The CPU has no syncs to see, so the test watches the calls
 that would be one: a torch function mode (and a wrapped ``torch.distributed.barrier``) records every such call made
 during ``python train.py``'s loop (the loader's own host tensors aside), with the optimizer step it happened in.
-Logging at steps 4 and 8 (``log_every_n_steps=4``) may read; steps 2, 3, 6 and 7 must not. The run is the default path
+Logging at steps 4 and 8 (``log_every_n_steps=4``) may read, once the step's forward, backward and optimizer step are
+issued (a read in the middle of a step leaves the GPU idle while the host issues the rest); steps 2, 3, 6 and 7 must
+not read at all. The run is the default path
 with 2 ranks (DDP over gloo): from the cache, the progress bar and every default callback on, fused AdamW (the GPU
 default; it skips a non-finite step on the device).
 """
@@ -35,6 +37,8 @@ class _Record(TorchFunctionMode):
         self.progress = trainer.fit_loop.epoch_loop.batch_progress.current
         self.trainer = trainer
         self.calls: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.early: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.issued = False  # this step's optimizer step has returned (its work is all issued)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         number = func is torch.tensor and args and not isinstance(args[0], torch.Tensor)
@@ -51,7 +55,10 @@ class _Record(TorchFunctionMode):
         # the optimizer step this belongs to: the one in progress until its training step is processed (the
         # step-end hooks and the logging after them run with global_step already counting it)
         done = self.progress.processed == self.progress.ready
-        self.calls[self.trainer.global_step + (0 if done else 1)][(name, where)] += 1
+        step = self.trainer.global_step + (0 if done else 1)
+        self.calls[step][(name, where)] += 1
+        if not self.issued:
+            self.early[step][(name, where)] += 1
 
 
 class WatchReads(Callback):
@@ -73,11 +80,24 @@ class WatchReads(Callback):
             return self._barrier(*args, **kwargs)
 
         torch.distributed.barrier = barrier
+        for opt in trainer.optimizers:  # the torch optimizer: its step runs the closure (forward, backward) first
+            step = opt.step
+
+            def issued(*args, _step=step, **kwargs):
+                out = _step(*args, **kwargs)
+                self.mode.issued = True
+                return out
+
+            opt.step = issued
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.mode.issued = False
 
     def on_train_end(self, trainer, pl_module):
         torch.distributed.barrier = self._barrier
         self.mode.__exit__(None, None, None)
-        calls = {step: {" ".join(k): n for k, n in c.items()} for step, c in self.mode.calls.items()}
+        calls = {kind: {step: {" ".join(k): n for k, n in c.items()} for step, c in found.items()}
+                 for kind, found in (("calls", self.mode.calls), ("early", self.mode.early))}
         Path(f"{self.path}.rank{trainer.global_rank}").write_text(json.dumps(calls))
 
 
@@ -98,9 +118,13 @@ def test_no_host_reads_between_log_steps(shared_dir, tmp_path):
                    f"+callbacks.zz_watch.path={rec}"], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     for rank in (0, 1):
-        calls = {int(k): v for k, v in json.loads(Path(f"{rec}.rank{rank}").read_text()).items()}
+        found = json.loads(Path(f"{rec}.rank{rank}").read_text())
+        calls, early = ({int(k): v for k, v in found[kind].items()} for kind in ("calls", "early"))
         assert calls.get(4) and calls.get(8), f"rank {rank}: no read seen at the log steps: the probe is not watching"
         between = {step: {site: n for site, n in calls[step].items() if site.rsplit(":", 1)[0] not in PINNED_HOST_READS}
                    for step in (2, 3, 6, 7) if step in calls}
         between = {step: sites for step, sites in between.items() if sites}
         assert not between, f"rank {rank}: host reads or host numbers made into tensors between log steps: {between}"
+        # step 8: at the first log step Lightning makes its state for each key first logged there (once per run)
+        mid = {site: n for site, n in early.get(8, {}).items() if site.rsplit(":", 1)[0] not in PINNED_HOST_READS}
+        assert not mid, f"rank {rank}: reads at a log step before its optimizer step was issued: {mid}"
