@@ -1927,6 +1927,9 @@ def scaling_checks(after: str = "") -> tuple[Check, ...]:
               for key in SCALING_RUNS))
 
 
+CACHE24 = Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
+                                        f"paths.output_dir={ctx.run_dir('cache24')}"],
+                minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"})
 SCALING_RECORD = (*(f"{key}.{k}" for key in SCALING_RUNS for k in ("samples_per_s", "median_step_s", "boundary_max_s")),
                   "gpu2_scaling", "gpu2_nop2p_scaling")
 
@@ -1940,9 +1943,7 @@ CASES[SCALING] = Case(
           f"{SCALING_SKIP} to the last step, the median step and each epoch boundary's cost (the step opening an "
           "epoch minus the median)",
     phases=(BUILD_LIGHT,
-            Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
-                                          f"paths.output_dir={ctx.run_dir('cache24')}"],
-                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            CACHE24,
             *(train(f"scale_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
                     "trainer.log_every_n_steps=1", phase=key, minutes=3.5, env=env)
               for key, (gpus, env) in SCALING_RUNS.items())),
@@ -1961,9 +1962,7 @@ CASES[SCALING_FAST] = Case(
     about=f"{SCALING}'s whole runs (one GPU, two, two without peer-to-peer) with {' '.join(FAST_STEP)}: CUDA graphs "
           "under DDP",
     phases=(BUILD_LIGHT,
-            Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
-                                          f"paths.output_dir={ctx.run_dir('cache24')}"],
-                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            CACHE24,
             *(train(f"fast_{key}", gpus, SCALING_EPOCHS * SCALING_CLIPS // gpus, scaling_data, "parallel=ddp",
                     "trainer.log_every_n_steps=1", *FAST_STEP, phase=f"fast_{key}", minutes=3.5, env=env)
               for key, (gpus, env) in SCALING_RUNS.items())),
@@ -1998,9 +1997,7 @@ CASES[GAP_FAST] = Case(
           f"inside), with the default step and with {' '.join(FAST_STEP)} (logging every 10 steps, and every step), "
           "against the bench's step with the same settings in the same call; the status file's NVML reads timed",
     phases=(BUILD_LIGHT,
-            Phase("cache24", lambda ctx: [ctx.python, "-m", "wanexp.cli.cache", *scaling_data(ctx),
-                                          f"paths.output_dir={ctx.run_dir('cache24')}"],
-                  minutes=2, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            CACHE24,
             Phase("nvml", lambda ctx: [ctx.python, "tests/gpu/nvml_probe.py"], minutes=1,
                   env={"CUDA_VISIBLE_DEVICES": "0"}),
             bench("bench", GAP_FAST, "--frames", "17", "--ckpt", "--paths", "wanexp", "--no-check", "--warmup", "3",
