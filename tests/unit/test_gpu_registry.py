@@ -429,3 +429,25 @@ def test_the_runner_finds_fa4_where_its_install_finished(tmp_path):
     assert run.fa4_paths(site) == []  # an install cut short: nothing half-made on the path
     (site / ".done").touch()
     assert run.fa4_paths(site) == [str(site / "nvidia_cutlass_dsl" / "dsl_packages"), str(site)]
+
+
+@pytest.mark.parametrize("fast_ms, verdict", [(281.0, "PASS"), (300.0, "FAIL")])
+def test_the_train_against_bench_case_pairs_each_run_with_the_bench_step_of_its_settings(tmp_path, fast_ms, verdict):
+    """gap_fast_5b: train.py's timed steps (StepTimer's line in each phase's log) over the bench's step with the same
+    settings: the default run against the bench's default path, the fast runs against its variant's row."""
+    case = CASES[registry.GAP_FAST]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    bench_file(registry.bench_json(ctx, registry.GAP_FAST, "bench"),
+               {"wanexp": (0.325, 12.4), f"wanexp [{' '.join(registry.FAST_STEP)}]": (0.2787, 19.0)})
+    logs = ctx.work / "logs" / registry.GAP_FAST
+    logs.mkdir(parents=True)
+    for phase, ms in (("gap_default", 330.0), ("gap_fast", fast_ms), ("gap_fast_log1", 298.9)):
+        (logs / f"{phase}.log").write_text(f"loading\nwanexp-timer: steps 21-40 mean {ms} ms\nwanexp: finished\n")
+    (logs / "nvml.log").write_text("nvml: torch_reads_all 0.030 ms\nnvml: wanexp_gpu 0.250 ms  {}\n")
+    result = judge_case(case, tmp_path, [p.name for p in case.phases])
+    assert result["verdict"] == verdict, [c for c in result["checks"] if c["status"] != "pass"]
+    m = result["metrics"]
+    assert m["gap_default_over_bench"] == pytest.approx(330.0 / 325.0)
+    assert m["gap_fast_over_bench"] == pytest.approx(fast_ms / 278.7)
+    assert m["gap_fast_log1_over_bench"] == pytest.approx(298.9 / 278.7)
+    assert m["nvml_ms"] == {"torch_reads_all": 0.03, "wanexp_gpu": 0.25}
