@@ -626,7 +626,7 @@ def gap_metrics(ctx: Ctx, phases: dict) -> dict:
     probe = {k: log_value(ctx, GAP, "probe", rf"probe: {k} ([\d.]+) ms")
              for k in ("fit_default", "manual_fixed_synced", "manual_fixed", "manual_loader", "fit_bare",
                        "fit_no_workers")}
-    return {"bench": b, "train_ms": ms, "train_over_bench": ms / (1000 * step) if ms and step else None,
+    return {"bench": b, "train_ms": ms, "train_over_bench": ratio(ms, step, scale=1e-3),
             "probe_ms": probe}
 
 
@@ -704,7 +704,7 @@ def host_metrics(ctx: Ctx, phases: dict) -> dict:
     out = {"bench_ms": 1000 * step if step else None}
     for p in ("train", "train_no_workers"):
         out[f"{p}_ms"] = ms = log_value(ctx, HOST, p, TIMER_MS)
-        out[f"{p}_over_bench"] = ms / out["bench_ms"] if ms and step else None
+        out[f"{p}_over_bench"] = ratio(ms, out["bench_ms"])
     return out
 
 
@@ -1908,7 +1908,7 @@ def scaling_metrics(ctx: Ctx, phases: dict, runs: str = "scale") -> dict:
     one = m["gpu1"].get("samples_per_s")
     for key in ("gpu2", "gpu2_nop2p"):
         two = m[key].get("samples_per_s")
-        m[f"{key}_scaling"] = two / one if one and two else None
+        m[f"{key}_scaling"] = ratio(two, one)
     return m
 
 
@@ -1916,8 +1916,8 @@ def scaling_checks(after: str = "") -> tuple[Check, ...]:
     """Every run finished with its LoRA files, the two-GPU runs' replicas in sync, >= 1.95x one GPU's whole-run
     samples/s with and without peer-to-peer, and no epoch boundary over 0.2 s. ``after``: the phases' name prefix."""
     return (*(c for key, (gpus, _) in SCALING_RUNS.items()
-              for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus, after=after + key if after else None)),
-            *(in_sync(key, after + key if after else None) for key in ("gpu2", "gpu2_nop2p")),
+              for c in finished(key, SCALING_EPOCHS * SCALING_CLIPS // gpus, after=after + key)),
+            *(in_sync(key, after + key) for key in ("gpu2", "gpu2_nop2p")),
             Check("metrics.gpu2_scaling", ">=", 1.95, after + "gpu2",
                   "whole-run samples/s on 2 GPUs over 1, epoch boundaries included"),
             Check("metrics.gpu2_nop2p_scaling", ">=", 1.95, after + "gpu2_nop2p",
@@ -1956,6 +1956,7 @@ CASES[SCALING] = Case(
 # under DDP (the LoRA gradients all-reduced by DDP's hooks outside the graphs) in a 22 GiB memory budget.
 SCALING_FAST = "scaling_fast_5b_2gpu"
 FAST_STEP = ("model.cuda_graphs=true", "model.memory_budget_gib=22")
+FAST_VARIANT = _slug(f"wanexp [{' '.join(FAST_STEP)}]")  # its row in the bench's JSON
 
 CASES[SCALING_FAST] = Case(
     name=SCALING_FAST, gpus=2, model="ti2v5b",
@@ -1980,11 +1981,9 @@ GAP_RUNS = {"gap_default": TIMER, "gap_fast": [*TIMER, *FAST_STEP], "gap_fast_lo
 
 def gap_fast_metrics(ctx: Ctx, phases: dict) -> dict:
     b = bench_metrics(bench_json(ctx, GAP_FAST, "bench"))
-    fast = _slug(f"wanexp [{' '.join(FAST_STEP)}]")
     m = {"bench": b, **{f"{p}_ms": log_value(ctx, GAP_FAST, p, TIMER_MS) for p in GAP_RUNS}}
-    for p, path in (("gap_default", "wanexp"), ("gap_fast", fast), ("gap_fast_log1", fast)):
-        step = b.get(path, {}).get("median_s")
-        m[f"{p}_over_bench"] = m[f"{p}_ms"] / (1000 * step) if m[f"{p}_ms"] and step else None
+    for p, path in (("gap_default", "wanexp"), ("gap_fast", FAST_VARIANT), ("gap_fast_log1", FAST_VARIANT)):
+        m[f"{p}_over_bench"] = ratio(m[f"{p}_ms"], b.get(path, {}).get("median_s"), scale=1e-3)
     m["nvml_ms"] = {k: log_value(ctx, GAP_FAST, "nvml", rf"nvml: {k} ([\d.]+) ms")
                     for k in ("torch_reads_all", "wanexp_gpu")}
     return m
