@@ -30,13 +30,30 @@ def gpu_time_by_kind(events, steps: int) -> tuple[dict, dict]:
     kinds: dict[str, float] = {}
     top: dict[str, tuple[float, str]] = {}
     for e in gpu_activity(events):
-        name = e.name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), OTHER_KIND)
+        kind = kernel_kind(e.name)
         us = e.time_range.elapsed_us()
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / steps
         if us > top.get(kind, (0.0, ""))[0]:
             top[kind] = (us, e.name[:90])
     return kinds, {k: name for k, (_, name) in top.items()}
+
+
+def gpu_top_kernels(events, steps: int, top: int = 25) -> list[list]:
+    """The ``top`` kernels by GPU time, as [ms per step, calls per step, kind, name]: which kernels of a kind the
+    time goes to (a Triton kernel's name lists the ops it fused, e.g. ``triton_red_fused_abs_amax_...``)."""
+    total: dict[str, list[float]] = {}
+    for e in gpu_activity(events):
+        t = total.setdefault(e.name, [0.0, 0.0])
+        t[0] += e.time_range.elapsed_us() / 1e3 / steps
+        t[1] += 1 / steps
+    rows = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[ms, calls, kernel_kind(name), name[:120]] for name, (ms, calls) in rows]
+
+
+def kernel_kind(name: str) -> str:
+    """A GPU kernel's kind (KERNEL_KINDS) from its name."""
+    low = name.lower()
+    return next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)), OTHER_KIND)
 
 
 def gpu_busy_ms(events, steps: int) -> float:

@@ -83,3 +83,30 @@ def test_the_signal_flag_is_agreed_one_call_late(tmp_path):
         assert [agreed(v) for v in (0, 10, 0, 15, 2, 0)] == [0, 0, 10, 0, 15, 2]
     finally:
         dist.destroy_process_group()
+
+
+def test_noise_is_drawn_on_a_gpu_unless_a_host_generator_fixes_it(monkeypatch):
+    """A GPU step draws its noise on the device (no host draw, no copy: ~5 ms of every step on the host); a host
+    generator keeps the host draw (the same values on any device); the CPU draws from its global stream."""
+    from wanexp.objectives import base
+
+    calls = []
+    real = torch.randn
+
+    def randn(*shape, **kw):
+        calls.append(kw)
+        return real(*shape, **{k: v for k, v in kw.items() if k != "device"})
+
+    monkeypatch.setattr(base.torch, "randn", randn)
+    monkeypatch.setattr(base, "to_device", lambda t, device: ("copied", t))
+    base.draw_noise((2, 3), torch.float32, torch.device("cuda", 0))
+    assert calls[-1] == {"dtype": torch.float32, "device": torch.device("cuda", 0)}
+    g = torch.Generator().manual_seed(5)
+    copied, t = base.draw_noise((2, 3), torch.float32, "cuda", torch.Generator().manual_seed(5))
+    assert copied == "copied" and calls[-1]["generator"] is not None and "device" not in calls[-1]
+    assert torch.equal(t, real((2, 3), generator=g))
+    monkeypatch.undo()
+    torch.manual_seed(3)
+    a = base.draw_noise((4,), torch.float32, "cpu")
+    torch.manual_seed(3)
+    assert torch.equal(a, torch.randn(4))

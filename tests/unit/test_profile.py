@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from wanexp.callbacks.profile import StepProfile, describe, sync_site
-from wanexp.perf import HOST_WAITS, gpu_busy_ms, gpu_gaps, gpu_time_by_kind, runtime_calls
+from wanexp.perf import HOST_WAITS, gpu_busy_ms, gpu_gaps, gpu_time_by_kind, gpu_top_kernels, runtime_calls
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -41,6 +41,15 @@ def test_gpu_time_by_kind_leaves_out_annotation_spans():
     assert kinds == {"gemm": 7.0, "attention": 2.0, "fused elementwise (triton)": 0.5, "optimizer": 0.4}
     assert longest["gemm"] == "nvjet_sm90_tst_192x160"
     assert gpu_time_by_kind(EVENTS, steps=2)[0]["gemm"] == 3.5  # per step
+
+
+def test_top_kernels_sum_each_name_over_its_calls():
+    events = EVENTS + [ev("triton_poi_fused_add_mul_0", 13000, 16000)]  # a second call of one kernel
+    top = gpu_top_kernels(events, steps=2, top=3)
+    assert top[0] == [2.0, 0.5, "gemm", "nvjet_sm90_tst_192x160"]  # 4 ms in 1 call, over 2 steps
+    assert top[1] == [1.75, 1.0, "fused elementwise (triton)", "triton_poi_fused_add_mul_0"]  # 0.5 + 3 ms, 2 calls
+    assert [t[3] for t in top[2:]] == ["ampere_bf16_gemm_nn"]
+    assert all("Optimizer.step" not in t[3] for t in gpu_top_kernels(events, steps=1))
 
 
 def test_gpu_busy_counts_overlap_once_and_gaps_name_their_kernels():

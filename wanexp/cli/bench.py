@@ -351,17 +351,22 @@ def fp32_plan(args, device) -> str:
     return "full" if share <= FP32_FULL else "short" if share <= FP32_SHORT else "off"
 
 
+PROFILE_LISTS = ("longest kernel", "top kernels", "gaps")  # profile_kinds' entries that are not ms per step
+
+
 # ---- running it ------------------------------------------------------------------------------------------------
 def profile_kinds(step, steps: int = 2) -> dict:
-    """GPU time per step by kernel kind (torch.profiler), and the step's wall time, for a "where the time goes"
-    table."""
+    """GPU time per step by kernel kind (torch.profiler), the step's wall time under the profiler, the kernels with the
+    most time and the longest times the GPU waited (with the kernels either side), for a "where the time goes" table.
+    Only the GPU's activity is recorded: tracing the host's ops too would slow the host, and so widen the gaps it
+    leaves, several times over."""
     from torch.profiler import ProfilerActivity, profile
 
-    from wanexp.perf import gpu_busy_ms, gpu_time_by_kind
+    from wanexp.perf import gpu_busy_ms, gpu_gaps, gpu_time_by_kind, gpu_top_kernels
 
     _sync()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         _sync()
@@ -371,6 +376,8 @@ def profile_kinds(step, steps: int = 2) -> dict:
     kinds["total GPU busy"] = gpu_busy_ms(events, steps)
     kinds["step wall (profiled)"] = 1000 * wall
     kinds["longest kernel"] = top
+    kinds["top kernels"] = gpu_top_kernels(events, steps)
+    kinds["gaps"] = gpu_gaps(events, top=10, min_ms=0.2)
     return kinds
 
 
@@ -560,8 +567,15 @@ def main(argv=None) -> list[dict]:
     for r in results:
         if "profile_ms" in r:
             print(f"  {r['path']}: GPU ms/step by kernel kind: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in r["profile_ms"].items() if k != "longest kernel"))
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["profile_ms"].items()
+                              if k not in PROFILE_LISTS))
             print(f"    longest kernel of each kind: {r['profile_ms']['longest kernel']}")
+            print("    the kernels with the most GPU time (ms/step, calls/step, kind, name):")
+            for ms, calls, kind, name in r["profile_ms"]["top kernels"]:
+                print(f"      {ms:7.2f} {calls:6.0f}  {kind[:10]:10} {name}")
+            print("    the longest times the GPU waited (ms, kernel before, kernel after):")
+            for ms, before, after in r["profile_ms"]["gaps"]:
+                print(f"      {ms:7.2f}  {before}  ->  {after}")
     ok = True
     if checks:
         ref_name = "plain_tokens" if per_token else "plain"

@@ -32,7 +32,7 @@ import torch
 from wanexp.config.schema import DMDConfig
 from wanexp.errors import ConfigError
 from wanexp.adapters import use_adapter
-from wanexp.objectives.base import Objective, ObjectiveOutput, StudentSteps
+from wanexp.objectives.base import Objective, ObjectiveOutput, StudentSteps, draw_noise
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 from wanexp.objectives.timesteps import shift_sigma
 
@@ -217,7 +217,7 @@ class DMD(Objective):
         modules = list(denoiser.transformers.values())
         x0, b = batch.x0, batch.size
         sigmas = self.student_sigmas
-        x = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+        x = draw_noise(x0.shape, x0.dtype, x0.device, generator)
         with use_adapter(modules, "gen"):
             for i in range(exit_k + 1):
                 s = torch.full((b,), sigmas[i], device=x0.device)
@@ -228,7 +228,7 @@ class DMD(Objective):
                         x0_hat = torch.where(pred.loss_mask.to(torch.bool), x0_hat, x0.to(x0_hat.dtype))
                 if i < exit_k:
                     nxt = sigmas[i + 1]
-                    noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+                    noise = draw_noise(x0.shape, x0.dtype, x0.device, generator)
                     x = (1 - nxt) * x0_hat.detach() + nxt * noise
         return x0_hat, pred.loss_mask
 
@@ -236,7 +236,7 @@ class DMD(Objective):
         modules = list(denoiser.transformers.values())
         b = batch.size
         sigma = self._sigmas(b, denoiser, x0_gen.device, generator)
-        noise = torch.randn(x0_gen.shape, generator=generator, dtype=x0_gen.dtype).to(x0_gen.device)
+        noise = draw_noise(x0_gen.shape, x0_gen.dtype, x0_gen.device, generator)
         with torch.no_grad():
             x_t = add_noise(x0_gen.detach(), noise, sigma)
             with use_adapter(modules, None):  # the teacher: the frozen base
@@ -264,7 +264,7 @@ class DMD(Objective):
         modules = list(denoiser.transformers.values())
         x0 = x0_gen.detach()
         sigma = self._sigmas(batch.size, denoiser, x0.device, generator)
-        noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+        noise = draw_noise(x0.shape, x0.dtype, x0.device, generator)
         with use_adapter(modules, "critic"):
             pred = denoiser(add_noise(x0, noise, sigma), sigma, batch)
         target = noise - x0

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from wanexp.config.schema import FlowMatchingConfig, TimestepConfig
-from wanexp.objectives.base import Objective, ObjectiveOutput
+from wanexp.objectives.base import Objective, ObjectiveOutput, draw_noise, to_device
 from wanexp.objectives.timesteps import sample_sigmas, shift_sigma
 
 
@@ -95,13 +95,6 @@ def loss_breakdown(per_sample: torch.Tensor, sigma: torch.Tensor, route: torch.T
     return out
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor onto ``device`` without a host sync: to a GPU through pinned memory, non-blocking."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 class FlowMatching(Objective):
     """The Wan2.2 flow-matching loss on the boundary's sigma range (``objective=flow_matching``)."""
 
@@ -129,11 +122,10 @@ class FlowMatching(Objective):
 
     def __call__(self, batch, denoiser, generator=None, *, step: int = 0, negative_text=None) -> ObjectiveOutput:
         x0, b = batch.x0, batch.size
-        # sigma and noise are drawn on the host (the same values on any device) and copied without a host sync;
-        # the denoiser routes experts from the host sigma
+        # sigma is drawn on the host (the denoiser routes experts from it) and copied without a host sync
         sigma_host = self.sample_sigmas(b, *denoiser.sigma_range, generator=generator, device="cpu")
         sigma = to_device(sigma_host, x0.device)
-        noise = to_device(torch.randn(x0.shape, generator=generator, dtype=x0.dtype), x0.device)
+        noise = draw_noise(x0.shape, x0.dtype, x0.device, generator)
         x_t = add_noise(x0, noise, sigma)
         batch = replace(batch, cond=denoiser.spec.sample_condition(batch.cond, b, generator))
         pred = denoiser(x_t, sigma_host, batch)

@@ -26,7 +26,7 @@ from torch import nn
 
 from wanexp.config.schema import KDConfig
 from wanexp.errors import ConfigError
-from wanexp.objectives.base import Objective, ObjectiveOutput
+from wanexp.objectives.base import Objective, ObjectiveOutput, draw_noise, to_device
 from wanexp.objectives.flow_matching import FlowMatching, add_noise, masked_mse
 
 STUDENT = "student"
@@ -148,8 +148,8 @@ class KnowledgeDistillation(Objective):
             self._student_denoiser = type(denoiser)(denoiser.spec, {"dense": self.student}, denoiser.sigma_range)
         x0, b = batch.x0, batch.size
         sigma = self.noise_levels.sample_sigmas(b, *denoiser.sigma_range, generator=generator, device="cpu")
-        noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
-        x_t = add_noise(x0, noise, sigma.to(x0.device))
+        noise = draw_noise(x0.shape, x0.dtype, x0.device, generator)
+        x_t = add_noise(x0, noise, to_device(sigma, x0.device))
         batch = replace(batch, cond=denoiser.spec.sample_condition(batch.cond, b, generator))
         self._features = {} if self._pairs else None
         try:
