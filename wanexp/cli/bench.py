@@ -352,6 +352,7 @@ def fp32_plan(args, device) -> str:
 
 
 PROFILE_LISTS = ("longest kernel", "top kernels", "gaps")  # profile_kinds' entries that are not ms per step
+PROFILE_TOP_JSON, PROFILE_TOP_PRINTED = 100, 25  # the kernels with the most GPU time: in --json, and printed
 
 
 # ---- running it ------------------------------------------------------------------------------------------------
@@ -376,7 +377,7 @@ def profile_kinds(step, steps: int = 2) -> dict:
     kinds["total GPU busy"] = gpu_busy_ms(events, steps)
     kinds["step wall (profiled)"] = 1000 * wall
     kinds["longest kernel"] = top
-    kinds["top kernels"] = gpu_top_kernels(events, steps)
+    kinds["top kernels"] = gpu_top_kernels(events, steps, top=PROFILE_TOP_JSON)
     kinds["gaps"] = gpu_gaps(events, top=10, min_ms=0.2)
     return kinds
 
@@ -570,8 +571,9 @@ def main(argv=None) -> list[dict]:
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["profile_ms"].items()
                               if k not in PROFILE_LISTS))
             print(f"    longest kernel of each kind: {r['profile_ms']['longest kernel']}")
-            print("    the kernels with the most GPU time (ms/step, calls/step, kind, name):")
-            for ms, calls, kind, name in r["profile_ms"]["top kernels"]:
+            print(f"    the {PROFILE_TOP_PRINTED} kernels with the most GPU time (ms/step, calls/step, kind, name; "
+                  f"--json holds {PROFILE_TOP_JSON}):")
+            for ms, calls, kind, name in r["profile_ms"]["top kernels"][:PROFILE_TOP_PRINTED]:
                 print(f"      {ms:7.2f} {calls:6.0f}  {kind[:10]:10} {name}")
             print("    the longest times the GPU waited (ms, kernel before, kernel after):")
             for ms, before, after in r["profile_ms"]["gaps"]:
