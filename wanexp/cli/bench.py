@@ -463,7 +463,8 @@ def main(argv=None) -> list[dict]:
                          "fp32 transformer takes at most 40 %% of the GPU (TI2V-5B on an 80 GB card), short where at "
                          "most 80 %% (an A14B expert on an 80 GB card), else off")
     ap.add_argument("--profile", nargs="?", const="wanexp", default="",
-                    help="GPU time by kernel kind for these paths (default: wanexp)")
+                    help="GPU time by kernel kind for these paths (default: wanexp), the kernels with the most time "
+                         "and the GPU's longest waits")
     ap.add_argument("--json", default=None, help="append this run (results + card, torch, date) to this JSON file")
     args = ap.parse_args(argv)
     unknown = [p for p in args.paths.split(",") if p not in PATHS] if args.paths not in (None, "all") else []
