@@ -134,3 +134,14 @@ def test_an_unknown_path_is_refused_before_any_model_is_read(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown path 'plain_tokens_compild' (one of plain, plain_compiled, plain_tokens, " in err
+
+
+def test_profile_covers_exactly_the_paths_it_names():
+    """``--profile plain_tokens_compiled`` profiles that path alone; a variant is named as the summary prints it;
+    without --profile nothing is profiled (a bare ``--profile`` means ``wanexp``: argparse's const)."""
+    from wanexp.cli.bench import profiled
+
+    assert profiled("plain_tokens_compiled", "plain_tokens_compiled")
+    assert not profiled("wanexp", "plain_tokens_compiled")
+    assert profiled("wanexp [model.fp8=true]", "wanexp,wanexp [model.fp8=true]")
+    assert not profiled("wanexp", "")

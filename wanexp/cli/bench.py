@@ -356,6 +356,11 @@ PROFILE_TOP_JSON, PROFILE_TOP_PRINTED = 100, 25  # the kernels with the most GPU
 
 
 # ---- running it ------------------------------------------------------------------------------------------------
+def profiled(name: str, profile: str) -> bool:
+    """Whether ``--profile``'s value (comma-separated path names; empty: none) names the path ``name``."""
+    return name in profile.split(",") if profile else False
+
+
 def profile_kinds(step, steps: int = 2) -> dict:
     """GPU time per step by kernel kind (torch.profiler), the step's wall time under the profiler, the kernels with the
     most time and the longest times the GPU waited (with the kernels either side), for a "where the time goes" table.
@@ -413,7 +418,7 @@ def measure(name, make, args, device, data, flops) -> dict:
     telemetry = getattr(args, "telemetry", None)
     if telemetry is not None and (card := telemetry.window(started, ended)):
         info["card"] = card  # the SM clock and power while its steps ran
-    if args.profile and device.type == "cuda" and (name == "wanexp" or name in args.profile.split(",")):
+    if device.type == "cuda" and profiled(name, args.profile):
         info["profile_ms"] = profile_kinds(step)
     del model, step
     _free()
