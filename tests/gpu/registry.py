@@ -1657,7 +1657,8 @@ def a14b_shape(ctx: Ctx) -> list[str]:
     sample's steps are the warm ones the speed-ups compare (the first pays each process's first calls: its
     communicators' first collectives, the kernels' first launches, the allocator's growth)."""
     return ["--height", "480", "--width", "832", "--frames", "81", "--steps", "6", "--guidance", "3.5", "--seed", "0",
-            "--seed", "1", "--prompt", "a red ball rolls down a wooden ramp", "--image", str(ctx.work / "a14b_image.png")]
+            "--seed", "1", "--prompt", "a red ball rolls down a wooden ramp",
+            "--image", str(ctx.work / "a14b_image.png")]
 
 
 A14B_GEN = "generate_a14b_2gpu"
