@@ -1511,9 +1511,9 @@ def generation_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
             m = json.loads(path.read_text())
             warm = m["timing"][-1]
             peaks = [p for p in m["processes"]["peak_gib"] if p is not None]
-            cold = m["timing"][0]
+            first = m["timing"][0] if len(m["timing"]) > 1 else None
             out[n] = {"s_per_step": warm["denoise_s"] / warm["steps"], "peak_gib": max(peaks) if peaks else None,
-                      "first_s_per_step": cold["denoise_s"] / cold["steps"] if len(m["timing"]) > 1 else None,
+                      "first_s_per_step": first["denoise_s"] / first["steps"] if first else None,
                       "peak_spread": (max(peaks) - min(peaks)) / max(peaks) if peaks else None,
                       "world": m["processes"]["world"], "sp": m["processes"]["sp"], "cfg": m["processes"]["cfg"]}
         for n, v in out.items():  # a compiled phase against the compiled one-GPU phase, if there is one
@@ -1522,6 +1522,12 @@ def generation_metrics(case: str, *names: str) -> Callable[[Ctx, dict], dict]:
             v["speedup"] = one / v["s_per_step"] if one and v["s_per_step"] else None
         return out
     return collect
+
+
+def generation_record(*names: str) -> tuple[str, ...]:
+    """The metrics of :func:`generation_metrics` that a generation case's benchmark row keeps, for each phase."""
+    return tuple(f"{p}.{k}" for p in names
+                 for k in ("s_per_step", "first_s_per_step", "speedup", "peak_gib", "peak_spread"))
 
 
 GEN2 = "generate_5b_2gpu"
@@ -1546,7 +1552,7 @@ CASES[GEN2] = Case(
                   "compiled blocks, against one GPU's compiled blocks"),
             Check("metrics.gen_cfg2_nop2p.speedup", "present", None, "gen_cfg2_nop2p", "without peer-to-peer")),
     collect=generation_metrics(GEN2, *GEN2_PHASES),
-    record=tuple(f"{p}.{k}" for p in GEN2_PHASES for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
+    record=generation_record(*GEN2_PHASES),
 )
 
 GEN4 = "generate_5b_4gpu"
@@ -1562,8 +1568,7 @@ CASES[GEN4] = Case(
                   "4 GPUs' steps/s over one's, default grid"),
             Check("metrics.gen_sp4.peak_spread", "<=", 0.10, "gen_sp4", "peak memory within 10 % across the GPUs")),
     collect=generation_metrics(GEN4, "gen_1", "gen_sp4", "gen_cfg2_sp2"),
-    record=tuple(f"{p}.{k}" for p in ("gen_1", "gen_sp4", "gen_cfg2_sp2")
-                 for k in ("s_per_step", "speedup", "peak_gib", "peak_spread")),
+    record=generation_record("gen_1", "gen_sp4", "gen_cfg2_sp2"),
 )
 
 GEN1 = "generate_5b_28g"
@@ -1695,8 +1700,7 @@ CASES[A14B_GEN] = Case(
             Check("metrics.gen_cfg2_offload_nop2p.speedup", "present", None, "gen_cfg2_offload_nop2p",
                   "without peer-to-peer: recorded")),
     collect=generation_metrics(A14B_GEN, *A14B_PHASES),
-    record=tuple(f"{p}.{k}" for p in A14B_PHASES
-                 for k in ("s_per_step", "first_s_per_step", "speedup", "peak_gib", "peak_spread")),
+    record=generation_record(*A14B_PHASES),
 )
 
 
@@ -1716,8 +1720,7 @@ CASES[A14B_GEN4] = Case(
             Check("metrics.gen_cfg2_sp2.speedup", ">=", 3.4, "gen_cfg2_sp2",
                   "4 GPUs' steps/s over one's, the default grid")),
     collect=generation_metrics(A14B_GEN4, *A14B_PHASES4),
-    record=tuple(f"{p}.{k}" for p in A14B_PHASES4
-                 for k in ("s_per_step", "first_s_per_step", "speedup", "peak_gib", "peak_spread")),
+    record=generation_record(*A14B_PHASES4),
 )
 
 # ---- the optimizers by name and the adapter's EMA on the real-size 5B step (docs/configuration.md#optimizers) -----
