@@ -138,7 +138,7 @@ def test_an_unknown_path_is_refused_before_any_model_is_read(tmp_path, capsys):
 
 def test_profile_covers_exactly_the_paths_it_names():
     """``--profile plain_tokens_compiled`` profiles that path alone; a variant is named as the summary prints it;
-    without --profile nothing is profiled (a bare ``--profile`` means ``wanexp``: argparse's const)."""
+    without --profile (its empty default) nothing is profiled."""
     from wanexp.cli.bench import profiled
 
     assert profiled("plain_tokens_compiled", "plain_tokens_compiled")

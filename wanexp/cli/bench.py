@@ -358,7 +358,7 @@ PROFILE_TOP_JSON, PROFILE_TOP_PRINTED = 100, 25  # the kernels with the most GPU
 # ---- running it ------------------------------------------------------------------------------------------------
 def profiled(name: str, profile: str) -> bool:
     """Whether ``--profile``'s value (comma-separated path names; empty: none) names the path ``name``."""
-    return name in profile.split(",") if profile else False
+    return name in profile.split(",")
 
 
 def profile_kinds(step, steps: int = 2) -> dict:
