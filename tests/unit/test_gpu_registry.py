@@ -307,6 +307,27 @@ def test_a_strategy_case_reads_its_run_folders_and_scaling(tmp_path):
     assert registry.evaluate(case, slow)[0] == "FAIL"
 
 
+@pytest.mark.parametrize("grid_warm, verdict", [(11.0, "PASS"), (12.4, "FAIL")])
+def test_a_generation_case_compares_the_warm_samples_and_keeps_the_first(tmp_path, grid_warm, verdict):
+    """generate_a14b_4gpu from each phase's metrics.json: seconds per step are the last (warm) sample's, the speed-up
+    is warm against warm, the first sample's seconds per step are kept beside them and in the benchmark row."""
+    case = CASES[registry.A14B_GEN4]
+    ctx = Ctx(tmp_path / "w", tmp_path / "o")
+    for name, first, warm, peaks in (("gen_1", 40.8, 39.1, [60.6]), ("gen_cfg2_sp2", 12.3, grid_warm, [21.6] * 4)):
+        folder = ctx.results(case.name) / name
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({
+            "timing": [{"denoise_s": first, "steps": 6}, {"denoise_s": warm, "steps": 6}],
+            "processes": {"peak_gib": peaks, "world": len(peaks), "sp": 1, "cfg": 1}}))
+    result = judge_case(case, tmp_path, [p.name for p in case.phases])
+    assert result["verdict"] == verdict, [c for c in result["checks"] if c["status"] != "pass"]
+    m = result["metrics"]["gen_cfg2_sp2"]
+    assert m["s_per_step"] == pytest.approx(grid_warm / 6) and m["first_s_per_step"] == pytest.approx(12.3 / 6)
+    assert m["speedup"] == pytest.approx(39.1 / grid_warm)
+    row = run.record_row(case, result, tmp_path / "bench").read_text()
+    assert "gen_cfg2_sp2.first_s_per_step 2.05" in row and "gen_1.first_s_per_step 6.8" in row
+
+
 def test_the_optimizer_case_reads_each_run_and_its_step_over_adamws(tmp_path):
     """optimizers_5b from its run folders: each optimizer's run finished, its median step (the first three left out)
     over AdamW's, its peak; the EMA run holds the EMA's files beside the raw ones."""
